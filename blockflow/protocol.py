@@ -1,0 +1,51 @@
+"""What BlockFlow processes say to each other outside the data path.
+
+Exit codes are a protocol between a block (or the dispatcher) and the manager:
+
+=====================  ====  ========================================================
+EXIT_OK                0     asked to stop, stopped cleanly
+EXIT_CRASH             1     unexpected error; the manager respawns it (restart limit)
+EXIT_BOOT_ERROR        3     cannot start (model missing or corrupt, bad spec, cannot
+                             bind): respawning would fail the same way, so it is marked
+                             failed instead
+EXIT_ORPHANED          4     its manager is gone; it shut itself down
+=====================  ====  ========================================================
+
+Control messages travel between the controller (ROUTER) and each process (DEALER, identity
+``<name>#<incarnation>``) as single JSON frames:
+
+- process -> controller: ``{"t": "ready", "name", "inc", "pid", "endpoint", ...}`` once
+  it can serve, then ``{"t": "reply", "id", "ok", "result"|"error"}`` per command;
+- controller -> process: ``{"t": "cmd", "id", "cmd", "args"}`` with ``cmd`` one of
+  ``ping``, ``store``, ``monitor``, ``update``, ``stop`` and, for the dispatcher,
+  ``tasks``, ``fail``, ``outstanding``.
+"""
+EXIT_OK = 0
+EXIT_CRASH = 1
+EXIT_BOOT_ERROR = 3
+EXIT_ORPHANED = 4
+
+EXIT_NAMES = {EXIT_OK: "stopped", EXIT_CRASH: "crashed", EXIT_BOOT_ERROR: "boot error",
+              EXIT_ORPHANED: "orphaned"}
+
+#: Name of the return hop at the end of every path: the dispatcher's result socket.
+RETURN_HOP = "@dispatcher"
+#: DEALER identity of the dispatcher on the control channel.
+DISPATCHER = "@dispatcher"
+
+
+def identity(name: str, incarnation: int) -> bytes:
+    return f"{name}#{incarnation}".encode()
+
+
+def describe_exit(code: int | None) -> str:
+    """Human words for a child's exit code (negative: killed by that signal)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        import signal
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code} ({EXIT_NAMES.get(code, 'error')})"

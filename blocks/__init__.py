@@ -1,0 +1,1 @@
+"""Blocks: the block process (``blocks.process``) and the block repository (``blocks.repository``)."""

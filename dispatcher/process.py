@@ -1,0 +1,467 @@
+"""The dispatcher process: the clients' single entry point (thesis 3.5.2, 3.6.2).
+
+A client sends ``[header, tensor bytes]`` to the frontend (ROUTER, default
+tcp://127.0.0.1:5580). The dispatcher translates the task id into its path (Algorithm 6),
+puts the tensor into a shared slot for the first block when that block is on this host
+(TensorMQ), and sends it on with the remaining path and its own result address last. The last
+block sends the output back to that address; the dispatcher answers the client that asked.
+
+Every request gets exactly one reply. The dispatcher remembers each request it sent into the
+pipeline until its result or error arrives, its deadline passes, or the manager reports that a
+block on its path died (``fail``); then it answers the client with an error. A result that
+arrives for a request already answered is dropped (and its slot released), never delivered
+twice.
+
+Unlike a block, the dispatcher does no inference, so one thread owns all its sockets and
+handles control messages between data messages; nothing here ever blocks on a full window
+(requests wait in a bounded pending queue instead), so results keep draining and the pipeline
+cannot deadlock on its own back-pressure.
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import zmq
+
+from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP, identity
+from tensormq.transport import Transport, decode_bytes
+from tensormq.wire import MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, loads_header
+
+log = logging.getLogger("blockflow.dispatcher")
+
+#: Seconds a request may spend inside the pipeline before the client gets a timeout error.
+DEFAULT_REQUEST_TIMEOUT = float(os.environ.get("BLOCKFLOW_REQUEST_TIMEOUT", 30.0))
+#: Requests waiting for a free slot towards their first block before new ones are refused.
+DEFAULT_MAX_PENDING = int(os.environ.get("BLOCKFLOW_MAX_PENDING", 1024))
+
+
+@dataclass
+class DispatcherSpec:
+    sock_dir: str
+    shm_dir: str | None = None
+    address: str = "tcp://127.0.0.1:5580"
+    transport: str = "tensormq"
+    controller: str | None = None
+    parent_pid: int | None = None
+    incarnation: int = 0
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    max_pending: int = DEFAULT_MAX_PENDING
+    max_tensor_bytes: int = MAX_TENSOR_BYTES
+    window: int = 8
+    token: str | None = None
+    tasks: dict = field(default_factory=dict)   # initial task table, for standalone use
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> "DispatcherSpec":
+        return DispatcherSpec(**json.loads(text))
+
+
+@dataclass
+class Request:
+    client: bytes          # ROUTER identity
+    cid: object            # the client's own request id
+    task: str
+    blocks: tuple          # block names on the path (to fail it when one dies)
+    started: float
+    deadline: float
+    tensor: object = None  # kept only while the request waits for a slot
+    frames: list | None = None
+
+
+class Dispatcher:
+    def __init__(self, spec: DispatcherSpec):
+        self.spec = spec
+        self.tasks: dict[str, dict] = dict(spec.tasks)
+        self.table_version = 0
+        self.outstanding: dict[int, Request] = {}
+        self.pending: deque[tuple[int, Request]] = deque()
+        self.next_rid = 1
+        self.stopping = False
+        self.exit_code = EXIT_OK
+        self.stats = {"requests": 0, "ok": 0, "errors": 0, "late": 0}
+
+    def init_process(self) -> None:
+        spec = self.spec
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.front.linger = 0
+        self.front.router_mandatory = 0
+        self.front.bind(spec.address)
+        if spec.address.endswith(":0") or spec.address.endswith(":*"):
+            self.address = self.front.getsockopt(zmq.LAST_ENDPOINT).decode()
+        else:
+            self.address = spec.address
+        self.results = self.ctx.socket(zmq.PULL)
+        self.results.linger = 0
+        self.result_ipc = f"ipc://{os.path.join(spec.sock_dir, f'dispatcher-{spec.incarnation}.sock')}"
+        path = self.result_ipc[len("ipc://"):]
+        if os.path.exists(path):
+            os.unlink(path)
+        self.results.bind(self.result_ipc)
+        port = self.results.bind_to_random_port("tcp://127.0.0.1")
+        self.result_tcp = f"tcp://127.0.0.1:{port}"
+        self.ctrl = None
+        if spec.controller:
+            self.ctrl = self.ctx.socket(zmq.DEALER)
+            self.ctrl.linger = 0
+            self.ctrl.identity = identity(DISPATCHER, spec.incarnation)
+            self.ctrl.connect(spec.controller)
+        self.transport = Transport(self.ctx, f"dispatcher-{spec.incarnation}", spec.transport, spec.shm_dir,
+                                   window=spec.window, max_tensor_bytes=spec.max_tensor_bytes)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> int:
+        poller = zmq.Poller()
+        for sock in (self.front, self.results, self.ctrl):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
+        if self.ctrl is not None:
+            self.ctrl.send(dumps({"t": "ready", "name": DISPATCHER, "inc": self.spec.incarnation, "pid": os.getpid(),
+                                  "endpoint": self.address, "results": [self.result_ipc, self.result_tcp]}))
+        log.info("dispatcher ready on %s (pid %d, %s)", self.address, os.getpid(), self.spec.transport)
+        next_sweep = next_parent = time.monotonic()
+        try:
+            while not self.stopping:
+                events = dict(poller.poll(1 if self.pending else 50))
+                if self.results in events:
+                    self.receive_results()
+                if self.front in events:
+                    self.receive_requests()
+                if self.ctrl is not None and self.ctrl in events:
+                    self.receive_control()
+                if self.pending:
+                    self.flush_pending()
+                now = time.monotonic()
+                if now >= next_sweep:
+                    next_sweep = now + 0.05
+                    self.expire(now)
+                if now >= next_parent:
+                    next_parent = now + 1.0
+                    if self.spec.parent_pid and not _alive(self.spec.parent_pid):
+                        log.warning("dispatcher: manager pid %d is gone; shutting down", self.spec.parent_pid)
+                        self.exit_code = EXIT_ORPHANED
+                        self.stopping = True
+        finally:
+            self.shutdown()
+        return self.exit_code
+
+    # -- clients -----------------------------------------------------------------------------
+    def reply(self, client: bytes, cid, status: str, *, error: str | None = None, code: str | None = None,
+              tensor=None, hops=None, started: float | None = None) -> None:
+        header = {"v": 1, "id": cid, "status": status}
+        if error is not None:
+            header["error"], header["code"] = error, code or "error"
+        if hops is not None:
+            header["hops"] = hops
+        if started is not None:
+            header["ms"] = (time.monotonic() - started) * 1e3
+        frames = [client, dumps(header)]
+        if tensor is not None:
+            from tensormq.transport import encode_bytes
+            desc, payload = encode_bytes(tensor)
+            header["x"] = desc.to_json()
+            frames = [client, dumps(header), payload]
+        try:
+            # copy=True: the result may live in a slot that is released right after this call
+            self.front.send_multipart(frames, copy=True)
+        except zmq.ZMQError as exc:
+            log.warning("dispatcher: could not answer request %r: %s", cid, exc)
+        self.stats["ok" if status == "ok" else "errors"] += 1
+
+    def receive_requests(self) -> None:
+        for _ in range(64):
+            try:
+                frames = self.front.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            client = frames[0].bytes
+            self.handle_request(client, frames[1:])
+
+    def handle_request(self, client: bytes, frames: list) -> None:
+        self.stats["requests"] += 1
+        cid = None
+        try:
+            if not frames:
+                raise WireError("empty message; send [header, tensor bytes]")
+            header = loads_header(frames[0])
+            cid = header.get("id")
+            if not isinstance(cid, (int, str)) or isinstance(cid, bool) or len(str(cid)) > 128:
+                cid = None
+                raise WireError("id must be an integer or a string of at most 128 characters")
+            if self.spec.token and not hmac.compare_digest(str(header.get("token", "")), self.spec.token):
+                self.reply(client, cid, "error", error="unauthorized: a valid token is required", code="unauthorized")
+                return
+            op = header.get("op", "infer")
+            if op == "ping":
+                self.reply(client, cid, "ok")
+                return
+            if op != "infer":
+                raise WireError(f"op must be 'infer' or 'ping', got {op!r:.20}")
+            task = header.get("task")
+            entry = self.tasks.get(task) if isinstance(task, str) else None
+            if entry is None:
+                known = ", ".join(sorted(self.tasks)) or "none"
+                self.reply(client, cid, "error", code="unknown_task",
+                           error=f"unknown task {str(task)!r:.60}; tasks served now: {known}")
+                return
+            desc = TensorDesc.parse(header.get("x"), self.spec.max_tensor_bytes)
+            if desc.loc != "bytes" or len(frames) != 2:
+                raise WireError("clients send x.loc 'bytes' with the tensor in the second frame")
+            self.check_input(task, entry, desc)
+            tensor = decode_bytes(desc, frames[1])
+        except WireError as exc:
+            self.reply(client, cid, "error", error=f"bad request: {exc}", code="bad_request")
+            return
+        except ValueError as exc:
+            self.reply(client, cid, "error", error=str(exc), code="bad_input")
+            return
+        if len(self.pending) >= self.spec.max_pending:
+            self.reply(client, cid, "error", code="overloaded",
+                       error=f"dispatcher is overloaded: {self.spec.max_pending} requests are waiting; retry later")
+            return
+        now = time.monotonic()
+        timeout = header.get("timeout")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < 3600:
+            timeout = self.spec.request_timeout
+        req = Request(client, cid, task, tuple(entry["blocks"]), now, now + min(timeout, self.spec.request_timeout),
+                      tensor, frames)
+        rid = self.next_rid
+        self.next_rid += 1
+        if self.pending or not self.forward(rid, req):
+            self.pending.append((rid, req))
+
+    @staticmethod
+    def check_input(task: str, entry: dict, desc: TensorDesc) -> None:
+        spec = entry.get("input")
+        if not spec:
+            return
+        if spec.get("dtype") and desc.fields["dtype"] != spec["dtype"]:
+            raise ValueError(f"task {task} takes {spec['dtype']} tensors, got {desc.fields['dtype']}")
+        shape = spec.get("shape")
+        if shape and (len(desc.shape) != len(shape) or any(
+                want is not None and want != got for want, got in zip(shape[1:], desc.shape[1:]))):
+            want = ["N"] + list(shape[1:])
+            raise ValueError(f"task {task} takes tensors of shape {want}, got {list(desc.shape)}")
+
+    def forward(self, rid: int, req: Request) -> bool:
+        """Send a request into its path; False when the first hop's window is full (try later)."""
+        entry = self.tasks.get(req.task)
+        if entry is None:
+            self.reply(req.client, req.cid, "error", code="unknown_task",
+                       error=f"task {req.task} was removed by a system update before it could start")
+            return True
+        path = entry["path"]
+        first = path[0][1]
+        # the last block reaches us the way it is reached itself
+        ret = self.result_tcp if path[-1][1].startswith("tcp://") else self.result_ipc
+        try:
+            x, payload = self.transport.encode(req.tensor, first, timeout=0)
+        except TimeoutError:
+            return False
+        header = {"v": 1, "t": "data", "rid": rid, "task": req.task,
+                  "path": [list(h) for h in path[1:]] + [[RETURN_HOP, ret]], "x": x, "hops": []}
+        try:
+            self.transport.send(first, header, payload, timeout=1.0)
+        except TimeoutError as exc:
+            self.release_desc(x)
+            self.reply(req.client, req.cid, "error", code="unavailable", error=f"task {req.task}: {exc}")
+            return True
+        req.tensor = req.frames = None
+        self.outstanding[rid] = req
+        return True
+
+    def flush_pending(self) -> None:
+        while self.pending:
+            rid, req = self.pending[0]
+            if time.monotonic() > req.deadline:
+                self.pending.popleft()
+                self.reply(req.client, req.cid, "error", code="timeout",
+                           error=f"task {req.task}: no free slot towards its first block before the deadline")
+                continue
+            if not self.forward(rid, req):
+                return
+            self.pending.popleft()
+
+    def release_desc(self, x: dict) -> None:
+        try:
+            if x.get("loc") in ("shm", "cuda"):
+                _t, lease = self.transport.decode(x, [None])
+                lease.release()
+        except WireError:
+            pass
+
+    # -- results -----------------------------------------------------------------------------
+    def receive_results(self) -> None:
+        for _ in range(64):
+            try:
+                frames = self.results.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                header = loads_header(frames[0])
+            except WireError as exc:
+                log.warning("dispatcher: dropped a malformed result (%s)", exc)
+                continue
+            rid = header.get("rid")
+            req = self.outstanding.pop(rid, None) if isinstance(rid, int) else None
+            kind = header.get("t")
+            if req is None:
+                self.stats["late"] += 1
+                if kind == "result" and isinstance(header.get("x"), dict):
+                    try:
+                        _t, lease = self.transport.decode(header["x"], frames)
+                        if lease is not None:
+                            lease.release()
+                    except WireError:
+                        pass
+                log.info("dispatcher: dropped a %s for request %s that was already answered", kind, rid)
+                continue
+            if kind == "error":
+                err = header.get("err")
+                self.reply(req.client, req.cid, "error", error=str(err)[:2000], code=str(header.get("code", "error")),
+                           hops=header.get("hops"), started=req.started)
+                continue
+            lease = None
+            try:
+                tensor, lease = self.transport.decode(header.get("x"), frames)
+                self.reply(req.client, req.cid, "ok", tensor=tensor, hops=header.get("hops"), started=req.started)
+            except WireError as exc:
+                self.reply(req.client, req.cid, "error", code="bad_result", error=f"the last block sent an unreadable result: {exc}")
+            finally:
+                if lease is not None:
+                    lease.release()
+
+    def expire(self, now: float) -> None:
+        late = [rid for rid, r in self.outstanding.items() if r.deadline < now]
+        for rid in late:
+            req = self.outstanding.pop(rid)
+            self.reply(req.client, req.cid, "error", code="timeout",
+                       error=f"task {req.task}: no result within {req.deadline - req.started:.1f}s "
+                             f"(path {' -> '.join(req.blocks)})")
+
+    def fail(self, blocks: list[str], reason: str) -> int:
+        """Answer with an error every request whose path runs through one of ``blocks``."""
+        dead = set(blocks)
+        hit = [rid for rid, r in self.outstanding.items() if dead & set(r.blocks)]
+        for rid in hit:
+            req = self.outstanding.pop(rid)
+            self.reply(req.client, req.cid, "error", code="block_failed", error=f"task {req.task}: {reason}")
+        return len(hit)
+
+    # -- control -----------------------------------------------------------------------------
+    def receive_control(self) -> None:
+        while True:
+            try:
+                raw = self.ctrl.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = loads_header(raw)
+                result = self.handle_command(msg.get("cmd"), msg.get("args") or {})
+                reply = {"t": "reply", "id": msg.get("id"), "ok": True, "result": result}
+            except Exception as exc:
+                reply = {"t": "reply", "id": None, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                try:
+                    reply["id"] = json.loads(raw).get("id")
+                except Exception:
+                    pass
+            self.ctrl.send(dumps(reply))
+
+    def handle_command(self, cmd: str, args: dict):
+        if cmd == "ping":
+            return {"pid": os.getpid(), "outstanding": len(self.outstanding), "pending": len(self.pending),
+                    **self.stats}
+        if cmd == "tasks":
+            tasks = args.get("tasks")
+            if not isinstance(tasks, dict):
+                raise ValueError("tasks must be an object")
+            self.tasks = tasks  # replaced atomically: one thread reads it
+            self.table_version = args.get("version", self.table_version + 1)
+            return {"tasks": len(tasks), "version": self.table_version}
+        if cmd == "update":
+            return {"dropped": self.transport.set_topology(args.get("live", []), args.get("devices"))}
+        if cmd == "fail":
+            return {"failed": self.fail(list(args.get("blocks", [])), str(args.get("reason", "a block failed")))}
+        if cmd == "outstanding":
+            names = set(args.get("blocks", []))
+            return {"outstanding": sum(1 for r in self.outstanding.values() if not names or names & set(r.blocks))}
+        if cmd == "stop":
+            self.stopping = True
+            return {"stopping": True}
+        raise ValueError(f"unknown command {cmd!r}")
+
+    def shutdown(self) -> None:
+        # answer everyone still waiting, then close; nothing is dropped silently
+        for rid, req in list(self.pending):
+            self.reply(req.client, req.cid, "error", code="shutdown", error="the dispatcher is shutting down")
+        self.pending.clear()
+        for rid, req in list(self.outstanding.items()):
+            self.reply(req.client, req.cid, "error", code="shutdown", error="the dispatcher is shutting down")
+        self.outstanding.clear()
+        self.transport.close()
+        for sock in (self.front, self.results, self.ctrl):
+            if sock is not None:
+                sock.close(linger=0)
+        self.ctx.term()
+        try:
+            os.unlink(self.result_ipc[len("ipc://"):])
+        except FileNotFoundError:
+            pass
+        log.info("dispatcher stopped (%s)", self.stats)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def serve_dispatcher(spec: DispatcherSpec) -> int:
+    logging.basicConfig(level=os.environ.get("BLOCKFLOW_LOG", "INFO"),
+                        format="%(asctime)s %(levelname)s [dispatcher] %(message)s")
+    d = Dispatcher(spec)
+
+    def on_term(signum, frame):  # only record it
+        d.stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        d.init_process()
+    except zmq.ZMQError as exc:
+        log.error("dispatcher cannot bind %s: %s", spec.address, exc)
+        return EXIT_BOOT_ERROR
+    try:
+        return d.run()
+    except Exception:
+        log.exception("dispatcher crashed")
+        return EXIT_CRASH
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="blockflow dispatcher", description=(
+        "Run the dispatcher by hand (the server starts it itself): the clients' entry point that maps "
+        "task ids to paths through blocks and returns the results."))
+    parser.add_argument("--spec", required=True, help="the dispatcher spec as JSON (see dispatcher.process.DispatcherSpec)")
+    args = parser.parse_args(argv)
+    return serve_dispatcher(DispatcherSpec.from_json(args.spec))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""Shared-memory slots: TensorMQ's zero-copy path between processes on one host, CPU side.
+
+Note [TensorMQ slot ownership]
+------------------------------
+Every producer (a block or the dispatcher) owns a *pool* of slots per outgoing edge. A slot
+is one file in the instance's private shared-memory directory (``0700``, under /dev/shm)::
+
+    +--------+--------+------------+-----------+---- ... padding to 64 ----+------------------+
+    | magic  | state  | generation | capacity  |                           | data (capacity)  |
+    | u32    | u32    | u64        | u64       |                           |                  |
+    +--------+--------+------------+-----------+---------------------------+------------------+
+    0        4        8            16          24                          64
+
+    state     FREE (0)  -- producer acquires, bumps generation -->  IN_FLIGHT (1)
+              IN_FLIGHT -- whoever holds the handle last releases  -->  FREE
+
+- Only the producer creates, grows (a new file, new name) and unlinks slot files; it unlinks
+  them all in ``SlotPool.close()``. Consumers only map them (``SlotMapper``).
+- The handle (segment name, generation, offset, nbytes) travels in the message header. The
+  obligation to release travels with it: the consumer releases after its model has run. A
+  block whose output is a view of its input (identity, reshape) forwards the same handle
+  and hands the obligation on; nothing is copied.
+- A release only succeeds when the generation in the slot still matches the handle, so a
+  stale or forged handle can neither free a slot that was reused nor read its new data.
+- Back-pressure: at most ``window`` slots per edge are in flight; ``acquire`` waits for a
+  free one and raises ``TimeoutError`` after its deadline.
+- If the consumer dies, its slots stay IN_FLIGHT. The control plane tells the producer that
+  the hop is gone (``reclaim(edge)``): the producer bumps every slot's generation, which
+  invalidates any handle still queued towards the dead consumer, and frees the slots.
+- If the whole server is killed, the directory is removed by the next ``blockflow serve``
+  (see manager/state.py).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .wire import TensorDesc, WireError, dtype_name
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x4C534642  # "BFSL"
+HEADER = 64
+FREE, IN_FLIGHT = 0, 1
+_HDR = struct.Struct("<IIQQ")  # magic, state, generation, capacity
+_SEG_RE = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
+
+#: Slots a producer keeps in flight per edge before it waits (back-pressure).
+DEFAULT_WINDOW = int(os.environ.get("BLOCKFLOW_WINDOW", 8))
+#: Mappings a consumer keeps open; older ones are closed (slots that grew get new names).
+MAX_MAPPINGS = 256
+
+
+def _round_capacity(nbytes: int) -> int:
+    """Power of two, at least one page, so a slot can be reused across similar sizes."""
+    cap = 4096
+    while cap < nbytes:
+        cap <<= 1
+    return cap
+
+
+def _map_file(path: str, size: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+class Slot:
+    """One producer-owned slot: a mapped file and a uint8 tensor over its data area."""
+
+    def __init__(self, directory: str, name: str, capacity: int):
+        self.name = name
+        self.path = os.path.join(directory, name)
+        self.capacity = capacity
+        self.mm = _map_file(self.path, HEADER + capacity, create=True)
+        _HDR.pack_into(self.mm, 0, MAGIC, FREE, 0, capacity)
+        if capacity:
+            self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=HEADER, count=capacity)
+            self.data.zero_()  # fault the pages in now, not on the first send
+        else:  # a header-only slot (CUDA slots keep their data on the GPU)
+            self.data = torch.empty(0, dtype=torch.uint8)
+        self.generation = 0
+
+    @property
+    def state(self) -> int:
+        return struct.unpack_from("<I", self.mm, 4)[0]
+
+    def mark_in_flight(self) -> int:
+        self.generation += 1
+        struct.pack_into("<IQ", self.mm, 4, IN_FLIGHT, self.generation)
+        return self.generation
+
+    def force_free(self) -> None:
+        """Invalidate every outstanding handle (new generation) and free the slot."""
+        self.generation += 1
+        struct.pack_into("<IQ", self.mm, 4, FREE, self.generation)
+
+    def close(self) -> None:
+        self.data = None
+        try:
+            self.mm.close()
+        except BufferError:  # a tensor still views it; the mapping goes when that tensor does
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class SlotPool:
+    """The producer side: a window of slots per outgoing edge (keyed by the hop's address)."""
+
+    def __init__(self, directory: str, owner: str, window: int = DEFAULT_WINDOW):
+        if not _SEG_RE.match(owner):
+            raise ValueError(f"pool owner {owner!r} must match {_SEG_RE.pattern}")
+        self.directory = directory
+        self.owner = owner
+        self.window = window
+        self.edges: dict[str, list[Slot]] = {}
+        self._seq = 0
+        self._closed = False
+
+    def _new_slot(self, capacity: int) -> Slot:
+        self._seq += 1
+        return Slot(self.directory, f"{self.owner}.{os.getpid()}.{self._seq}", capacity)
+
+    def _try_acquire(self, edge: str, nbytes: int) -> Slot | None:
+        slots = self.edges.setdefault(edge, [])
+        free = [s for s in slots if s.state == FREE]
+        for s in free:
+            if s.capacity >= nbytes:
+                return s
+        if len(slots) < self.window:
+            slot = self._new_slot(_round_capacity(nbytes))
+            slots.append(slot)
+            return slot
+        if free:  # every free slot is too small: grow one (a new file, so old handles stay invalid)
+            old = free[0]
+            slots.remove(old)
+            old.close()
+            slot = self._new_slot(_round_capacity(nbytes))
+            slots.append(slot)
+            return slot
+        return None
+
+    def acquire(self, edge: str, nbytes: int, timeout: float) -> Slot:
+        """A free slot of at least ``nbytes`` on ``edge``; waits while the window is full."""
+        if self._closed:
+            raise RuntimeError(f"slot pool of {self.owner} is closed")
+        deadline = time.monotonic() + timeout
+        pause = 20e-6
+        while True:
+            slot = self._try_acquire(edge, nbytes)
+            if slot is not None:
+                slot.mark_in_flight()
+                return slot
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{self.owner}: all {self.window} slots towards {edge} are still in flight after "
+                    f"{timeout:.1f}s; the next block is not keeping up or is gone")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def put(self, edge: str, tensor: torch.Tensor, timeout: float) -> TensorDesc:
+        """Copy ``tensor`` into a slot on ``edge`` and return the handle that travels."""
+        nbytes = tensor.numel() * tensor.element_size()
+        slot = self.acquire(edge, nbytes, timeout)
+        dst = slot.data[:nbytes].view(tensor.dtype).view(tensor.shape)
+        dst.copy_(tensor)
+        return TensorDesc.of(dst, "shm", seg=slot.name, gen=slot.generation, off=0, nbytes=nbytes)
+
+    def in_flight(self, edge: str | None = None) -> int:
+        edges = [edge] if edge else list(self.edges)
+        return sum(1 for e in edges for s in self.edges.get(e, []) if s.state == IN_FLIGHT)
+
+    def reclaim(self, edge: str) -> int:
+        """The consumer on ``edge`` is gone: invalidate its handles and free its slots."""
+        slots = self.edges.pop(edge, [])
+        for s in slots:
+            s.force_free()
+            s.close()
+        if slots:
+            log.info("%s: reclaimed %d slots towards %s", self.owner, len(slots), edge)
+        return len(slots)
+
+    def close(self) -> None:
+        self._closed = True
+        for edge in list(self.edges):
+            for s in self.edges.pop(edge):
+                s.close()
+
+
+@dataclass
+class Mapped:
+    mm: mmap.mmap
+    data: torch.Tensor  # uint8 over the data area
+
+
+class SlotMapper:
+    """The consumer side: opens slots named in handles (cached) and rebuilds tensors in place."""
+
+    def __init__(self, directory: str, max_mappings: int = MAX_MAPPINGS):
+        self.directory = directory
+        self.max_mappings = max_mappings
+        self.maps: OrderedDict[str, Mapped] = OrderedDict()
+
+    def _open(self, seg: str) -> Mapped:
+        m = self.maps.get(seg)
+        if m is not None:
+            self.maps.move_to_end(seg)
+            return m
+        path = os.path.join(self.directory, seg)
+        try:
+            size = os.stat(path).st_size
+            if size < HEADER:
+                raise WireError(f"x.seg {seg} is not a TensorMQ slot")
+            mm = _map_file(path, size, create=False)
+        except OSError as exc:
+            raise WireError(f"x.seg {seg} cannot be opened ({exc.strerror}); stale or forged handle") from None
+        magic, _state, _gen, cap = _HDR.unpack_from(mm, 0)
+        if magic != MAGIC or cap + HEADER > size:
+            mm.close()
+            raise WireError(f"x.seg {seg} is not a TensorMQ slot")
+        data = (torch.frombuffer(mm, dtype=torch.uint8, offset=HEADER, count=cap) if cap
+                else torch.empty(0, dtype=torch.uint8))
+        m = Mapped(mm, data)
+        self.maps[seg] = m
+        while len(self.maps) > self.max_mappings:
+            _, old = self.maps.popitem(last=False)
+            old.data = None
+            try:
+                old.mm.close()
+            except BufferError:
+                pass
+        return m
+
+    def open(self, desc: TensorDesc) -> tuple[torch.Tensor, "ShmLease"]:
+        """The tensor the handle names, viewed in place, and the lease to release it with."""
+        f = desc.fields
+        seg = f.get("seg")
+        if not isinstance(seg, str) or not _SEG_RE.match(seg):
+            raise WireError("x.seg must be a slot name")
+        gen = f.get("gen")
+        off = f.get("off")
+        nbytes = f.get("nbytes")
+        for key, val in (("gen", gen), ("off", off), ("nbytes", nbytes)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise WireError(f"x.{key} must be a non-negative integer")
+        m = self._open(seg)
+        magic, state, cur_gen, cap = _HDR.unpack_from(m.mm, 0)
+        if cur_gen != gen or state != IN_FLIGHT:
+            raise WireError(f"x.seg {seg} generation {gen} is stale (slot is at {cur_gen}); handle refused")
+        if off % desc.itemsize or off + max(nbytes, desc.span_bytes()) > cap or desc.span_bytes() > nbytes:
+            raise WireError(f"x.off/x.nbytes/x.shape describe memory outside slot {seg}")
+        typed = m.data.view(desc.dtype) if cap % desc.itemsize == 0 else None
+        if typed is None:
+            raise WireError(f"slot {seg} is not aligned for {dtype_name(desc.dtype)}")
+        tensor = torch.as_strided(typed, desc.shape, desc.stride, off // desc.itemsize)
+        return tensor, ShmLease(m, seg, gen, desc.fields)
+
+    def close(self) -> None:
+        for m in self.maps.values():
+            m.data = None
+            try:
+                m.mm.close()
+            except BufferError:
+                pass
+        self.maps.clear()
+
+
+class ShmLease:
+    """The right (and duty) to release one in-flight slot."""
+
+    __slots__ = ("mapped", "seg", "gen", "fields", "released")
+
+    def __init__(self, mapped: Mapped, seg: str, gen: int, fields: dict):
+        self.mapped, self.seg, self.gen, self.fields = mapped, seg, gen, fields
+        self.released = False
+
+    def contains(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives inside this slot (so it can be forwarded without a copy)."""
+        data = self.mapped.data
+        if data is None or tensor.device.type != "cpu":
+            return False
+        base = data.data_ptr()
+        ptr = tensor.data_ptr()
+        span = TensorDesc.of(tensor, "shm").span_bytes()
+        return base <= ptr and ptr + span <= base + data.numel()
+
+    def forward_desc(self, tensor: torch.Tensor) -> TensorDesc:
+        """Handle for a view of this slot; the release duty moves to whoever receives it."""
+        off = tensor.data_ptr() - self.mapped.data.data_ptr()
+        self.released = True  # no longer ours to release
+        return TensorDesc.of(tensor, "shm", seg=self.seg, gen=self.gen, off=off,
+                             nbytes=TensorDesc.of(tensor, "shm").span_bytes())
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        mm = self.mapped.mm
+        try:
+            _magic, state, cur_gen, _cap = _HDR.unpack_from(mm, 0)
+            if cur_gen == self.gen and state == IN_FLIGHT:
+                struct.pack_into("<I", mm, 4, FREE)
+        except ValueError:  # mapping closed under us: the producer already reclaimed it
+            pass

@@ -1,0 +1,189 @@
+"""Transports: how a tensor crosses a PUSH/PULL edge.
+
+``zeromq``   the thesis baseline: the tensor's bytes travel in frame 1 (``copy=False``); a
+             CUDA tensor is copied to the host before sending and back after receiving.
+``tensormq`` handles instead of bytes to hops on this host: shared-memory slots for CPU
+             tensors (tensormq/shm.py), CUDA IPC slots for GPU tensors (tensormq/cuda_ipc.py).
+             A hop that leaves the host always carries bytes.
+
+The receiving side does not need to know the sender's mode: the descriptor's ``loc`` says
+how to rebuild the tensor. ``Transport`` is owned by one thread (ZeroMQ sockets are not
+thread-safe): in a block, the inference thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import zmq
+
+from .shm import DEFAULT_WINDOW, SlotMapper, SlotPool
+from .wire import MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, is_local
+
+log = logging.getLogger(__name__)
+
+MODES = ("tensormq", "zeromq")
+#: Payloads smaller than this are copied into the ZeroMQ message (cheaper than tracking).
+ZERO_COPY_THRESHOLD = 64 * 1024
+#: How long a send may wait for a free slot or a full socket before the request fails.
+DEFAULT_SEND_TIMEOUT = 10.0
+
+
+def decode_bytes(desc: TensorDesc, frame) -> torch.Tensor:
+    """Rebuild a tensor over a received frame's memory (no copy)."""
+    expected = desc.numel * desc.itemsize
+    buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    if len(buf) != expected:
+        raise WireError(f"payload is {len(buf)} bytes but x.shape {list(desc.shape)} "
+                        f"{desc.fields['dtype']} needs {expected}")
+    contiguous = torch.empty(desc.shape, dtype=desc.dtype, device="meta").stride()
+    if desc.numel and tuple(desc.stride) != tuple(contiguous):
+        raise WireError("x.stride must be C-contiguous when bytes travel")
+    if expected == 0:
+        return torch.empty(desc.shape, dtype=desc.dtype)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(desc.dtype).view(desc.shape)
+
+
+def encode_bytes(tensor: torch.Tensor):
+    """Descriptor and payload for a tensor whose bytes travel."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    desc = TensorDesc.of(t, "bytes")
+    payload = t.view(torch.uint8).numpy() if t.numel() else b""
+    return desc, payload
+
+
+class Transport:
+    """Sockets, slot pools and mappers of one process, for one thread."""
+
+    def __init__(self, ctx: zmq.Context, owner: str, mode: str = "tensormq", shm_dir: str | None = None,
+                 window: int = DEFAULT_WINDOW, send_timeout: float = DEFAULT_SEND_TIMEOUT,
+                 max_tensor_bytes: int = MAX_TENSOR_BYTES):
+        if mode not in MODES:
+            raise ValueError(f"transport must be one of {MODES}, got {mode!r}")
+        if mode == "tensormq" and not shm_dir:
+            raise ValueError("the tensormq transport needs a shared-memory directory")
+        self.ctx, self.owner, self.mode = ctx, owner, mode
+        self.shm_dir, self.window, self.send_timeout = shm_dir, window, send_timeout
+        self.max_tensor_bytes = max_tensor_bytes
+        self.pushers: dict[str, zmq.Socket] = {}
+        self.devices: dict[str, str] = {}  # next hop address -> device it runs on (Algorithm 4)
+        self.pool = SlotPool(shm_dir, owner, window) if shm_dir else None
+        self.mapper = SlotMapper(shm_dir) if shm_dir else None
+        self._cuda_pool = None
+        self._cuda_mapper = None
+
+    # -- receiving ---------------------------------------------------------------------------
+    def decode(self, x, frames: list):
+        """(tensor, lease) for a descriptor; lease is None when the bytes came in the message."""
+        desc = TensorDesc.parse(x, self.max_tensor_bytes)
+        if desc.loc == "bytes":
+            if len(frames) != 2:
+                raise WireError(f"x.loc is bytes but the message has {len(frames)} frames, not 2")
+            return decode_bytes(desc, frames[1]), None
+        if len(frames) != 1:
+            raise WireError(f"x.loc is {desc.loc} but the message has {len(frames)} frames, not 1")
+        if desc.loc == "shm":
+            if self.mapper is None:
+                raise WireError("this process has no shared-memory directory; handles are refused")
+            return self.mapper.open(desc)
+        return self.cuda_mapper().open(desc)
+
+    def cuda_mapper(self):
+        if self._cuda_mapper is None:
+            if not torch.cuda.is_available():
+                raise WireError("x.loc is cuda but this process has no GPU")
+            from .cuda_ipc import CudaMapper
+            self._cuda_mapper = CudaMapper(self.shm_dir)
+        return self._cuda_mapper
+
+    # -- sending -----------------------------------------------------------------------------
+    def encode(self, tensor: torch.Tensor, address: str, lease=None, timeout: float | None = None):
+        """(descriptor dict, payload or None) to send ``tensor`` to ``address``.
+
+        ``lease`` is the slot the input came in: an output that is a view of it is forwarded
+        by handle and the lease's release duty goes along with it.
+        """
+        if self.mode == "zeromq" or not is_local(address) or self.pool is None:
+            if lease is not None and lease.contains(tensor):
+                tensor = tensor.clone()  # ZeroMQ reads the bytes later; the slot is released now
+            desc, payload = encode_bytes(tensor)
+            return desc.to_json(), payload
+        if lease is not None and lease.contains(tensor):
+            return lease.forward_desc(tensor).to_json(), None
+        timeout = self.send_timeout if timeout is None else timeout
+        target = self.devices.get(address, str(tensor.device))
+        if tensor.device.type == "cuda" or target.startswith("cuda"):
+            if self._cuda_pool is None:
+                from .cuda_ipc import CudaSlotPool
+                self._cuda_pool = CudaSlotPool(self.shm_dir, self.owner, self.window)
+            dev = torch.device(target if target.startswith("cuda") else tensor.device)
+            return self._cuda_pool.put(address, tensor.detach(), dev, timeout).to_json(), None
+        return self.pool.put(address, tensor.detach(), timeout).to_json(), None
+
+    def socket(self, address: str) -> zmq.Socket:
+        """The PUSH socket to ``address``, opened on first use (thesis Algorithm 3)."""
+        sock = self.pushers.get(address)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.linger = 0
+            sock.sndhwm = 1000
+            sock.connect(address)
+            self.pushers[address] = sock
+        return sock
+
+    def send(self, address: str, header: dict, payload=None, timeout: float | None = None) -> None:
+        """Send one message; raises TimeoutError instead of blocking forever on a dead peer."""
+        frames = [dumps(header)]
+        if payload is not None:
+            frames.append(payload)
+        copy = payload is None or len(memoryview(payload).cast("B")) < ZERO_COPY_THRESHOLD
+        sock = self.socket(address)
+        deadline = time.monotonic() + (self.send_timeout if timeout is None else timeout)
+        while True:
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+                return
+            except zmq.Again:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{self.owner}: {address} has not taken a message for "
+                                       f"{self.send_timeout:.1f}s; is the next hop running?") from None
+                time.sleep(5e-4)
+
+    def send_tensor(self, address: str, header: dict, tensor: torch.Tensor, lease=None) -> None:
+        x, payload = self.encode(tensor, address, lease)
+        header["x"] = x
+        self.send(address, header, payload)
+
+    # -- topology ----------------------------------------------------------------------------
+    def set_topology(self, live: list[str], devices: dict[str, str] | None = None) -> list[str]:
+        """Close sockets to hops that are gone and reclaim the slots they held (Algorithm 3's
+        update_connection). Returns the addresses dropped."""
+        live_set = set(live)
+        if devices is not None:
+            self.devices = dict(devices)
+        gone = [a for a in set(self.pushers) | set(self.pool.edges if self.pool else ()) if a not in live_set]
+        for addr in gone:
+            sock = self.pushers.pop(addr, None)
+            if sock is not None:
+                sock.close(linger=0)
+            if self.pool is not None:
+                self.pool.reclaim(addr)
+            if self._cuda_pool is not None:
+                self._cuda_pool.reclaim(addr)
+        return gone
+
+    def in_flight(self) -> int:
+        n = self.pool.in_flight() if self.pool else 0
+        return n + (self._cuda_pool.in_flight() if self._cuda_pool else 0)
+
+    def close(self) -> None:
+        for sock in self.pushers.values():
+            sock.close(linger=0)
+        self.pushers.clear()
+        for part in (self.pool, self._cuda_pool, self.mapper, self._cuda_mapper):
+            if part is not None:
+                part.close()

@@ -1,0 +1,172 @@
+"""TensorMQ wire format: a JSON header frame, then (only where bytes travel) one raw buffer.
+
+No pickle, ever: every frame that reaches a socket is parsed as JSON or used as raw bytes,
+and every field is checked before it is trusted (``WireError`` names the field).
+
+A data message between BlockFlow processes is::
+
+    frame 0  header  {"v": 1, "t": "data"|"result"|"error", "rid": int, "task": str,
+                      "path": [[name, address], ...],   # hops still to traverse, return address last
+                      "hops": [{...per-hop timings...}],
+                      "x": tensor descriptor (see below), "err": str (errors only)}
+    frame 1  payload the tensor's raw bytes, only when x["loc"] == "bytes"
+
+A tensor descriptor always carries ``dtype``, ``shape`` and ``stride`` (in elements) and
+says where the memory is (``loc``):
+
+- ``bytes``: frame 1 holds the tensor, C-contiguous.
+- ``shm``: a slot of a shared-memory pool (``seg``, ``gen``, ``off``, ``nbytes``); see
+  ``tensormq/shm.py`` for who owns it and who releases it.
+- ``cuda``: a CUDA IPC slot; see ``tensormq/cuda_ipc.py``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+PROTOCOL_VERSION = 1
+
+#: Largest header frame accepted (bytes). Paths and timings are small; anything bigger is hostile.
+MAX_HEADER_BYTES = int(os.environ.get("BLOCKFLOW_MAX_HEADER_BYTES", 64 * 1024))
+#: Largest tensor accepted, in bytes (payload or shared slot). Override with BLOCKFLOW_MAX_TENSOR_BYTES.
+MAX_TENSOR_BYTES = int(os.environ.get("BLOCKFLOW_MAX_TENSOR_BYTES", 1 << 30))
+#: Most dimensions a tensor may have.
+MAX_DIMS = 8
+#: Longest path a message may carry.
+MAX_PATH = 64
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.@:-]{1,128}$")
+_ADDR_RE = re.compile(r"^(ipc://[^\x00]{1,200}|tcp://[A-Za-z0-9.\-\[\]:]{1,100}:\d{1,5})$")
+
+
+class WireError(ValueError):
+    """A frame that does not follow the wire format. The message names the field."""
+
+
+def dumps(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def loads_header(frame, limit: int = MAX_HEADER_BYTES) -> dict:
+    """Parse a header frame (bytes, memoryview or zmq.Frame) into a dict, or raise WireError."""
+    buf = getattr(frame, "bytes", frame)
+    if len(buf) > limit:
+        raise WireError(f"header is {len(buf)} bytes, more than the limit of {limit}")
+    try:
+        obj = json.loads(bytes(buf))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"header is not JSON ({exc.__class__.__name__}); pickles and other formats are refused") from None
+    if not isinstance(obj, dict):
+        raise WireError("header must be a JSON object")
+    return obj
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise WireError(f"dtype {dtype} cannot travel; supported: {', '.join(DTYPES)}") from None
+
+
+def _int(obj: dict, key: str, lo: int = 0, hi: int = 1 << 62, where: str = "x") -> int:
+    val = obj.get(key)
+    if not isinstance(val, int) or isinstance(val, bool) or not lo <= val <= hi:
+        raise WireError(f"{where}.{key} must be an integer in [{lo}, {hi}], got {val!r:.60}")
+    return val
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """What a receiver needs to rebuild a tensor view; validated on construction from a header."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    loc: str
+    fields: dict  # the raw descriptor (loc-specific fields: seg, gen, off, nbytes, handle, ...)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def span_bytes(self) -> int:
+        """Bytes from the first element to one past the last, following the strides."""
+        if self.numel == 0:
+            return 0
+        last = sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+        return (last + 1) * self.itemsize
+
+    def to_json(self) -> dict:
+        return self.fields
+
+    @staticmethod
+    def of(tensor: torch.Tensor, loc: str, **fields) -> "TensorDesc":
+        d = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
+             "stride": list(tensor.stride()), "loc": loc, **fields}
+        return TensorDesc(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), loc, d)
+
+    @staticmethod
+    def parse(x, max_bytes: int = MAX_TENSOR_BYTES) -> "TensorDesc":
+        if not isinstance(x, dict):
+            raise WireError("x (tensor descriptor) must be an object")
+        name = x.get("dtype")
+        if name not in DTYPES:
+            raise WireError(f"x.dtype {name!r:.40} is not supported; use one of {', '.join(DTYPES)}")
+        shape, stride = x.get("shape"), x.get("stride")
+        for key, val in (("shape", shape), ("stride", stride)):
+            if (not isinstance(val, list) or len(val) > MAX_DIMS
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 40) for v in val)):
+                raise WireError(f"x.{key} must be a list of at most {MAX_DIMS} non-negative integers")
+        if len(shape) != len(stride):
+            raise WireError(f"x.shape has {len(shape)} dimensions but x.stride has {len(stride)}")
+        loc = x.get("loc")
+        if loc not in ("bytes", "shm", "cuda"):
+            raise WireError(f"x.loc {loc!r:.40} is not one of bytes, shm, cuda")
+        desc = TensorDesc(DTYPES[name], tuple(shape), tuple(stride), loc, x)
+        if desc.numel * desc.itemsize > max_bytes or desc.span_bytes() > max_bytes:
+            raise WireError(f"tensor of shape {shape} {name} is larger than the limit of {max_bytes} bytes")
+        return desc
+
+
+def check_path(path) -> list[list[str]]:
+    """Validate a remaining path: a non-empty list of [name, address] pairs (return address last)."""
+    if not isinstance(path, list) or not 1 <= len(path) <= MAX_PATH:
+        raise WireError(f"path must be a list of 1 to {MAX_PATH} hops")
+    for i, hop in enumerate(path):
+        if (not isinstance(hop, list) or len(hop) != 2 or not isinstance(hop[0], str)
+                or not isinstance(hop[1], str) or not _NAME_RE.match(hop[0]) or not _ADDR_RE.match(hop[1])):
+            raise WireError(f"path[{i}] must be [name, 'ipc://...' or 'tcp://host:port'], got {str(hop):.80}")
+    return path
+
+
+def is_local(address: str) -> bool:
+    """True when a hop is on this host, so handles may travel instead of bytes."""
+    if address.startswith("ipc://"):
+        return True
+    host = address[len("tcp://"):].rsplit(":", 1)[0]
+    return host in ("127.0.0.1", "localhost", "[::1]") or host.startswith("127.")
