@@ -216,6 +216,10 @@ class Dispatcher:
                 self.reply(client, cid, "error", code="unknown_task",
                            error=f"unknown task {str(task)!r:.60}; tasks served now: {known}")
                 return
+            if entry.get("unavailable"):
+                self.reply(client, cid, "error", code="unavailable",
+                           error=f"task {task} cannot be served now: {entry['unavailable']}")
+                return
             desc = TensorDesc.parse(header.get("x"), self.spec.max_tensor_bytes)
             if desc.loc != "bytes" or len(frames) != 2:
                 raise WireError("clients send x.loc 'bytes' with the tensor in the second frame")

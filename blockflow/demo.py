@@ -1,0 +1,92 @@
+"""``blockflow demo`` (what ``make demo`` runs): the whole system, end to end, in about a minute.
+
+Export the ResNet50 blocks if missing, start ``blockflow serve`` on free ports, POST
+configs/resnet50_shared.json (two tasks sharing block1-3), send requests for both tasks through
+the dispatcher, print per-task latency and the per-block KPI table, shut down cleanly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CONFIG = os.path.join(os.path.dirname(HERE), "configs", "resnet50_shared.json")
+
+
+def start_server(repo: str, state_dir: str, extra: list[str] | None = None, timeout: float = 120.0,
+                 env: dict | None = None) -> tuple[subprocess.Popen, dict]:
+    """Run ``blockflow serve`` on free ports; return the process and its ready-file contents."""
+    ready = os.path.join(state_dir, "ready.json")
+    cmd = [sys.executable, "-m", "blockflow.cli", "serve", "--port", "0", "--dispatcher-port", "0",
+           "--repo", repo, "--state-dir", state_dir, "--ready-file", ready, "--quiet", *(extra or [])]
+    proc = subprocess.Popen(cmd, env=env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(ready):
+            with open(ready) as f:
+                return proc, json.load(f)
+        if proc.poll() is not None:
+            raise RuntimeError(f"blockflow serve exited with code {proc.returncode} before it was ready")
+        time.sleep(0.05)
+    proc.kill()
+    raise TimeoutError(f"blockflow serve was not ready within {timeout:.0f}s")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+def run_demo(repo: str = "model_repo", config: str | None = None, requests: int = 20) -> int:
+    import torch
+
+    from .client import Client
+    from .kpi import format_table, percentile, summarize_block
+    from .restclient import call
+
+    if not os.path.exists(os.path.join(repo, "resnet50", "block4-x.pt")):
+        from blocks.repository import export_model
+        print(f"exporting ResNet50 blocks into {repo} (seeded weights, once)")
+        export_model("resnet50", repo, blocks=4, method="script", variants={"x": ["block4", "head"]})
+    with open(config or DEFAULT_CONFIG) as f:
+        update = json.load(f)
+    state_dir = tempfile.mkdtemp(prefix="blockflow-demo-")
+    t0 = time.monotonic()
+    proc, info = start_server(repo, state_dir)
+    try:
+        print(f"server up in {time.monotonic() - t0:.1f}s: REST {info['rest']}, dispatcher {info['dispatcher']}")
+        res = call("POST", f"{info['rest']}/system/update", update)
+        print(f"update applied in {res['seconds']:.2f}s (version {res['version']}): spawned {res['diff']['spawned']}")
+        x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+        with Client(info["dispatcher"], timeout=60) as client:
+            for task in [t["id"] for t in update["tasks"]]:
+                client.infer(task, x)  # warm-up
+                times = []
+                for _ in range(requests):
+                    t = time.perf_counter()
+                    y = client.infer(task, x)
+                    times.append((time.perf_counter() - t) * 1e3)
+                print(f"task {task:10s} {requests} requests: mean {sum(times) / len(times):7.2f} ms, "
+                      f"p50 {percentile(times, .5):7.2f} ms, p99 {percentile(times, .99):7.2f} ms; "
+                      f"output {tuple(y.shape)}, top class {int(y.argmax())}")
+        system = call("GET", f"{info['rest']}/system")
+        names = [b["name"] for b in system["blocks"]]
+        summaries = []
+        for n in names:
+            summaries.append(call("GET", f"{info['rest']}/blocks/{n}/kpi"))
+        print(format_table(summaries))
+        print(f"KPI logs: {system['run_dir']} (read them again with `blockflow kpi {system['run_dir']}`)")
+    finally:
+        code = stop_server(proc)
+        print(f"server stopped (exit code {code}); total {time.monotonic() - t0:.1f}s")
+    return 0 if code == 0 else 1

@@ -1,0 +1,177 @@
+"""The system update: what an optimiser POSTs to /system/update, checked field by field.
+
+``validate_update(body, repo)`` returns a normalised ``Update`` or raises ``UpdateError`` whose
+``field`` names the offending part (``blocks[2].device``, ``tasks[0].path[3]``) and whose
+message says what would be accepted. Nothing is changed by a refused update.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+TRANSPORTS = ("tensormq", "zeromq")
+PROTOCOLS = ("ipc", "tcp")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d{1,2})$")
+
+#: Most blocks and tasks one update may declare.
+MAX_BLOCKS = int(os.environ.get("BLOCKFLOW_MAX_BLOCKS", 64))
+MAX_TASKS = int(os.environ.get("BLOCKFLOW_MAX_TASKS", 256))
+
+BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads"}
+TOP_FIELDS = {"transport", "protocol", "blocks", "tasks"}
+
+
+class UpdateError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class BlockDecl:
+    name: str
+    model: str
+    device: str = "cpu"
+    transport: str = "tensormq"
+    protocol: str = "ipc"
+    cpus: tuple[int, ...] | None = None
+    threads: int | None = None
+
+    def as_dict(self) -> dict:
+        d = {"name": self.name, "model": self.model, "device": self.device, "transport": self.transport,
+             "protocol": self.protocol}
+        if self.cpus is not None:
+            d["cpus"] = list(self.cpus)
+        if self.threads is not None:
+            d["threads"] = self.threads
+        return d
+
+
+@dataclass
+class Update:
+    transport: str
+    protocol: str
+    blocks: dict[str, BlockDecl]
+    tasks: dict[str, list[str]]
+    manifests: dict[str, dict | None] = field(default_factory=dict)  # model path -> manifest entry
+
+
+def _str(value, where: str, choices=None) -> str:
+    if not isinstance(value, str):
+        raise UpdateError(where, f"must be a string, got {type(value).__name__}")
+    if choices and value not in choices:
+        raise UpdateError(where, f"{value!r:.60} is not one of {', '.join(choices)}")
+    return value
+
+
+def _name(value, where: str) -> str:
+    _str(value, where)
+    if not NAME_RE.match(value):
+        raise UpdateError(where, f"{value!r:.60} is not a valid name (letters, digits, '_', '.', '-'; "
+                                 "up to 63 characters, starting with a letter or digit)")
+    return value
+
+
+def _device(value, where: str, gpus: int) -> str:
+    _str(value, where)
+    if not _DEVICE_RE.match(value):
+        raise UpdateError(where, f"unknown device {value!r:.40}; use 'cpu', 'cuda' or 'cuda:N'")
+    if value.startswith("cuda"):
+        index = int(value.split(":")[1]) if ":" in value else 0
+        if index >= gpus:
+            raise UpdateError(where, f"device {value} is not present on this host "
+                                     f"({gpus} GPU{'s' if gpus != 1 else ''} visible)")
+    return value
+
+
+def validate_update(body, repo: str, gpus: int = 0, cpu_count: int | None = None) -> Update:
+    """Check an update against the schema and the model repository."""
+    from blocks.repository import BlockFileError, verify_block
+
+    if not isinstance(body, dict):
+        raise UpdateError("body", "must be a JSON object with 'blocks' and 'tasks'")
+    unknown = set(body) - TOP_FIELDS
+    if unknown:
+        raise UpdateError(sorted(unknown)[0], f"unknown field; an update has {', '.join(sorted(TOP_FIELDS))}")
+    transport = _str(body.get("transport", "tensormq"), "transport", TRANSPORTS)
+    protocol = _str(body.get("protocol", "ipc"), "protocol", PROTOCOLS)
+    blocks_in, tasks_in = body.get("blocks"), body.get("tasks", [])
+    if not isinstance(blocks_in, list):
+        raise UpdateError("blocks", "must be a list of block objects")
+    if not isinstance(tasks_in, list):
+        raise UpdateError("tasks", "must be a list of task objects")
+    if len(blocks_in) > MAX_BLOCKS:
+        raise UpdateError("blocks", f"{len(blocks_in)} blocks is more than the limit of {MAX_BLOCKS}")
+    if len(tasks_in) > MAX_TASKS:
+        raise UpdateError("tasks", f"{len(tasks_in)} tasks is more than the limit of {MAX_TASKS}")
+    cpu_count = cpu_count or os.cpu_count() or 1
+
+    blocks: dict[str, BlockDecl] = {}
+    manifests: dict[str, dict | None] = {}
+    for i, b in enumerate(blocks_in):
+        where = f"blocks[{i}]"
+        if not isinstance(b, dict):
+            raise UpdateError(where, "must be an object with name and model")
+        extra = set(b) - BLOCK_FIELDS
+        if extra:
+            raise UpdateError(f"{where}.{sorted(extra)[0]}", f"unknown field; a block has {', '.join(sorted(BLOCK_FIELDS))}")
+        for key in ("name", "model"):
+            if key not in b:
+                raise UpdateError(f"{where}.{key}", "is required")
+        name = _name(b["name"], f"{where}.name")
+        if name in blocks:
+            raise UpdateError(f"{where}.name", f"duplicate block name {name!r}")
+        model = _str(b["model"], f"{where}.model")
+        if model not in manifests:
+            try:
+                manifests[model] = verify_block(repo, model)
+            except BlockFileError as exc:
+                raise UpdateError(f"{where}.model", str(exc)) from None
+        device = _device(b.get("device", "cpu"), f"{where}.device", gpus)
+        cpus = b.get("cpus")
+        if cpus is not None:
+            if (not isinstance(cpus, list) or not cpus or len(cpus) > 1024
+                    or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < cpu_count for c in cpus)):
+                raise UpdateError(f"{where}.cpus", f"must be a non-empty list of CPU numbers from 0 to {cpu_count - 1}")
+            cpus = tuple(sorted(set(cpus)))
+        threads = b.get("threads")
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 256):
+            raise UpdateError(f"{where}.threads", "must be an integer from 1 to 256")
+        blocks[name] = BlockDecl(
+            name=name, model=model, device=device,
+            transport=_str(b.get("transport", transport), f"{where}.transport", TRANSPORTS),
+            protocol=_str(b.get("protocol", protocol), f"{where}.protocol", PROTOCOLS),
+            cpus=cpus, threads=threads)
+
+    tasks: dict[str, list[str]] = {}
+    for i, t in enumerate(tasks_in):
+        where = f"tasks[{i}]"
+        if not isinstance(t, dict):
+            raise UpdateError(where, "must be an object with id and path")
+        extra = set(t) - {"id", "path"}
+        if extra:
+            raise UpdateError(f"{where}.{sorted(extra)[0]}", "unknown field; a task has id and path")
+        if "id" not in t:
+            raise UpdateError(f"{where}.id", "is required")
+        tid = _name(t["id"], f"{where}.id")
+        if tid in tasks:
+            raise UpdateError(f"{where}.id", f"duplicate task id {tid!r}")
+        path = t.get("path")
+        if not isinstance(path, list) or not path:
+            raise UpdateError(f"{where}.path", "must be a non-empty list of block names")
+        if len(path) > 32:
+            raise UpdateError(f"{where}.path", "is longer than 32 blocks")
+        seen = set()
+        for j, hop in enumerate(path):
+            if not isinstance(hop, str):
+                raise UpdateError(f"{where}.path[{j}]", f"must be a block name, got {type(hop).__name__}")
+            if hop not in blocks:
+                raise UpdateError(f"{where}.path[{j}]", f"names block {hop!r:.60}, which the update does not declare")
+            if hop in seen:
+                raise UpdateError(f"{where}.path[{j}]", f"block {hop!r} appears twice; paths may not loop")
+            seen.add(hop)
+        tasks[tid] = list(path)
+    return Update(transport, protocol, blocks, tasks, manifests)

@@ -1,0 +1,83 @@
+"""``blockflow serve``: the REST API, the manager, the controller and the dispatcher, in one command.
+
+CherryPy's engine bus drives the life-cycle: ``ManagerPlugin.start`` runs before the HTTP
+server accepts requests, ``stop`` after it stopped accepting them. SIGTERM and Ctrl-C go
+through the bus too, so both shut everything down in the manager's documented order.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import cherrypy
+from cherrypy.process import plugins
+
+from manager.manager import Manager
+from manager.state import StateDir
+
+from .rest import Root, app_config
+
+log = logging.getLogger("blockflow.server")
+
+
+class ManagerPlugin(plugins.SimplePlugin):
+    """Owns the manager on CherryPy's engine bus."""
+
+    def __init__(self, bus, manager: Manager, ready_file: str | None, rest_url: str):
+        super().__init__(bus)
+        self.manager, self.ready_file, self.rest_url = manager, ready_file, rest_url
+
+    def start(self):
+        self.bus.log("starting the BlockFlow manager")
+        self.manager.start()
+
+    start.priority = 40  # before the HTTP server (75): nobody can POST to a manager that is not up
+
+    def stop(self):
+        self.bus.log("stopping the BlockFlow manager")
+        self.manager.stop()
+        if self.ready_file:
+            try:
+                os.unlink(self.ready_file)
+            except FileNotFoundError:
+                pass
+
+
+def serve(host: str = "127.0.0.1", port: int = 8080, dispatcher_host: str = "127.0.0.1",
+          dispatcher_port: int = 5580, repo: str = "model_repo", state_dir: str | None = None,
+          token: str | None = None, ready_file: str | None = None, window: int = 8, quiet: bool = False) -> None:
+    state = StateDir(state_dir)
+    manager = Manager(repo, state, f"tcp://{dispatcher_host}:{dispatcher_port}", token=token, window=window)
+    cherrypy.config.update({
+        "server.socket_host": host,
+        "server.socket_port": port,
+        "server.thread_pool": 8,
+        "server.max_request_body_size": 1 << 20,
+        "engine.autoreload.on": False,
+        "log.screen": not quiet,
+        "checker.on": False,
+        "environment": "production",
+    })
+    cherrypy.tree.mount(Root(manager), "/", app_config(token))
+    plugin = ManagerPlugin(cherrypy.engine, manager, ready_file, "")
+    plugin.subscribe()
+    if hasattr(cherrypy.engine, "signal_handler"):
+        cherrypy.engine.signal_handler.subscribe()
+    cherrypy.engine.start()
+    if cherrypy.engine.state != cherrypy.engine.states.STARTED:
+        # a plugin failed to start (port in use, another server on this state dir): the bus
+        # already logged why; make the exit code say it too
+        cherrypy.engine.exit()
+        raise SystemExit(1)
+    bound = cherrypy.server.bound_addr
+    rest_url = f"http://{bound[0]}:{bound[1]}"
+    info = {"rest": rest_url, "dispatcher": manager.dispatcher.endpoint, "pid": os.getpid(),
+            "state_dir": state.root, "run_dir": state.run_dir}
+    log.info("BlockFlow serving: REST %s, dispatcher %s, state %s", rest_url, info["dispatcher"], state.root)
+    if ready_file:
+        tmp = ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, ready_file)
+    cherrypy.engine.block()

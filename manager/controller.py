@@ -1,0 +1,170 @@
+"""The controller: a ZeroMQ ROUTER that carries control messages to every block (thesis 3.5).
+
+Each block and the dispatcher connect a DEALER with identity ``<name>#<incarnation>`` and
+announce READY (or why they cannot start). The controller's own thread owns the ROUTER;
+other threads call ``request()``, which queues the message, wakes the thread through a pipe
+and waits on a future for the reply with a deadline. ``cast()`` sends without waiting (the
+health pings), and ``last_seen`` records when each process last answered anything.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+
+import zmq
+
+from tensormq.wire import dumps
+
+log = logging.getLogger("blockflow.controller")
+
+
+class ControlError(RuntimeError):
+    """A process answered a command with an error, or could not be reached."""
+
+
+class Controller:
+    def __init__(self, ctx: zmq.Context, endpoint: str):
+        self.ctx = ctx
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.sock.router_mandatory = 1  # a send to a process that is gone raises instead of vanishing
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._ids = itertools.count(1)
+        self._out: queue.Queue = queue.Queue()
+        self._futures: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self.ready: dict[bytes, dict] = {}
+        self.boot_errors: dict[bytes, dict] = {}
+        self.last_seen: dict[bytes, float] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="controller", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- API for other threads ---------------------------------------------------------------
+    def cast(self, ident: bytes, cmd: str, args: dict | None = None) -> Future:
+        rid = next(self._ids)
+        fut: Future = Future()
+        with self._lock:
+            self._futures[rid] = fut
+        self._out.put((ident, rid, {"t": "cmd", "id": rid, "cmd": cmd, "args": args or {}}))
+        os.write(self._wake_w, b"x")
+        return fut
+
+    def request(self, ident: bytes, cmd: str, args: dict | None = None, timeout: float = 5.0):
+        fut = self.cast(ident, cmd, args)
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            with self._lock:
+                for rid, f in list(self._futures.items()):
+                    if f is fut:
+                        del self._futures[rid]
+            raise TimeoutError(f"{ident.decode()} did not answer {cmd!r} within {timeout:.1f}s") from None
+
+    def wait_ready(self, ident: bytes, timeout: float, alive=lambda: True) -> dict:
+        """The READY message of ``ident``; raises ControlError with the boot error if it sent one."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if ident in self.ready:
+                    return self.ready[ident]
+                if ident in self.boot_errors:
+                    raise ControlError(self.boot_errors[ident].get("error", "boot error"))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{ident.decode()} did not report READY within {timeout:.0f}s")
+                if not alive():
+                    raise ControlError(f"{ident.decode()} exited before it was ready")
+                self._cond.wait(min(left, 0.1))
+
+    def forget(self, ident: bytes) -> None:
+        with self._lock:
+            self.ready.pop(ident, None)
+            self.boot_errors.pop(ident, None)
+            self.last_seen.pop(ident, None)
+
+    # -- the thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._stop:
+                events = dict(poller.poll(100))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 4096)
+                self._send_queued()
+                if self.sock in events:
+                    self._receive()
+        finally:
+            self.sock.close(linger=0)
+            with self._lock:
+                futures, self._futures = self._futures, {}
+            for f in futures.values():
+                if not f.done():
+                    f.set_exception(ControlError("controller stopped"))
+
+    def _send_queued(self) -> None:
+        while True:
+            try:
+                ident, rid, msg = self._out.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.sock.send_multipart([ident, dumps(msg)])
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: not connected (yet, or any more)
+                with self._lock:
+                    fut = self._futures.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(ControlError(f"{ident.decode()} is not connected to the controller ({exc})"))
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                ident, raw = self.sock.recv_multipart(zmq.NOBLOCK)[:2]
+            except zmq.Again:
+                return
+            except ValueError:
+                continue
+            try:
+                msg = json.loads(raw)
+                kind = msg.get("t")
+            except (ValueError, AttributeError):
+                log.warning("controller: ignored a malformed message from %r", ident[:64])
+                continue
+            now = time.monotonic()
+            with self._cond:
+                self.last_seen[ident] = now
+                if kind == "ready":
+                    self.ready[ident] = msg
+                    self._cond.notify_all()
+                    continue
+                if kind == "boot_error":
+                    self.boot_errors[ident] = msg
+                    self._cond.notify_all()
+                    continue
+                fut = self._futures.pop(msg.get("id"), None) if kind == "reply" else None
+            if fut is None or fut.done():
+                continue
+            if msg.get("ok"):
+                fut.set_result(msg.get("result"))
+            else:
+                fut.set_exception(ControlError(f"{ident.decode()}: {msg.get('error')}"))
