@@ -34,6 +34,8 @@ def decode_bytes(desc: TensorDesc, frame) -> torch.Tensor:
     """Rebuild a tensor over a received frame's memory (no copy)."""
     expected = desc.numel * desc.itemsize
     buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    if buf.ndim != 1 or buf.format != "B":
+        buf = buf.cast("B")
     if len(buf) != expected:
         raise WireError(f"payload is {len(buf)} bytes but x.shape {list(desc.shape)} "
                         f"{desc.fields['dtype']} needs {expected}")
@@ -52,7 +54,7 @@ def encode_bytes(tensor: torch.Tensor):
         t = t.cpu()
     t = t.contiguous()
     desc = TensorDesc.of(t, "bytes")
-    payload = t.view(torch.uint8).numpy() if t.numel() else b""
+    payload = t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b""
     return desc, payload
 
 

@@ -1,0 +1,151 @@
+"""Shared fixtures: a seeded model repository, leak checks, a real server on free ports."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import warnings
+
+import psutil
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+warnings.filterwarnings("ignore", category=FutureWarning, module="torch.jit")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible here")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_repo(tmp_path_factory):
+    """resnet18 and resnet50 split into 4 blocks + head, with an 'x' variant of block4/head."""
+    from blocks.repository import export_model
+    repo = tmp_path_factory.mktemp("model_repo")
+    for model in ("resnet18", "resnet50"):
+        export_model(model, repo, blocks=4, method="script", variants={"x": ["block4", "head"]})
+    return str(repo)
+
+
+@pytest.fixture(scope="session")
+def identity_repo(tmp_path_factory):
+    """Tiny TorchScript blocks that are not in any manifest (users may drop their own)."""
+    import torch
+
+    class Identity(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    class Double(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Sleepy(torch.nn.Module):
+        def forward(self, x):
+            # about 50 ms of real work, so requests are in flight while tests change things
+            y = x
+            for _ in range(200):
+                y = torch.tanh(y + 0.001)
+            return y
+
+    repo = tmp_path_factory.mktemp("identity_repo")
+    os.makedirs(repo / "toy")
+    torch.jit.save(torch.jit.script(Identity()), str(repo / "toy" / "identity.pt"))
+    torch.jit.save(torch.jit.script(Double()), str(repo / "toy" / "double.pt"))
+    torch.jit.save(torch.jit.script(Sleepy()), str(repo / "toy" / "sleepy.pt"))
+    (repo / "toy" / "broken.pt").write_bytes(b"this is not TorchScript")
+    return str(repo)
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return {e for e in os.listdir("/dev/shm") if e.startswith("blockflow-")}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture
+def leak_check():
+    """Fail a test that leaves a child process, a slot directory or a socket behind."""
+    before_shm = _shm_entries()
+    me = psutil.Process()
+    before_children = {p.pid for p in me.children(recursive=True)}
+    yield
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        extra = [p for p in me.children(recursive=True) if p.pid not in before_children and p.is_running()
+                 and p.status() != psutil.STATUS_ZOMBIE]
+        left_shm = _shm_entries() - before_shm
+        if not extra and not left_shm:
+            return
+        time.sleep(0.1)
+    for p in extra:
+        p.kill()
+    for e in left_shm:
+        shutil.rmtree(os.path.join("/dev/shm", e), ignore_errors=True)
+    assert not extra, f"child processes left behind: {[(p.pid, p.cmdline()[:4]) for p in extra]}"
+    assert not left_shm, f"shared-memory directories left behind: {left_shm}"
+
+
+@pytest.fixture
+def short_tmp():
+    """A short directory for ipc socket paths (unix sockets are limited to ~107 characters)."""
+    d = tempfile.mkdtemp(prefix="bft-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Server:
+    def __init__(self, proc, info, state_dir):
+        self.proc, self.info, self.state_dir = proc, info, state_dir
+        self.url, self.dispatcher = info["rest"], info["dispatcher"]
+
+    def call(self, method, path, body=None, **kw):
+        from blockflow.restclient import call
+        return call(method, self.url + path, body, **kw)
+
+    def stop(self):
+        from blockflow.demo import stop_server
+        return stop_server(self.proc)
+
+
+@pytest.fixture
+def server_factory(short_tmp, leak_check):
+    from blockflow.demo import start_server
+    servers = []
+
+    def start(repo, extra=None, env=None):
+        state = os.path.join(short_tmp, f"s{len(servers)}")
+        os.makedirs(state)
+        full_env = dict(os.environ, **(env or {}))
+        proc, info = start_server(repo, state, extra=extra, env=full_env)
+        s = Server(proc, info, state)
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        if s.proc.poll() is None:
+            code = s.stop()
+            assert code == 0, f"server exited with {code} on SIGTERM"
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        for p in psutil.Process(pid).children(recursive=True):
+            p.send_signal(signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
+    except (psutil.NoSuchProcess, ProcessLookupError):
+        pass

@@ -1,0 +1,206 @@
+"""Data plane with real processes: blocks and the dispatcher started on their own (no server),
+wired by real ZeroMQ sockets, registering with a real controller."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+import zmq
+
+from blockflow.client import BlockFlowError, Client
+from blockflow.protocol import DISPATCHER, identity
+from blocks.repository import load_block
+from manager.controller import Controller
+from tests.conftest import ROOT
+
+BRANCHY = {  # two tasks share block1-3 and own their block4/head (thesis scenario)
+    "b1": "resnet18/block1.pt", "b2": "resnet18/block2.pt", "b3": "resnet18/block3.pt",
+    "b4": "resnet18/block4.pt", "h": "resnet18/head.pt",
+    "b4x": "resnet18/block4-x.pt", "hx": "resnet18/head-x.pt",
+}
+TASKS = {"classify": ["b1", "b2", "b3", "b4", "h"], "special": ["b1", "b2", "b3", "b4x", "hx"]}
+
+
+class Pipeline:
+    """Blocks + dispatcher as separate processes, a controller in the test process."""
+
+    def __init__(self, repo: str, workdir: str, transport: str, blocks: dict, tasks: dict):
+        self.ctx = zmq.Context()
+        self.sock = os.path.join(workdir, "sock")
+        self.shm = f"/dev/shm/blockflow-test-{os.getpid()}-{os.path.basename(workdir)}"
+        self.run = os.path.join(workdir, "run")
+        for d in (self.sock, self.shm, self.run):
+            os.makedirs(d, mode=0o700)
+        self.controller = Controller(self.ctx, f"ipc://{self.sock}/ctl.sock")
+        self.controller.start()
+        self.procs = {}
+        for name, model in blocks.items():
+            spec = dict(name=name, model=model, repo=repo, run_dir=self.run, sock_dir=self.sock, shm_dir=self.shm,
+                        transport=transport, controller=self.controller.endpoint, parent_pid=os.getpid(),
+                        threads=1)
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", "blocks.process", "--spec", json.dumps(spec)],
+                                                cwd=ROOT)
+        endpoints = {n: self.controller.wait_ready(identity(n, 0), 60)["endpoint"] for n in blocks}
+        table = {t: {"path": [[n, endpoints[n]] for n in p], "blocks": [f"{n}#0" for n in p], "input": None}
+                 for t, p in tasks.items()}
+        dspec = dict(sock_dir=self.sock, shm_dir=self.shm, address="tcp://127.0.0.1:0", transport=transport,
+                     controller=self.controller.endpoint, parent_pid=os.getpid(), tasks=table, request_timeout=20)
+        self.procs[DISPATCHER] = subprocess.Popen(
+            [sys.executable, "-m", "dispatcher.process", "--spec", json.dumps(dspec)], cwd=ROOT)
+        ready = self.controller.wait_ready(identity(DISPATCHER, 0), 60)
+        self.address = ready["endpoint"]
+        self.endpoints = endpoints
+
+    def command(self, name: str, cmd: str, args=None):
+        return self.controller.request(identity(name, 0), cmd, args)
+
+    def stop(self) -> dict:
+        for name in self.procs:
+            try:
+                self.controller.cast(identity(name, 0), "stop")
+            except Exception:
+                pass
+        codes = {}
+        for name, p in self.procs.items():
+            try:
+                codes[name] = p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes[name] = p.wait()
+        self.controller.stop()
+        self.ctx.term()
+        return codes
+
+
+@pytest.fixture(scope="module", params=["tensormq", "zeromq"])
+def pipeline(request, model_repo):
+    """One pipeline per transport for the whole module (7 processes cost ~10 s to start here)."""
+    workdir = tempfile.mkdtemp(prefix="bft-")
+    p = Pipeline(model_repo, workdir, request.param, BRANCHY, TASKS)
+    yield p
+    codes = p.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
+    assert all(c == 0 for c in codes.values()), f"exit codes {codes}"
+    assert os.listdir(p.shm) == [], "slots left in the shared-memory directory"
+    os.rmdir(p.shm)
+    assert [f for f in os.listdir(p.sock) if f != "ctl.sock"] == [], "socket files left behind"
+
+
+def reference(repo, names):
+    mods = [load_block(repo, BRANCHY[n]) for n in names]
+
+    def run(x):
+        with torch.inference_mode():
+            for m in mods:
+                x = m(x)
+        return x
+    return run
+
+
+def test_branchy_pipeline_equals_monolithic(pipeline, model_repo):
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    full = load_block(model_repo, "resnet18/full.pt")
+    with torch.inference_mode():
+        expected = full(x)
+    special = reference(model_repo, TASKS["special"])(x)
+    with Client(pipeline.address, timeout=30) as c:
+        y = c.infer("classify", x)
+        z = c.infer("special", x)
+    assert torch.allclose(y, expected, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(z, special, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(y, z)  # the specialised branch really is another model
+
+
+def test_every_request_gets_exactly_one_reply(pipeline, model_repo):
+    inputs = [torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(i)) for i in range(24)]
+    full = load_block(model_repo, "resnet18/full.pt")
+    with Client(pipeline.address, timeout=60) as c:
+        futures = [(x, c.submit("classify" if i % 2 else "special", x, details=True)) for i, x in enumerate(inputs)]
+        results = [(x, f.result(60)) for x, f in futures]
+        # nothing more arrives: a duplicate reply would be left unclaimed in the socket
+        time.sleep(0.2)
+        assert not c._waiting
+    with torch.inference_mode():
+        for i, (x, r) in enumerate(results):
+            if i % 2:
+                assert torch.allclose(r.tensor, full(x), atol=1e-4, rtol=1e-4)
+            assert [h["b"] for h in r.hops] == TASKS["classify" if i % 2 else "special"]
+    stats = pipeline.command(DISPATCHER, "ping")
+    assert stats["ok"] == 24 and stats["late"] == 0 and stats["outstanding"] == 0
+
+
+def test_bad_requests_get_error_replies_and_blocks_keep_serving(pipeline):
+    x = torch.randn(1, 3, 224, 224)
+    with Client(pipeline.address, timeout=30) as c:
+        with pytest.raises(BlockFlowError, match="unknown task") as e:
+            c.infer("nope", x)
+        assert e.value.code == "unknown_task"
+        with pytest.raises(BlockFlowError, match="b1") as e:  # wrong shape: the first block says why
+            c.infer("classify", torch.randn(1, 5, 7))
+        with pytest.raises(BlockFlowError):
+            c.infer("classify", torch.randn(1, 3, 224, 224, dtype=torch.float64))
+        assert c.infer("classify", x).shape == (1, 1000)
+
+    # raw garbage at the dispatcher: every frame that names a requester gets an error reply
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.linger = 0
+    raw.rcvtimeo = 5000
+    raw.connect(pipeline.address)
+    garbage = [
+        [b"\x80\x04not json"],
+        [pickle.dumps({"id": 1})],
+        [json.dumps({"id": 7, "task": "classify"}).encode()],  # no tensor descriptor
+        [json.dumps({"id": 8, "task": "classify", "x": {"dtype": "float32", "shape": [100000, 100000, 100],
+                                                          "stride": [10000000, 100, 1], "loc": "bytes"}}).encode(), b"x"],
+        [json.dumps({"id": 9, "task": "classify", "x": {"dtype": "float32", "shape": [1, 3, 224, 224],
+                                                          "stride": [150528, 50176, 224, 1], "loc": "bytes"}}).encode(),
+         b"short"],
+        [json.dumps({"id": 10, "task": "classify", "x": {"dtype": "float32", "shape": [4], "stride": [1],
+                                                           "loc": "shm", "seg": "../../etc/passwd", "gen": 1,
+                                                           "off": 0, "nbytes": 16}}).encode()],
+    ]
+    for frames in garbage:
+        raw.send_multipart(frames)
+        reply = json.loads(raw.recv_multipart()[0])
+        assert reply["status"] == "error" and reply["error"], reply
+    raw.close()
+    ctx.term()
+
+    # garbage straight into a block's data socket: it logs, answers where it can, keeps serving
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.linger = 0
+    push.connect(pipeline.endpoints["b2"])
+    push.send_multipart([b"garbage"])
+    push.send_multipart([json.dumps({"t": "data", "rid": 5, "path": "nowhere"}).encode()])
+    push.send_multipart([json.dumps({"t": "data", "rid": 6, "path": [["@dispatcher", "ipc:///nonexistent/x.sock"]],
+                                     "x": {"dtype": "float32", "shape": [1], "stride": [1], "loc": "shm",
+                                           "seg": "forged", "gen": 1, "off": 0, "nbytes": 4}}).encode()])
+    time.sleep(0.3)
+    push.close()
+    ctx.term()
+    with Client(pipeline.address, timeout=30) as c:
+        assert c.infer("special", x).shape == (1, 1000)
+    assert pipeline.command("b2", "ping")["pid"] == pipeline.procs["b2"].pid
+
+
+def test_kpi_logs_are_written_on_store(pipeline):
+    with Client(pipeline.address, timeout=30) as c:
+        for _ in range(3):
+            c.infer("classify", torch.randn(1, 3, 224, 224))
+    res = pipeline.command("b1", "store")
+    with open(res["paths"]["latency"]) as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) >= 3
+    for key in ("wait", "deser", "dev", "inf", "share", "fwd", "total", "queue"):
+        assert key in records[-1]
+    assert records[-1]["inf"] > 0 and records[-1]["total"] >= records[-1]["inf"]

@@ -1,0 +1,196 @@
+"""Unit tests of the wire format and the shared-memory slots (no processes)."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import tempfile
+
+import pytest
+import torch
+import zmq
+
+from tensormq.shm import FREE, IN_FLIGHT, SlotMapper, SlotPool
+from tensormq.transport import Transport, decode_bytes, encode_bytes
+from tensormq.wire import TensorDesc, WireError, check_path, loads_header
+
+
+@pytest.fixture
+def shm_dir():
+    d = tempfile.mkdtemp(prefix="bftest-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_bytes_roundtrip_is_zero_copy_on_receive():
+    x = torch.randn(2, 3, 4)
+    desc, payload = encode_bytes(x)
+    y = decode_bytes(TensorDesc.parse(desc.to_json()), memoryview(payload))
+    assert torch.equal(x, y)
+    assert y.data_ptr() == payload.ctypes.data  # a view of the received buffer, no copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool])
+def test_dtypes_roundtrip(dtype):
+    x = (torch.randn(3, 5) * 10).to(dtype)
+    desc, payload = encode_bytes(x)
+    assert torch.equal(decode_bytes(TensorDesc.parse(desc.to_json()), memoryview(payload)), x)
+
+
+@pytest.mark.parametrize("bad, word", [
+    ({"dtype": "object", "shape": [1], "stride": [1], "loc": "bytes"}, "dtype"),
+    ({"dtype": "float32", "shape": [-1], "stride": [1], "loc": "bytes"}, "shape"),
+    ({"dtype": "float32", "shape": [1, 2], "stride": [1], "loc": "bytes"}, "stride"),
+    ({"dtype": "float32", "shape": [1 << 30, 100], "stride": [100, 1], "loc": "bytes"}, "limit"),
+    ({"dtype": "float32", "shape": [1], "stride": [1], "loc": "gpu-magic"}, "loc"),
+    ({"dtype": "float32", "shape": "big", "stride": [1], "loc": "bytes"}, "shape"),
+    ("not a dict", "object"),
+])
+def test_descriptor_validation_names_the_field(bad, word):
+    with pytest.raises(WireError, match=word):
+        TensorDesc.parse(bad)
+
+
+def test_payload_size_must_match_shape():
+    desc = TensorDesc.parse({"dtype": "float32", "shape": [4], "stride": [1], "loc": "bytes"})
+    with pytest.raises(WireError, match="needs 16"):
+        decode_bytes(desc, memoryview(bytes(12)))
+
+
+def test_pickle_header_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    with pytest.raises(WireError, match="not JSON"):
+        loads_header(pickle.dumps(Evil()))
+    assert not marker.exists()
+
+
+def test_paths_are_checked():
+    assert check_path([["b1", "ipc:///tmp/x.sock"], ["@dispatcher", "tcp://127.0.0.1:5"]])
+    for bad in ([], [["b1"]], [["b 1", "ipc:///x"]], [["b1", "http://evil"]], "b1"):
+        with pytest.raises(WireError):
+            check_path(bad)
+
+
+def test_slot_lifecycle_and_release(shm_dir):
+    pool = SlotPool(shm_dir, "prod", window=2)
+    mapper = SlotMapper(shm_dir)
+    try:
+        x = torch.arange(12, dtype=torch.float32).view(3, 4)
+        desc = pool.put("edge", x, timeout=1)
+        y, lease = mapper.open(TensorDesc.parse(desc.to_json()))
+        assert torch.equal(x, y)
+        assert pool.in_flight("edge") == 1
+        lease.release()
+        assert pool.in_flight("edge") == 0
+        # the same slot is reused; the old handle is now stale and refused
+        pool.put("edge", x + 1, timeout=1)
+        with pytest.raises(WireError, match="stale"):
+            mapper.open(TensorDesc.parse(desc.to_json()))
+    finally:
+        mapper.close()
+        pool.close()
+    assert os.listdir(shm_dir) == []  # the producer unlinked every slot it created
+
+
+def test_window_full_is_back_pressure_with_deadline(shm_dir):
+    pool = SlotPool(shm_dir, "prod", window=2)
+    try:
+        x = torch.zeros(10)
+        pool.put("e", x, timeout=1)
+        pool.put("e", x, timeout=1)
+        with pytest.raises(TimeoutError, match="2 slots"):
+            pool.put("e", x, timeout=0.05)
+        # another edge has its own window
+        pool.put("other", x, timeout=0.05)
+    finally:
+        pool.close()
+
+
+def test_reclaim_frees_slots_of_a_dead_consumer_and_invalidates_handles(shm_dir):
+    pool = SlotPool(shm_dir, "prod", window=2)
+    mapper = SlotMapper(shm_dir)
+    try:
+        d = pool.put("e", torch.ones(4), timeout=1)
+        assert pool.reclaim("e") == 1
+        with pytest.raises(WireError):
+            mapper.open(TensorDesc.parse(d.to_json()))
+        assert os.listdir(shm_dir) == []
+    finally:
+        mapper.close()
+        pool.close()
+
+
+def test_forged_handles_are_refused(shm_dir):
+    pool = SlotPool(shm_dir, "prod", window=2)
+    mapper = SlotMapper(shm_dir)
+    try:
+        good = pool.put("e", torch.ones(16), timeout=1).to_json()
+        forged = [
+            dict(good, seg="../../etc/passwd"),
+            dict(good, seg="nosuchslot"),
+            dict(good, gen=good["gen"] + 5),
+            dict(good, off=1 << 40),
+            dict(good, shape=[1 << 20], stride=[1]),
+            dict(good, nbytes=-1),
+        ]
+        for f in forged:
+            with pytest.raises(WireError):
+                mapper.open(TensorDesc.parse(f))
+        # a plain file in the directory that is not a slot
+        with open(os.path.join(shm_dir, "plain"), "wb") as fh:
+            fh.write(b"x" * 100)
+        with pytest.raises(WireError, match="not a TensorMQ slot"):
+            mapper.open(TensorDesc.parse(dict(good, seg="plain")))
+    finally:
+        mapper.close()
+        pool.close()
+
+
+def test_slot_grows_for_a_larger_tensor_under_a_new_name(shm_dir):
+    pool = SlotPool(shm_dir, "prod", window=1)
+    mapper = SlotMapper(shm_dir)
+    try:
+        d1 = pool.put("e", torch.ones(10), timeout=1).to_json()
+        _, lease = mapper.open(TensorDesc.parse(d1))
+        lease.release()
+        d2 = pool.put("e", torch.ones(1 << 20), timeout=1).to_json()
+        assert d2["seg"] != d1["seg"]
+        assert len(os.listdir(shm_dir)) == 1  # the small slot was unlinked
+        y, lease = mapper.open(TensorDesc.parse(d2))
+        assert y.numel() == 1 << 20 and bool((y == 1).all())
+        lease.release()
+    finally:
+        mapper.close()
+        pool.close()
+
+
+def test_view_of_a_slot_is_forwarded_without_copy(shm_dir):
+    ctx = zmq.Context()
+    t = Transport(ctx, "fwd", "tensormq", shm_dir)
+    pool = SlotPool(shm_dir, "prod", window=2)
+    try:
+        d = pool.put("e", torch.arange(24, dtype=torch.float32).view(2, 3, 4), timeout=1).to_json()
+        x, lease = t.decode(d, [None])
+        y = x.flatten(1)  # a view: same memory
+        out, payload = t.encode(y, "ipc:///tmp/next.sock", lease)
+        assert payload is None and out["seg"] == d["seg"] and out["shape"] == [2, 12]
+        assert lease.released  # the duty to release went along with the handle
+        z, lease2 = t.decode(out, [None])
+        assert torch.equal(z, torch.arange(24, dtype=torch.float32).view(2, 12))
+        lease2.release()
+        assert pool.in_flight() == 0
+        # bytes to a remote hop: copied, then the slot can be released at once
+        d = pool.put("e", torch.ones(3), timeout=1).to_json()
+        x, lease = t.decode(d, [None])
+        out, payload = t.encode(x, "tcp://10.0.0.9:5000", lease)
+        assert out["loc"] == "bytes" and payload is not None
+    finally:
+        t.close()
+        pool.close()
+        ctx.term()
