@@ -1,0 +1,567 @@
+"""Block repository: split torchvision ResNets into blocks, export them as
+TorchScript files with a manifest, and load/verify them again.
+
+Layout of a repository directory (``out`` / ``repo`` below)::
+
+    <repo>/<model>/block1.pt ... head.pt   split blocks (one process each)
+    <repo>/<model>/full.pt                 the monolithic model (baseline)
+    <repo>/<model>/block4-x.pt             task-specialised variant "x"
+    <repo>/<model>/manifest.json           sha256, shapes, sizes per file
+
+Why a manifest with sha256: a block process that silently loads a stale or
+half-copied file produces wrong numbers that are very hard to trace back, so
+every listed file is checked before it is served; a mismatch is a
+:class:`BlockFileError` that tells the user to re-export.
+
+Why exports run in a child process: TorchScript archives are *not*
+byte-for-byte repeatable inside an arbitrary Python process.  The scripted code
+lists a module's ``Final`` constants in ``set`` iteration order (which depends
+on the per-process string-hash seed), and the ``___torch_mangle_N`` class names
+depend on which modules the process compiled before.  Running the export in a
+fresh interpreter with ``PYTHONHASHSEED=0`` removes both sources of variation,
+so the same ``(model, seed, method, ...)`` always gives the same bytes and the
+same sha256, whatever the calling process did earlier.
+
+Only ``torch.jit.load`` is used to read files; nothing here unpickles
+arbitrary Python objects (no ``torch.load``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import warnings
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("blocks.repository")
+
+MODELS = ("resnet18", "resnet50", "resnet152")
+METHODS = ("script", "trace")
+SPLITS = (1, 2, 4)
+MANIFEST = "manifest.json"
+FULL = "full"
+INPUT_SHAPE = (3, 224, 224)
+
+#: Block names produced by :func:`split_model` for each ``blocks`` value, known
+#: statically so arguments can be validated without building a model.
+BLOCK_NAMES: dict[int, tuple[str, ...]] = {
+    4: ("block1", "block2", "block3", "block4", "head"),
+    2: ("block12", "block34", "head"),
+    1: (),
+}
+
+_VARIANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_]*$")
+_HASH_CHUNK = 1 << 20
+
+# BlockFlow is built on TorchScript on purpose (one self-contained file per
+# block, loadable from C++/any process without the Python source).  Torch >=
+# 2.12 warns on every jit call; silence exactly those messages so real warnings
+# stay visible.  A module-level filter (not catch_warnings) because block
+# servers load files from several threads and catch_warnings is not
+# thread-safe.
+warnings.filterwarnings(
+    "ignore",
+    message=r"`torch\.jit\.(script|trace|save|load)` is deprecated",
+    category=FutureWarning,
+)
+
+
+class BlockFileError(Exception):
+    """A block file (or its manifest) is missing, corrupt or not TorchScript.
+
+    The message always names the file and says what to do about it; ``path``
+    holds the offending file when known.
+    """
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None):
+        super().__init__(message)
+        self.path = Path(path) if path is not None else None
+
+
+# --------------------------------------------------------------------------
+# Building and splitting
+# --------------------------------------------------------------------------
+
+
+def build_reference(model: str, seed: int = 0) -> nn.Module:
+    """Build an untrained torchvision ``model`` with deterministic weights.
+
+    Seeded random weights (``weights=None``) instead of pretrained ones because
+    nothing may be downloaded at run time, and because equivalence/latency
+    experiments only need *fixed* weights, not good ones.
+    """
+    _check_model(model)
+    import torchvision  # lazy: block servers only load files, no torchvision
+
+    torch.manual_seed(seed)
+    net = getattr(torchvision.models, model)(weights=None)
+    return net.eval()
+
+
+def split_model(net: nn.Module, blocks: int = 4) -> "OrderedDict[str, nn.Module]":
+    """Split a torchvision ResNet into sequential blocks.
+
+    ``blocks=4``: block1 (stem + layer1), block2 (layer2), block3 (layer3),
+    block4 (layer4), head (avgpool + flatten + fc).  ``blocks=2``: block12
+    (stem + layer1 + layer2), block34 (layer3 + layer4), head.  ``blocks=1``:
+    ``{}`` -- the model is only served whole (``full``).
+
+    The blocks *share* modules with ``net`` (no copy): splitting is free and
+    chaining the blocks is, by construction, the same computation as
+    ``net.forward`` (``nn.Flatten(1)`` == ``torch.flatten(x, 1)``).
+    """
+    if blocks not in SPLITS:
+        raise ValueError(f"blocks must be one of {SPLITS}, got {blocks!r}")
+    missing = [
+        n
+        for n in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3",
+                  "layer4", "avgpool", "fc")
+        if not hasattr(net, n)
+    ]
+    if missing:
+        raise ValueError(
+            f"split_model supports torchvision ResNets; {type(net).__name__} "
+            f"lacks {', '.join(missing)}"
+        )
+    if blocks == 1:
+        return OrderedDict()
+
+    def seq(**mods: nn.Module) -> nn.Sequential:
+        # Named children keep state-dict keys readable (block1.layer1.0.conv1...).
+        return nn.Sequential(OrderedDict(mods))
+
+    stem = dict(conv1=net.conv1, bn1=net.bn1, relu=net.relu, maxpool=net.maxpool)
+    head = seq(avgpool=net.avgpool, flatten=nn.Flatten(1), fc=net.fc)
+    if blocks == 4:
+        parts = [
+            ("block1", seq(**stem, layer1=net.layer1)),
+            ("block2", seq(layer2=net.layer2)),
+            ("block3", seq(layer3=net.layer3)),
+            ("block4", seq(layer4=net.layer4)),
+        ]
+    else:
+        parts = [
+            ("block12", seq(**stem, layer1=net.layer1, layer2=net.layer2)),
+            ("block34", seq(layer3=net.layer3, layer4=net.layer4)),
+        ]
+    out = OrderedDict(parts)
+    out["head"] = head
+    for m in out.values():
+        m.eval()
+    return out
+
+
+def variant_seed(seed: int, variant: str) -> int:
+    """Seed for a task-specialised variant: stable across runs and machines
+    (crc32, not ``hash()``, which is salted per process)."""
+    return seed + 1000 + zlib.crc32(variant.encode("utf-8"))
+
+
+# --------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------
+
+
+def export_model(
+    model: str,
+    out: str | os.PathLike,
+    blocks: int = 4,
+    method: str = "script",
+    variants: dict[str, list[str]] | None = None,
+    seed: int = 0,
+    batch: int = 1,
+) -> Path:
+    """Export ``model`` split into ``blocks`` blocks plus ``full.pt`` into
+    ``out/<model>/`` and merge their entries into ``manifest.json``.
+
+    ``method``: ``"script"`` (``torch.jit.script``) or ``"trace"``
+    (``torch.jit.trace`` on a seeded ``(batch, 3, 224, 224)`` input).
+    ``variants``: ``{"x": ["block4", "head"]}`` also exports differently seeded
+    copies of those blocks as ``block4-x.pt``/``head-x.pt``.
+
+    The work runs in a fresh interpreter with a fixed hash seed so the files
+    are byte-for-byte repeatable (see the module docstring).  Returns the
+    manifest path.
+    """
+    _check_model(model)
+    if blocks not in SPLITS:
+        raise ValueError(f"blocks must be one of {SPLITS}, got {blocks!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    variants = _check_variants(variants or {}, blocks)
+
+    out_dir = Path(out).resolve()
+    args = dict(model=model, out=str(out_dir), blocks=blocks, method=method,
+                variants=variants, seed=seed, batch=batch,
+                log_level=log.getEffectiveLevel())
+    # Load this very file in the child (not "import blocks.repository"): the
+    # child must not depend on sys.path/cwd, and -P keeps cwd off sys.path.
+    code = (
+        "import importlib.util as u, sys\n"
+        f"s = u.spec_from_file_location('_blockflow_export_worker', {str(Path(__file__).resolve())!r})\n"
+        "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
+        "m._export_worker(sys.argv[1])\n"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    log.info("exporting %s (blocks=%d, method=%s, variants=%s, seed=%d) to %s",
+             model, blocks, method, variants or "none", seed, out_dir / model)
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", code, json.dumps(args)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    raw = _relay_child_logs(proc.stderr)
+    if proc.returncode != 0:
+        tail = "\n".join(raw[-20:]) or "(no output)"
+        raise RuntimeError(
+            f"export of {model} to {out_dir / model} failed in the export "
+            f"worker (exit {proc.returncode}):\n{tail}"
+        )
+    try:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError) as exc:
+        raise RuntimeError(
+            f"export worker for {model} returned no result ({exc}); "
+            f"stdout: {proc.stdout[-500:]!r}"
+        ) from None
+    return Path(result["manifest"])
+
+
+def _check_variants(variants: dict[str, list[str]], blocks: int) -> dict[str, list[str]]:
+    """Validate variant names and their block lists up front (a ValueError
+    here is nicer than a failure half-way through writing files)."""
+    allowed = set(BLOCK_NAMES[blocks]) | {FULL}
+    clean: dict[str, list[str]] = {}
+    for name in sorted(variants):
+        if not isinstance(name, str) or not _VARIANT_RE.match(name):
+            raise ValueError(
+                f"variant name {name!r} must match {_VARIANT_RE.pattern} "
+                "(it becomes part of a file name)"
+            )
+        names = variants[name]
+        if isinstance(names, str):
+            names = [n for n in names.split(",") if n]
+        unknown = sorted(set(names) - allowed)
+        if unknown:
+            raise ValueError(
+                f"variant {name!r}: unknown block(s) {', '.join(unknown)} for "
+                f"blocks={blocks}; known: {', '.join(sorted(allowed))}"
+            )
+        # keep split order, drop duplicates
+        order = list(BLOCK_NAMES[blocks]) + [FULL]
+        clean[name] = [b for b in order if b in set(names)]
+    return clean
+
+
+def _relay_child_logs(stderr: str) -> list[str]:
+    """Re-emit the worker's JSON log records through this process's logging
+    (so the caller's handlers/levels apply); return the non-log lines
+    (tracebacks, stray warnings) for error messages."""
+    raw = []
+    for line in stderr.splitlines():
+        rec = None
+        if line.startswith("{"):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                rec = None
+        if isinstance(rec, dict) and "blockflow_log" in rec:
+            log.log(int(rec.get("level", logging.INFO)), "%s", rec["blockflow_log"])
+        elif line.strip():
+            raw.append(line)
+    for line in raw:
+        log.debug("export worker: %s", line)
+    return raw
+
+
+class _JsonLineHandler(logging.Handler):
+    """Worker-side handler: one JSON object per record on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = json.dumps({"blockflow_log": record.getMessage(), "level": record.levelno})
+            sys.stderr.write(msg + "\n")
+            sys.stderr.flush()
+        except Exception:  # pragma: no cover - logging must never raise
+            self.handleError(record)
+
+
+def _export_worker(argv_json: str) -> None:
+    """Entry point of the export child process (see :func:`export_model`)."""
+    args = json.loads(argv_json)
+    level = int(args.pop("log_level"))
+    log.handlers[:] = [_JsonLineHandler()]
+    log.setLevel(level)
+    log.propagate = False
+    manifest = _export_in_process(**args)
+    sys.stdout.write(json.dumps({"manifest": str(manifest)}) + "\n")
+    sys.stdout.flush()
+
+
+def _export_in_process(model: str, out: str, blocks: int, method: str,
+                       variants: dict[str, list[str]], seed: int, batch: int) -> Path:
+    """Do the export in this process.  Only byte-for-byte repeatable in a
+    fresh interpreter with a fixed PYTHONHASHSEED; call :func:`export_model`."""
+    model_dir = Path(out) / model
+    model_dir.mkdir(parents=True, exist_ok=True)
+
+    net = build_reference(model, seed)
+    parts = split_model(net, blocks)
+
+    # One seeded example input: its batch-1 slice gives the manifest shapes,
+    # the full batch is what trace records with.
+    gen = torch.Generator().manual_seed(seed)
+    example = torch.randn(batch, *INPUT_SHAPE, generator=gen, dtype=torch.float32)
+    inputs: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[list[int], list[int]]] = {}
+    with torch.no_grad():
+        x = example
+        for name, mod in parts.items():
+            inputs[name] = x
+            y = mod(x)
+            shapes[name] = (_batch1(x.shape), _batch1(y.shape))
+            x = y
+        if not parts:  # blocks=1: still need the full model's output shape
+            x = net(example)
+    inputs[FULL] = example
+    shapes[FULL] = (_batch1(example.shape), _batch1(x.shape))
+
+    # Compile order matters for the bytes: TorchScript names classes
+    # ___torch_mangle_N in order of first compilation.  full and head come
+    # first so their files are identical whatever the split (a blocks=2 export
+    # rewrites full.pt/head.pt with the very same bytes as a blocks=4 one).
+    order = [n for n in ("head",) if n in parts] + [n for n in parts if n != "head"]
+    jobs: list[tuple[str, str | None, int, nn.Module]] = [(FULL, None, seed, net)]
+    jobs.extend((name, None, seed, parts[name]) for name in order)
+    for vname, vblocks in variants.items():
+        vseed = variant_seed(seed, vname)
+        vnet = build_reference(model, vseed)
+        vparts = split_model(vnet, blocks)
+        vparts[FULL] = vnet
+        jobs.extend((b, vname, vseed, vparts[b]) for b in vblocks)
+
+    entries = {}
+    for name, variant, bseed, mod in jobs:
+        fname = f"{name}.pt" if variant is None else f"{name}-{variant}.pt"
+        data = _compile_to_bytes(mod, method, inputs[name])
+        digest = hashlib.sha256(data).hexdigest()
+        _atomic_write(model_dir / fname, data)
+        n_params = sum(p.numel() for p in mod.parameters())
+        n_bytes = sum(t.numel() * t.element_size()
+                      for t in list(mod.parameters()) + list(mod.buffers()))
+        entries[fname] = {
+            "name": name,
+            "file": fname,
+            "sha256": digest,
+            "input_shape": shapes[name][0],
+            "output_shape": shapes[name][1],
+            "dtype": "float32",
+            "params": n_params,
+            "param_bytes": n_bytes,
+            "method": method,
+            "variant": variant,
+            "seed": bseed,
+        }
+        log.info("wrote %s (%.1f MB, sha256 %s)", model_dir / fname, len(data) / 1e6, digest[:12])
+
+    # Merge, so exporting variants (or another split) later keeps earlier files listed.
+    manifest_path = model_dir / MANIFEST
+    manifest = _read_manifest(manifest_path) if manifest_path.exists() else {}
+    merged = dict(manifest.get("blocks", {}))
+    merged.update(entries)
+    manifest = {"model": model, "seed": seed, "blocks": merged}
+    _atomic_write(manifest_path, _manifest_bytes(manifest))
+    log.info("manifest %s lists %d files", manifest_path, len(merged))
+    return manifest_path
+
+
+def _batch1(shape: torch.Size) -> list[int]:
+    return [1, *shape[1:]]
+
+
+def _compile_to_bytes(mod: nn.Module, method: str, example: torch.Tensor) -> bytes:
+    """TorchScript-compile ``mod`` and serialise it in memory (the bytes are
+    hashed and then written in one go)."""
+    mod.eval()
+    if method == "script":
+        compiled = torch.jit.script(mod)
+    else:
+        # check_trace re-runs the model only to detect data-dependent control
+        # flow, which ResNets do not have; the equivalence tests cover it.
+        with torch.no_grad():
+            compiled = torch.jit.trace(mod, example, check_trace=False)
+    buf = io.BytesIO()
+    torch.jit.save(compiled, buf)
+    return buf.getvalue()
+
+
+def _manifest_bytes(manifest: dict) -> bytes:
+    return (json.dumps(manifest, sort_keys=True, indent=2) + "\n").encode("utf-8")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write via a temp file + os.replace: a block server never sees a
+    half-written file, and an interrupted export leaves the old file intact."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------
+# Reading / verifying
+# --------------------------------------------------------------------------
+
+
+def load_manifest(repo: str | os.PathLike, model: str) -> dict:
+    """Manifest of ``repo/<model>``; ``{}`` when there is none."""
+    if not model or "/" in model or "\\" in model or model in (".", ".."):
+        raise ValueError(f"model must be a plain directory name, got {model!r}")
+    path = Path(repo) / model / MANIFEST
+    if not path.exists():
+        return {}
+    return _read_manifest(path)
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BlockFileError(
+            f"manifest {path.resolve()} is unreadable ({exc}); delete it and "
+            f"re-run `blockflow export --model {path.parent.name}`",
+            path,
+        ) from None
+    if not isinstance(data, dict) or not isinstance(data.get("blocks", {}), dict):
+        raise BlockFileError(
+            f"manifest {path.resolve()} has an unexpected format; delete it and "
+            f"re-run `blockflow export --model {path.parent.name}`",
+            path,
+        )
+    return data
+
+
+def _resolve(repo: str | os.PathLike, relpath: str | os.PathLike) -> Path:
+    """``repo/relpath``, refusing absolute paths and ``..`` escapes (block
+    paths come from configs/REST requests, so they must stay inside the repo).
+    The check is lexical so a repo may still contain symlinked files."""
+    rel = os.fspath(relpath)
+    root = Path(repo).resolve()
+    if not rel or os.path.isabs(rel) or Path(rel).anchor:
+        raise BlockFileError(
+            f"block path {rel!r} must be relative to the repository {root}", rel)
+    norm = os.path.normpath(rel)
+    if norm == ".." or norm.startswith(".." + os.sep) or norm.startswith("../"):
+        raise BlockFileError(
+            f"block path {rel!r} escapes the repository {root}; use a path "
+            "inside it such as 'resnet50/block1.pt'", rel)
+    return root / norm
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(_HASH_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_block(repo: str | os.PathLike, relpath: str) -> dict | None:
+    """Check ``repo/relpath`` against the manifest of its directory.
+
+    Returns the manifest entry, or ``None`` for a file no manifest lists
+    (user-dropped TorchScript files are allowed and served as is).
+    """
+    path = _resolve(repo, relpath)
+    model = path.parent.name
+    if not path.is_file():
+        raise BlockFileError(
+            f"block file {path} not found: run `blockflow export --model {model}` "
+            f"to create it, or fix the path {relpath!r}", path)
+    manifest_path = path.parent / MANIFEST
+    if not manifest_path.exists():
+        return None
+    entry = _read_manifest(manifest_path).get("blocks", {}).get(path.name)
+    if entry is None:
+        return None
+    expected = str(entry.get("sha256", ""))
+    actual = sha256_file(path)
+    if actual != expected:
+        raise BlockFileError(
+            f"block file {path} does not match {manifest_path}: sha256 "
+            f"{actual[:12]}... but the manifest expects {expected[:12]}...; the file "
+            f"is corrupt or was modified -- re-export it with `blockflow export "
+            f"--model {model}`", path)
+    return entry
+
+
+def load_block(repo: str | os.PathLike, relpath: str,
+               device: str = "cpu") -> torch.jit.ScriptModule:
+    """Verify and load one block file as an eval-mode TorchScript module."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"cannot load {relpath} on {device}: CUDA is not available")
+    entry = verify_block(repo, relpath)
+    path = _resolve(repo, relpath)
+    try:
+        mod = torch.jit.load(str(path), map_location=dev)
+    except Exception as exc:  # the loader raises RuntimeError/ValueError/...
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BlockFileError(
+            f"block file {path} is not a loadable TorchScript file ({reason}); "
+            f"replace it with a torch.jit.save'd module or re-export it with "
+            f"`blockflow export --model {path.parent.name}`", path) from exc
+    log.debug("loaded %s on %s (%s)", path, dev,
+              "unlisted" if entry is None else f"sha256 {entry['sha256'][:12]} ok")
+    return mod.eval()
+
+
+def list_blocks(repo: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every ``*.pt`` under ``repo``: ``{"path": relative posix path, "size":
+    bytes, "entry": manifest entry or None}``, sorted by path.  Does not hash
+    the files (cheap enough for a status endpoint); use :func:`verify_block`."""
+    root = Path(repo).resolve()
+    if not root.is_dir():
+        return []
+    manifests: dict[Path, dict] = {}
+    out = []
+    for path in sorted(root.rglob("*.pt")):
+        if not path.is_file():
+            continue
+        if path.parent not in manifests:
+            mpath = path.parent / MANIFEST
+            try:
+                manifests[path.parent] = _read_manifest(mpath) if mpath.exists() else {}
+            except BlockFileError as exc:
+                log.warning("%s", exc)
+                manifests[path.parent] = {}
+        entry = manifests[path.parent].get("blocks", {}).get(path.name)
+        out.append({"path": path.relative_to(root).as_posix(),
+                    "size": path.stat().st_size, "entry": entry})
+    return out
+
+
+def _check_model(model: str) -> None:
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
