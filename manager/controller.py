@@ -52,6 +52,8 @@ class Controller:
         self._thread.start()
 
     def stop(self) -> None:
+        if self._stop:
+            return
         self._stop = True
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)

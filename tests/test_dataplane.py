@@ -5,10 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 
 import pytest
@@ -16,10 +12,9 @@ import torch
 import zmq
 
 from blockflow.client import BlockFlowError, Client
-from blockflow.protocol import DISPATCHER, identity
+from blockflow.protocol import DISPATCHER
 from blocks.repository import load_block
-from manager.controller import Controller
-from tests.conftest import ROOT
+from blockflow.standalone import StandalonePipeline
 
 BRANCHY = {  # two tasks share block1-3 and own their block4/head (thesis scenario)
     "b1": "resnet18/block1.pt", "b2": "resnet18/block2.pt", "b3": "resnet18/block3.pt",
@@ -29,71 +24,14 @@ BRANCHY = {  # two tasks share block1-3 and own their block4/head (thesis scenar
 TASKS = {"classify": ["b1", "b2", "b3", "b4", "h"], "special": ["b1", "b2", "b3", "b4x", "hx"]}
 
 
-class Pipeline:
-    """Blocks + dispatcher as separate processes, a controller in the test process."""
-
-    def __init__(self, repo: str, workdir: str, transport: str, blocks: dict, tasks: dict):
-        self.ctx = zmq.Context()
-        self.sock = os.path.join(workdir, "sock")
-        self.shm = f"/dev/shm/blockflow-test-{os.getpid()}-{os.path.basename(workdir)}"
-        self.run = os.path.join(workdir, "run")
-        for d in (self.sock, self.shm, self.run):
-            os.makedirs(d, mode=0o700)
-        self.controller = Controller(self.ctx, f"ipc://{self.sock}/ctl.sock")
-        self.controller.start()
-        self.procs = {}
-        for name, model in blocks.items():
-            spec = dict(name=name, model=model, repo=repo, run_dir=self.run, sock_dir=self.sock, shm_dir=self.shm,
-                        transport=transport, controller=self.controller.endpoint, parent_pid=os.getpid(),
-                        threads=1)
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", "blocks.process", "--spec", json.dumps(spec)],
-                                                cwd=ROOT)
-        endpoints = {n: self.controller.wait_ready(identity(n, 0), 60)["endpoint"] for n in blocks}
-        table = {t: {"path": [[n, endpoints[n]] for n in p], "blocks": [f"{n}#0" for n in p], "input": None}
-                 for t, p in tasks.items()}
-        dspec = dict(sock_dir=self.sock, shm_dir=self.shm, address="tcp://127.0.0.1:0", transport=transport,
-                     controller=self.controller.endpoint, parent_pid=os.getpid(), tasks=table, request_timeout=20)
-        self.procs[DISPATCHER] = subprocess.Popen(
-            [sys.executable, "-m", "dispatcher.process", "--spec", json.dumps(dspec)], cwd=ROOT)
-        ready = self.controller.wait_ready(identity(DISPATCHER, 0), 60)
-        self.address = ready["endpoint"]
-        self.endpoints = endpoints
-
-    def command(self, name: str, cmd: str, args=None):
-        return self.controller.request(identity(name, 0), cmd, args)
-
-    def stop(self) -> dict:
-        for name in self.procs:
-            try:
-                self.controller.cast(identity(name, 0), "stop")
-            except Exception:
-                pass
-        codes = {}
-        for name, p in self.procs.items():
-            try:
-                codes[name] = p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                codes[name] = p.wait()
-        self.controller.stop()
-        self.ctx.term()
-        return codes
-
-
 @pytest.fixture(scope="module", params=["tensormq", "zeromq"])
 def pipeline(request, model_repo):
     """One pipeline per transport for the whole module (7 processes cost ~10 s to start here)."""
-    workdir = tempfile.mkdtemp(prefix="bft-")
-    p = Pipeline(model_repo, workdir, request.param, BRANCHY, TASKS)
+    p = StandalonePipeline(model_repo, BRANCHY, TASKS, transport=request.param)
     yield p
-    codes = p.stop()
-    left_slots = os.listdir(p.shm)
-    left_socks = [f for f in os.listdir(p.sock) if f != "ctl.sock"]
-    shutil.rmtree(p.shm, ignore_errors=True)
-    shutil.rmtree(workdir, ignore_errors=True)
-    assert all(c == 0 for c in codes.values()), f"exit codes {codes}"
-    assert left_slots == [], "slots left in the shared-memory directory"
-    assert left_socks == [], "socket files left behind"
+    result = p.stop()
+    assert all(c == 0 for c in result["codes"].values()), f"exit codes {result['codes']}"
+    assert result["left"] == {"slots": [], "sockets": []}, f"left behind: {result['left']}"
 
 
 def reference(repo, names):

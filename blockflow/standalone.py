@@ -1,0 +1,92 @@
+"""Blocks and a dispatcher as separate processes without the REST server.
+
+For benchmarks and tests that want the data plane alone: each block and the dispatcher is a
+real process started from the command line (``python -m blocks.process --spec ...``), wired
+by real ZeroMQ sockets, registering with a real controller that lives in this process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import zmq
+
+from blockflow.protocol import DISPATCHER, identity
+from manager.controller import Controller
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class StandalonePipeline:
+    """``blocks``: name -> model path in ``repo``; ``tasks``: task id -> list of block names."""
+
+    def __init__(self, repo: str, blocks: dict[str, str], tasks: dict[str, list[str]], transport: str = "tensormq",
+                 threads: int | None = 1, window: int = 8, workdir: str | None = None, env: dict | None = None):
+        self.workdir = workdir or tempfile.mkdtemp(prefix="bfs-")
+        self.ctx = zmq.Context()
+        self.sock = os.path.join(self.workdir, "sock")
+        self.shm = f"/dev/shm/blockflow-sa-{os.getpid()}-{os.path.basename(self.workdir)}"
+        self.run = os.path.join(self.workdir, "run")
+        for d in (self.sock, self.shm, self.run):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        self.controller = Controller(self.ctx, f"ipc://{self.sock}/ctl.sock")
+        self.controller.start()
+        self.procs: dict[str, subprocess.Popen] = {}
+        env = dict(os.environ, **(env or {}))
+        try:
+            for name, model in blocks.items():
+                spec = dict(name=name, model=model, repo=repo, run_dir=self.run, sock_dir=self.sock,
+                            shm_dir=self.shm, transport=transport, controller=self.controller.endpoint,
+                            parent_pid=os.getpid(), threads=threads, window=window)
+                self.procs[name] = subprocess.Popen(
+                    [sys.executable, "-m", "blocks.process", "--spec", json.dumps(spec)], cwd=ROOT, env=env)
+            self.endpoints = {n: self.controller.wait_ready(identity(n, 0), 120)["endpoint"] for n in blocks}
+            table = {t: {"path": [[n, self.endpoints[n]] for n in p], "blocks": [f"{n}#0" for n in p], "input": None}
+                     for t, p in tasks.items()}
+            dspec = dict(sock_dir=self.sock, shm_dir=self.shm, address="tcp://127.0.0.1:0", transport=transport,
+                         controller=self.controller.endpoint, parent_pid=os.getpid(), tasks=table, window=window)
+            self.procs[DISPATCHER] = subprocess.Popen(
+                [sys.executable, "-m", "dispatcher.process", "--spec", json.dumps(dspec)], cwd=ROOT, env=env)
+            self.address = self.controller.wait_ready(identity(DISPATCHER, 0), 120)["endpoint"]
+        except BaseException:
+            self.stop()
+            raise
+
+    def command(self, name: str, cmd: str, args=None, timeout: float = 5.0):
+        return self.controller.request(identity(name, 0), cmd, args, timeout=timeout)
+
+    def stop(self) -> dict:
+        """Stop every process; return exit codes and what was left behind (should be nothing)."""
+        if getattr(self, "_result", None) is not None:
+            return self._result
+        for name, p in self.procs.items():
+            if p.poll() is None:
+                try:
+                    self.controller.cast(identity(name, 0), "stop")
+                except Exception:
+                    pass
+        codes = {}
+        for name, p in self.procs.items():
+            try:
+                codes[name] = p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes[name] = p.wait()
+        self.controller.stop()
+        self.ctx.term()
+        left = {"slots": os.listdir(self.shm) if os.path.isdir(self.shm) else [],
+                "sockets": [f for f in os.listdir(self.sock) if f != "ctl.sock"] if os.path.isdir(self.sock) else []}
+        shutil.rmtree(self.shm, ignore_errors=True)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self._result = {"codes": codes, "left": left}
+        return self._result
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,136 @@
+"""Per-hop overhead of the data plane: a chain of identity blocks, both transports.
+
+A hop's overhead is what one more block on the path costs when the block itself does nothing:
+for each tensor size we time the round trip through chains of 1 and K identity blocks (real
+processes, real sockets) and report ((RTT_K - RTT_1) / (K - 1)), median and p99 over paired
+samples, plus the components the blocks record (queue wait, reconstruct, share, forward).
+
+Sizes: ResNet50's stage outputs at batch 1 and 32. Run:
+
+    python -m experiments.hop_overhead [--quick] [--device cpu|cuda] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+log = logging.getLogger("experiments.hop_overhead")
+
+STAGES = {"block1": (256, 56, 56), "block2": (512, 28, 28), "block3": (1024, 14, 14), "block4": (2048, 7, 7)}
+
+
+def _identity_repo() -> str:
+    class Identity(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    repo = tempfile.mkdtemp(prefix="bf-hop-")
+    os.makedirs(os.path.join(repo, "toy"))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.script(Identity()), os.path.join(repo, "toy", "identity.pt"))
+    return repo
+
+
+def _pct(values, q):
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def measure(transport: str, sizes: list[tuple], n: int, chain: int, device: str = "cpu") -> list[dict]:
+    from blockflow.client import Client
+    from blockflow.standalone import StandalonePipeline
+
+    repo = _identity_repo()
+    names = [f"i{k}" for k in range(chain)]
+    blocks = {nm: "toy/identity.pt" for nm in names}
+    tasks = {"short": names[:1], "long": names}
+    rows = []
+    env = {"BLOCKFLOW_KPI_FLUSH_EVERY": "100000"}
+    with StandalonePipeline(repo, blocks, tasks, transport=transport, threads=1, env=env) as p:
+        if device != "cpu":
+            for nm in names:
+                pass  # identity blocks on GPU are started with device in the spec below (see run_cuda)
+        with Client(p.address, timeout=120) as c:
+            for shape in sizes:
+                x = torch.randn(*shape)
+                for _ in range(max(3, n // 10)):  # warm-up: slots, mappings, sockets
+                    c.infer("short", x)
+                    c.infer("long", x)
+                short, long_, comps = [], [], []
+                for i in range(n):
+                    t0 = time.perf_counter()
+                    c.infer("short", x)
+                    t1 = time.perf_counter()
+                    r = c.infer_details("long", x)
+                    t2 = time.perf_counter()
+                    short.append((t1 - t0) * 1e3)
+                    long_.append((t2 - t1) * 1e3)
+                    comps.append(r.hops[1:])  # hops after the first (its wait includes dispatcher ingress)
+                per_hop = sorted((l - s) / (chain - 1) for s, l in zip(short, long_))
+                def comp(key):
+                    vals = [h.get(key, 0.0) for hs in comps for h in hs]
+                    return statistics.median(vals) if vals else None
+                row = {"transport": transport, "device": device, "shape": list(shape),
+                       "mbytes": x.numel() * 4 / 1e6, "n": n, "chain": chain,
+                       "rtt1_median_ms": statistics.median(short), "rttK_median_ms": statistics.median(long_),
+                       "per_hop_median_ms": (statistics.median(long_) - statistics.median(short)) / (chain - 1),
+                       "per_hop_paired_median_ms": statistics.median(per_hop),
+                       "per_hop_p99_ms": _pct(per_hop, 0.99),
+                       "hop_wait_ms": comp("wait"), "hop_deser_ms": comp("deser"), "hop_inf_ms": comp("inf"),
+                       "hop_share_ms": comp("share")}
+                rows.append(row)
+                print(f"{transport:8s} {str(list(shape)):22s} {row['mbytes']:8.1f} MB  per hop median "
+                      f"{row['per_hop_median_ms']:.3f} ms (paired {row['per_hop_paired_median_ms']:.3f}, "
+                      f"p99 {row['per_hop_p99_ms']:.3f})  rtt1 {row['rtt1_median_ms']:.3f} ms", flush=True)
+        left = p.stop()
+        if left["left"] != {"slots": [], "sockets": []}:
+            log.warning("left behind: %s", left["left"])
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.hop_overhead", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer samples and sizes (smoke run)")
+    ap.add_argument("--n", type=int, help="samples per size (default 200, quick 20)")
+    ap.add_argument("--chain", type=int, default=4, help="identity blocks in the long chain (default 4)")
+    ap.add_argument("--transports", default="tensormq,zeromq")
+    ap.add_argument("--out", help="results directory (default experiments/results/<machine>)")
+    args = ap.parse_args(argv)
+    n = args.n or (20 if args.quick else 200)
+    batches = [1, 32] if not args.quick else [1]
+    sizes = [(b, *s) for b in batches for s in STAGES.values()]
+    if args.quick:
+        sizes = [(1, *STAGES["block1"]), (1, *STAGES["block4"])]
+    rows = []
+    for t in args.transports.split(","):
+        rows += measure(t, sizes, n if sizes[0][0] == 1 else n, args.chain)
+    try:
+        from experiments.common import env_info, results_dir
+        out = args.out or results_dir()
+        info = env_info()
+    except ImportError:
+        out = args.out or os.path.join(os.path.dirname(__file__), "results", "local")
+        info = {"torch": torch.__version__, "cpus": os.cpu_count()}
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "hop_overhead.json")
+    with open(path, "w") as f:
+        json.dump({"experiment": "hop_overhead", "env": info,
+                   "settings": {"n": n, "chain": args.chain, "quick": args.quick}, "rows": rows}, f, indent=2)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main())
