@@ -69,6 +69,22 @@ def read_json():
         return json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         fail(400, f"body: not valid JSON ({exc})", field="body")
+    except RecursionError:  # e.g. [[[[...]]]] nested deeper than the parser's stack
+        fail(400, "body: JSON nested too deeply", field="body")
+
+
+def block_name() -> str:
+    """The {name} of /blocks/{name}[/action], as the URL path says it.
+
+    Kept on the request, not in ``request.params``: CherryPy merges the query string into
+    ``params`` after dispatching, so ``DELETE /blocks/a?name=b`` would otherwise act on b.
+    """
+    return cherrypy.request.blockflow_block
+
+
+def no_params(params: dict) -> None:
+    if params:
+        fail(400, f"unexpected query parameter(s): {', '.join(sorted(params))}", field=sorted(params)[0])
 
 
 def check_token():
@@ -109,7 +125,7 @@ class System:
         if vpath and vpath[0] == "update":
             vpath.pop(0)
             return self.update
-        return vpath
+        return None
 
     @cherrypy.tools.json_out()
     def GET(self):
@@ -134,7 +150,9 @@ class BlockAction:
             fail(404, f"no block named {name!r}; GET /blocks lists them")
 
     @cherrypy.tools.json_out()
-    def GET(self, name):
+    def GET(self, **params):
+        name = block_name()
+        no_params(params)
         self._child(name)
         try:
             if self.action == "ping":
@@ -150,7 +168,9 @@ class BlockAction:
         fail(405, f"GET is not allowed on /blocks/{name}/{self.action}")
 
     @cherrypy.tools.json_out()
-    def POST(self, name):
+    def POST(self, **params):
+        name = block_name()
+        no_params(params)
         self._child(name)
         if self.action != "monitor":
             fail(405, f"POST is not allowed on /blocks/{name}/{self.action}")
@@ -164,33 +184,42 @@ class BlockAction:
 
 
 @cherrypy.expose
-class Blocks:
+class BlockList:
+    """/blocks"""
+
     def __init__(self, manager: Manager):
         self.manager = manager
-        self.actions = {a: BlockAction(manager, a) for a in ("ping", "kpi", "monitor")}
-
-    def _cp_dispatch(self, vpath):
-        if len(vpath) == 2 and vpath[1] in self.actions:
-            cherrypy.request.params["name"] = vpath.pop(0)
-            return self.actions[vpath.pop(0)]
-        if len(vpath) == 1:
-            cherrypy.request.params["name"] = vpath.pop(0)
-            return self
-        return vpath
 
     @cherrypy.tools.json_out()
-    def GET(self, name=None):
-        if name is None:
-            return self.manager.snapshot()["blocks"]
+    def GET(self, **params):
+        no_params(params)
+        return self.manager.snapshot()["blocks"]
+
+    @cherrypy.tools.json_out()
+    def DELETE(self, **params):
+        fail(405, "DELETE /blocks/{name} removes one block; DELETE /system removes them all")
+
+
+@cherrypy.expose
+class Block:
+    """/blocks/{name}"""
+
+    def __init__(self, manager: Manager):
+        self.manager = manager
+
+    @cherrypy.tools.json_out()
+    def GET(self, **params):
+        name = block_name()
+        no_params(params)
         try:
             return self.manager.child(name).describe()
         except KeyError:
             fail(404, f"no block named {name!r}; GET /blocks lists them")
 
     @cherrypy.tools.json_out()
-    def DELETE(self, name=None):
-        if name is None:
-            fail(405, "DELETE /blocks/{name} removes one block; DELETE /system removes them all")
+    def DELETE(self, **params):
+        name = block_name()
+        no_params(params)
         try:
             return self.manager.delete_block(name)
         except KeyError:
@@ -206,12 +235,16 @@ class Health:
 
     def _cp_dispatch(self, vpath):
         if len(vpath) == 1 and vpath[0] in ("live", "ready"):
-            cherrypy.request.params["what"] = vpath.pop(0)
+            cherrypy.request.blockflow_health = vpath.pop(0)
             return self
-        return vpath
+        return None
 
     @cherrypy.tools.json_out()
-    def GET(self, what="live"):
+    def GET(self, *vpath, **params):
+        if vpath:
+            fail(404, f"no /health/{'/'.join(vpath)}; use /health/live or /health/ready")
+        no_params(params)
+        what = getattr(cherrypy.request, "blockflow_health", "live")
         if what == "ready" and not self.manager.ready():
             fail(503, "not ready: the dispatcher or a block is not running", system=self.manager.snapshot())
         return {"status": "ok", "version": self.manager.version}
@@ -219,10 +252,33 @@ class Health:
 
 @cherrypy.expose
 class Root:
+    """/blocks/... is routed here by _cp_dispatch, never by attribute lookup: CherryPy looks a
+    path segment up with getattr() first, so a block named like an attribute of a handler
+    object ("manager", "GET", "exposed", ...) would otherwise reach that attribute."""
+
     def __init__(self, manager: Manager):
         self.system = System(manager)
-        self.blocks = Blocks(manager)
         self.health = Health(manager)
+        self._block_list = BlockList(manager)
+        self._block = Block(manager)
+        self._actions = {a: BlockAction(manager, a) for a in ("ping", "kpi", "monitor")}
+
+    def _cp_dispatch(self, vpath):
+        if not vpath or vpath[0] != "blocks":
+            return None
+        if len(vpath) == 1:
+            del vpath[:1]
+            return self._block_list
+        if len(vpath) == 2:
+            cherrypy.request.blockflow_block = vpath[1]
+            del vpath[:2]
+            return self._block
+        if len(vpath) == 3 and vpath[2] in self._actions:
+            cherrypy.request.blockflow_block = vpath[1]
+            action = self._actions[vpath[2]]
+            del vpath[:3]
+            return action
+        return None
 
     @cherrypy.tools.json_out()
     def GET(self):
@@ -238,6 +294,9 @@ def app_config(token: str | None) -> dict:
             "tools.blockflow_auth.on": True,
             "tools.encode.on": True,
             "request.show_tracebacks": False,
+            # bodies are JSON, read by read_json(); never let CherryPy parse a form body into
+            # handler arguments (a form POST must get 415, not a confusing 400/404)
+            "request.body.processors": {},
         },
         "blockflow": {"token": token},
     }
