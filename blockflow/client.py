@@ -12,11 +12,13 @@ call has a deadline: the default ``timeout`` of the client or the one given per 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 
 import torch
@@ -64,6 +66,13 @@ class Client:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.linger = 0
         self._sock.connect(address)
+        # Connection events tell us when the dispatcher went away: requests it held are then
+        # answered at once with a 'disconnected' error instead of waiting for their deadline.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sent: set[int] = set()
+        self._answered: OrderedDict[int, None] = OrderedDict()
+        #: replies the server sent twice (must stay 0) or after this client gave up on a request
+        self.stats = {"duplicates": 0, "late": 0}
         self._thread = threading.Thread(target=self._io_loop, name="blockflow-client", daemon=True)
         self._thread.start()
 
@@ -129,6 +138,7 @@ class Client:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._closed:
                 events = dict(poller.poll(20))
@@ -140,8 +150,11 @@ class Client:
                     except queue.Empty:
                         break
                     self._sock.send_multipart(frames, copy=len(frames) < 2 or len(memoryview(frames[1]).cast("B")) < 65536)
+                    self._sent.add(json.loads(frames[0])["id"])
                 if self._sock in events:
                     self._receive()
+                if self._monitor in events:
+                    self._on_disconnect()
                 self._expire()
         finally:
             with self._lock:
@@ -149,8 +162,23 @@ class Client:
             for fut, _ in waiting.values():
                 if not fut.done():
                     fut.set_exception(RuntimeError("client closed before the reply arrived"))
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
             self._ctx.term()
+
+    def _on_disconnect(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+        while self._monitor.poll(0):
+            recv_monitor_message(self._monitor)
+        self._receive()  # replies that arrived before the connection dropped still count
+        with self._lock:
+            lost = [(rid, self._waiting.pop(rid)[0]) for rid in list(self._sent) if rid in self._waiting]
+        self._sent.clear()
+        for rid, fut in lost:
+            fut.set_exception(BlockFlowError(
+                f"the connection to the dispatcher at {self.address} dropped while request {rid} was in flight; "
+                "it may or may not have run, retry it", "disconnected"))
 
     def _receive(self) -> None:
         while True:
@@ -163,10 +191,20 @@ class Client:
             except WireError as exc:
                 log.warning("client: dropped an unreadable reply (%s)", exc)
                 continue
+            rid = header.get("id")
             with self._lock:
-                entry = self._waiting.pop(header.get("id"), None)
+                entry = self._waiting.pop(rid, None)
+            self._sent.discard(rid)
+            if rid in self._answered:
+                self.stats["duplicates"] += 1  # the server answered this request twice: a bug
+                continue
+            if isinstance(rid, int):
+                self._answered[rid] = None
+                if len(self._answered) > 100_000:
+                    self._answered.popitem(last=False)
             if entry is None:
-                continue  # answered already (timed out on our side)
+                self.stats["late"] += 1  # answered after we gave up on it (deadline or disconnect)
+                continue
             fut = entry[0]
             if header.get("status") != "ok":
                 fut.set_exception(BlockFlowError(str(header.get("error", "unknown error")),
@@ -187,6 +225,7 @@ class Client:
         with self._lock:
             late = [rid for rid, (_, deadline) in self._waiting.items() if deadline < now]
             expired = [self._waiting.pop(rid)[0] for rid in late]
+        self._sent.difference_update(late)
         for fut in expired:
             fut.set_exception(TimeoutError(f"no reply from {self.address} within the deadline; "
                                            "is `blockflow serve` running and the task deployed?"))

@@ -1,0 +1,228 @@
+"""Chaos run: Poisson load through two tasks that share blocks while faults are injected.
+
+At seeded random moments it SIGKILLs a block, SIGSTOPs one (a hang) and later resumes it,
+SIGKILLs the dispatcher, and POSTs topology updates that add, replace and remove blocks and
+change paths. It counts requests sent, ok replies, error replies (by code), requests never
+answered (must be 0), duplicate replies (must be 0), wrong results (compared with the monolithic
+model; must be 0), and the time from each fault to the first ok reply after it.
+
+    python -m experiments.chaos [--duration 60] [--rate 6] [--seed 1] [--repo model_repo]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+MODEL = "resnet18"
+
+
+def _blocks(names_models: dict[str, str]) -> list[dict]:
+    return [{"name": n, "model": f"{MODEL}/{m}.pt", "device": "cpu", "threads": 1} for n, m in names_models.items()]
+
+
+# The topologies the run cycles through. Every path computes the same function as the first
+# (replacements load the same model file), so every ok result can be checked.
+BASE = {"b1": "block1", "b2": "block2", "b3": "block3", "b4": "block4", "h": "head", "b4x": "block4-x", "hx": "head-x"}
+TOPOLOGIES = [
+    ("initial", BASE, {"classify": ["b1", "b2", "b3", "b4", "h"], "special": ["b1", "b2", "b3", "b4x", "hx"]}),
+    ("add block, change path", {**BASE, "b4b": "block4"},
+     {"classify": ["b1", "b2", "b3", "b4b", "h"], "special": ["b1", "b2", "b3", "b4x", "hx"]}),
+    ("remove block and task", {k: v for k, v in BASE.items() if k not in ("b4x", "hx")},
+     {"classify": ["b1", "b2", "b3", "b4", "h"]}),
+    ("replace block (threads change)", BASE, {"classify": ["b1", "b2", "b3", "b4", "h"],
+                                              "special": ["b1", "b2", "b3", "b4x", "hx"]}),
+]
+
+
+def topology_body(i: int) -> tuple[str, dict]:
+    label, blocks, tasks = TOPOLOGIES[i % len(TOPOLOGIES)]
+    body = {"transport": "tensormq", "blocks": _blocks(blocks),
+            "tasks": [{"id": t, "path": p} for t, p in tasks.items()]}
+    if i % len(TOPOLOGIES) == 3:  # a changed spec forces a replacement of b2
+        for b in body["blocks"]:
+            if b["name"] == "b2":
+                b["threads"] = 2 if (i // len(TOPOLOGIES)) % 2 == 0 else 1
+    return label, body
+
+
+def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 1, fault_every: float = 4.0,
+              timeout: float = 20.0, log=print) -> dict:
+    from blockflow.client import BlockFlowError, Client
+    from blockflow.demo import start_server, stop_server
+    from blockflow.restclient import RestError, call
+    from blocks.repository import load_block
+
+    rng = random.Random(seed)
+    log(f"chaos: seed {seed}, {duration:.0f}s at {rate}/s, a fault every ~{fault_every}s")
+    gen = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(1, 3, 224, 224, generator=gen) for _ in range(4)]
+    full = load_block(repo, f"{MODEL}/full.pt")
+    special = [load_block(repo, f"{MODEL}/{m}.pt") for m in ("block1", "block2", "block3", "block4-x", "head-x")]
+    with torch.inference_mode():
+        expected = {"classify": [full(x) for x in inputs], "special": []}
+        for x in inputs:
+            y = x
+            for m in special:
+                y = m(y)
+            expected["special"].append(y)
+
+    state_dir = tempfile.mkdtemp(prefix="bf-chaos-")
+    proc, info = start_server(repo, state_dir)
+    url = info["rest"]
+    counts = {"sent": 0, "ok": 0, "wrong": 0, "errors": {}, "never_answered": 0}
+    faults: list[dict] = []
+    ok_times: list[float] = []
+    lock = threading.Lock()
+    futures = []
+    try:
+        call("POST", f"{url}/system/update", topology_body(0)[1])
+        client = Client(info["dispatcher"], timeout=timeout)
+        t_start = time.monotonic()
+        stop_at = t_start + duration
+
+        def on_done(fut, task, k):
+            now = time.monotonic()
+            with lock:
+                exc = fut.exception()
+                if exc is None:
+                    counts["ok"] += 1
+                    ok_times.append(now)
+                    if not torch.allclose(fut.result(), expected[task][k], atol=1e-4, rtol=1e-4):
+                        counts["wrong"] += 1
+                else:
+                    code = exc.code if isinstance(exc, BlockFlowError) else type(exc).__name__
+                    counts["errors"][code] = counts["errors"].get(code, 0) + 1
+
+        def load():
+            next_t = time.monotonic()
+            while time.monotonic() < stop_at:
+                next_t += rng_load.expovariate(rate)
+                time.sleep(max(0.0, next_t - time.monotonic()))
+                task = "classify" if rng_load.random() < 0.5 else "special"
+                k = rng_load.randrange(len(inputs))
+                fut = client.submit(task, inputs[k])
+                with lock:
+                    counts["sent"] += 1
+                    futures.append(fut)
+                fut.add_done_callback(lambda f, t=task, k=k: on_done(f, t, k))
+
+        rng_load = random.Random(seed + 1)
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        stopped: list[tuple[int, float]] = []
+        topo = 0
+        kinds = ["kill_block", "stop_block", "kill_dispatcher", "update"]
+        time.sleep(min(2.0, duration / 4))
+        while time.monotonic() < stop_at - 3:
+            kind = kinds[len(faults) % len(kinds)] if len(faults) < len(kinds) else rng.choice(kinds)
+            system = call("GET", f"{url}/system")
+            ready = [b for b in system["blocks"] if b["status"] == "ready"]
+            t_fault = time.monotonic()
+            detail = ""
+            if kind in ("kill_block", "stop_block") and ready:
+                b = rng.choice(ready)
+                detail = f"{b['name']} (pid {b['pid']})"
+                os.kill(b["pid"], signal.SIGKILL if kind == "kill_block" else signal.SIGSTOP)
+                if kind == "stop_block":
+                    stopped.append((b["pid"], t_fault + 2.0))
+            elif kind == "kill_dispatcher" and system.get("dispatcher"):
+                detail = f"pid {system['dispatcher']['pid']}"
+                os.kill(system["dispatcher"]["pid"], signal.SIGKILL)
+            else:
+                kind = "update"
+                topo += 1
+                label, body = topology_body(topo)
+                detail = label
+                try:
+                    call("POST", f"{url}/system/update", body)
+                except RestError as exc:
+                    detail += f" (refused: {exc})"
+            faults.append({"t": t_fault - t_start, "kind": kind, "detail": detail, "_t": t_fault})
+            log(f"  {t_fault - t_start:6.1f}s  {kind:16s} {detail}")
+            pause = rng.uniform(0.5, 1.5) * fault_every
+            end_pause = time.monotonic() + pause
+            while time.monotonic() < min(end_pause, stop_at - 3):
+                for pid, when in list(stopped):
+                    if time.monotonic() >= when:
+                        try:
+                            os.kill(pid, signal.SIGCONT)  # if it was not killed as hung already
+                        except ProcessLookupError:
+                            pass
+                        stopped.remove((pid, when))
+                time.sleep(0.05)
+        for pid, _ in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        loader.join()
+        deadline = time.monotonic() + timeout + 5
+        for f in list(futures):
+            try:
+                f.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+        with lock:
+            counts["never_answered"] = sum(1 for f in futures if not f.done())
+        counts["duplicates"] = client.stats["duplicates"]
+        counts["late_replies"] = client.stats["late"]
+        client.close()
+        for f in faults:
+            after = [t for t in ok_times if t > f["_t"]]
+            f["recovery_s"] = (min(after) - f["_t"]) if after else None
+            del f["_t"]
+        final = call("GET", f"{url}/system")
+    finally:
+        code = stop_server(proc)
+    rec = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]
+    report = {"seed": seed, "duration_s": duration, "rate": rate, **counts,
+              "errors_total": sum(counts["errors"].values()), "faults": faults,
+              "recovery_s": {"max": max(rec) if rec else None,
+                             "median": sorted(rec)[len(rec) // 2] if rec else None},
+              "restarts": {b["name"]: b["restarts"] for b in final["blocks"]},
+              "dispatcher_restarts": (final.get("dispatcher") or {}).get("restarts"),
+              "server_exit_code": code}
+    log(f"chaos: sent {counts['sent']}, ok {counts['ok']}, errors {counts['errors']}, never answered "
+        f"{counts['never_answered']}, duplicates {counts['duplicates']}, wrong {counts['wrong']}, "
+        f"recovery max {report['recovery_s']['max']}")
+    return report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.chaos", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--rate", type=float, default=6.0, help="Poisson arrivals per second")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fault-every", type=float, default=4.0, help="mean seconds between faults")
+    ap.add_argument("--repo", default="model_repo")
+    ap.add_argument("--quick", action="store_true", help="20 s instead of the default")
+    ap.add_argument("--out", help="results directory")
+    args = ap.parse_args(argv)
+    if not os.path.exists(os.path.join(args.repo, MODEL, "block4-x.pt")):
+        from blocks.repository import export_model
+        export_model(MODEL, args.repo, blocks=4, variants={"x": ["block4", "head"]})
+    report = run_chaos(args.repo, 20.0 if args.quick else args.duration, args.rate, args.seed, args.fault_every)
+    try:
+        from experiments.common import results_dir
+        out = args.out or results_dir()
+    except ImportError:
+        out = args.out or os.path.join(os.path.dirname(__file__), "results", "local")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "chaos.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    bad = report["never_answered"] or report["duplicates"] or report["wrong"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""A short chaos run (experiments/chaos.py): faults and topology changes under Poisson load.
+
+Every request must end with exactly one outcome: a correct result or an error reply."""
+from __future__ import annotations
+
+import pytest
+
+from experiments.chaos import run_chaos
+
+
+def test_chaos_every_request_gets_exactly_one_reply(model_repo, leak_check):
+    report = run_chaos(model_repo, duration=22.0, rate=5.0, seed=7, fault_every=3.0)
+    kinds = {f["kind"] for f in report["faults"]}
+    assert {"kill_block", "stop_block", "kill_dispatcher", "update"} <= kinds, report["faults"]
+    assert report["sent"] > 40
+    assert report["never_answered"] == 0, report
+    assert report["duplicates"] == 0, report
+    assert report["wrong"] == 0, report
+    assert report["ok"] > report["sent"] * 0.5, report
+    assert report["ok"] + report["errors_total"] == report["sent"], report
+    assert report["server_exit_code"] == 0
+    # every fault is followed by a served request
+    assert all(f["recovery_s"] is not None for f in report["faults"]), report["faults"]
