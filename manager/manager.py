@@ -255,7 +255,7 @@ class Manager:
             self.update_body, self.transport = body, upd.transport
             self.manifests = upd.manifests
             self.version += 1
-            self.publish()
+            self.publish(draining=retired)
             self.retire(retired)
             self._persist()
             diff = {"spawned": spawned, "replaced": replaced, "kept": kept, "removed": removed,
@@ -279,9 +279,14 @@ class Manager:
                 table[tid]["unavailable"] = ", ".join(f"block {c.name} is {c.status}" for c in down)
         return table
 
-    def publish(self) -> None:
-        """Send the task table to the dispatcher and the live hops to every process."""
-        live = [c.endpoint for c in self.blocks.values() if c.status == "ready"]
+    def publish(self, draining: list[Child] = ()) -> None:
+        """Send the task table to the dispatcher and the live hops to every process.
+
+        ``draining``: blocks on their way out whose queued requests must still finish. Their
+        endpoints stay live, because a producer reclaims the slots of every hop that is not
+        live, which would turn the handles still queued there into stale ones. retire()
+        publishes again once they are stopped."""
+        live = [c.endpoint for c in [*self.blocks.values(), *draining] if c.status == "ready"]
         if self.dispatcher is not None:
             live += list(self.dispatcher.ready_info.get("results", []))
         devices = {c.endpoint: c.decl.device for c in self.blocks.values() if c.endpoint}
@@ -348,7 +353,7 @@ class Manager:
             children = list(self.blocks.values())
             self.blocks, self.tasks = {}, {}
             self.version += 1
-            self.publish()
+            self.publish(draining=children)
             self.retire(children)
             self._persist()
             return {"removed": [c.name for c in children], "version": self.version}
