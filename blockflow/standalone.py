@@ -22,10 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class StandalonePipeline:
-    """``blocks``: name -> model path in ``repo``; ``tasks``: task id -> list of block names."""
+    """``blocks``: name -> model path in ``repo``; ``tasks``: task id -> list of block names;
+    every block runs on ``device`` (``cpu``, ``cuda``, ``cuda:N``)."""
 
     def __init__(self, repo: str, blocks: dict[str, str], tasks: dict[str, list[str]], transport: str = "tensormq",
-                 threads: int | None = 1, window: int = 8, workdir: str | None = None, env: dict | None = None):
+                 threads: int | None = 1, window: int = 8, workdir: str | None = None, env: dict | None = None,
+                 device: str = "cpu"):
         self.workdir = workdir or tempfile.mkdtemp(prefix="bfs-")
         self.ctx = zmq.Context()
         self.sock = os.path.join(self.workdir, "sock")
@@ -41,7 +43,7 @@ class StandalonePipeline:
             for name, model in blocks.items():
                 spec = dict(name=name, model=model, repo=repo, run_dir=self.run, sock_dir=self.sock,
                             shm_dir=self.shm, transport=transport, controller=self.controller.endpoint,
-                            parent_pid=os.getpid(), threads=threads, window=window)
+                            parent_pid=os.getpid(), threads=threads, window=window, device=device)
                 self.procs[name] = subprocess.Popen(
                     [sys.executable, "-m", "blocks.process", "--spec", json.dumps(spec)], cwd=ROOT, env=env)
             self.endpoints = {n: self.controller.wait_ready(identity(n, 0), 120)["endpoint"] for n in blocks}

@@ -145,3 +145,50 @@ def test_kpi_logs_are_written_on_store(pipeline):
     for key in ("wait", "deser", "dev", "inf", "share", "fwd", "total", "queue"):
         assert key in records[-1]
     assert records[-1]["inf"] > 0 and records[-1]["total"] >= records[-1]["inf"]
+
+
+# -- CUDA: the same promises with every block on the GPU (skipped where none is present) --------
+
+@pytest.fixture(scope="module", params=["tensormq", "zeromq"])
+def cuda_pipeline(request, model_repo):
+    p = StandalonePipeline(model_repo, BRANCHY, TASKS, transport=request.param, device="cuda")
+    yield p
+    result = p.stop()
+    assert all(c == 0 for c in result["codes"].values()), f"exit codes {result['codes']}"
+    assert result["left"] == {"slots": [], "sockets": []}, f"left behind: {result['left']}"
+
+
+@pytest.mark.cuda
+def test_cuda_branchy_pipeline_equals_monolithic(cuda_pipeline, model_repo):
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    full = load_block(model_repo, "resnet18/full.pt")
+    with torch.inference_mode():
+        expected = full(x)
+    special = reference(model_repo, TASKS["special"])(x)
+    with Client(cuda_pipeline.address, timeout=60) as c:
+        y = c.infer("classify", x)
+        z = c.infer("special", x)
+    # cuDNN kernels differ from the CPU ones: compare at the precision the GPU gives
+    assert torch.allclose(y, expected, atol=1e-3, rtol=1e-3)
+    assert torch.allclose(z, special, atol=1e-3, rtol=1e-3)
+    assert not torch.allclose(y, z)
+
+
+@pytest.mark.cuda
+def test_cuda_every_request_gets_exactly_one_reply(cuda_pipeline, model_repo):
+    before = cuda_pipeline.command(DISPATCHER, "ping")
+    inputs = [torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(i)) for i in range(32)]
+    full = load_block(model_repo, "resnet18/full.pt")
+    with Client(cuda_pipeline.address, timeout=60) as c:
+        futures = [(x, c.submit("classify", x)) for x in inputs]
+        results = [(x, f.result(60)) for x, f in futures]
+        time.sleep(0.2)
+        assert not c._waiting
+    with torch.inference_mode():
+        for x, y in results:
+            assert torch.allclose(y, full(x), atol=1e-3, rtol=1e-3)
+    stats = cuda_pipeline.command(DISPATCHER, "ping")
+    assert stats["ok"] - before["ok"] == 32 and stats["late"] == 0 and stats["outstanding"] == 0
+    # every GPU slot came back: nothing is held once the consumers released it
+    for name in BRANCHY:
+        assert cuda_pipeline.command(name, "ping").get("in_flight", 0) == 0, name
