@@ -62,7 +62,9 @@ def run_demo(repo: str = "model_repo", config: str | None = None, requests: int 
         update = json.load(f)
     state_dir = tempfile.mkdtemp(prefix="blockflow-demo-")
     t0 = time.monotonic()
-    proc, info = start_server(repo, state_dir)
+    # the server's own log only when something goes wrong (BLOCKFLOW_LOG=INFO shows it all)
+    env = dict(os.environ, BLOCKFLOW_LOG=os.environ.get("BLOCKFLOW_LOG", "WARNING"))
+    proc, info = start_server(repo, state_dir, env=env)
     try:
         print(f"server up in {time.monotonic() - t0:.1f}s: REST {info['rest']}, dispatcher {info['dispatcher']}")
         res = call("POST", f"{info['rest']}/system/update", update)

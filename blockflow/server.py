@@ -59,7 +59,13 @@ def serve(host: str = "127.0.0.1", port: int = 8080, dispatcher_host: str = "127
         "checker.on": False,
         "environment": "production",
     })
-    cherrypy.tree.mount(Root(manager), "/", app_config(token))
+    # CherryPy's loggers carry their own INFO level and propagate to the root handler:
+    # hold them to the level the user chose (BLOCKFLOW_LOG), the access log to WARNING when quiet
+    app = cherrypy.tree.mount(Root(manager), "/", app_config(token))
+    root_level = logging.getLogger().getEffectiveLevel()
+    for logs in (cherrypy.log, app.log):
+        logs.error_log.setLevel(root_level)
+        logs.access_log.setLevel(max(root_level, logging.WARNING) if quiet else root_level)
     plugin = ManagerPlugin(cherrypy.engine, manager, ready_file, "")
     plugin.subscribe()
     if hasattr(cherrypy.engine, "signal_handler"):
