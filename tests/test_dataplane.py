@@ -24,10 +24,18 @@ BRANCHY = {  # two tasks share block1-3 and own their block4/head (thesis scenar
 TASKS = {"classify": ["b1", "b2", "b3", "b4", "h"], "special": ["b1", "b2", "b3", "b4x", "hx"]}
 
 
-@pytest.fixture(scope="module", params=["tensormq", "zeromq"])
+CUDA = pytest.mark.cuda  # the same promises with every block on the GPU; skipped where none is present
+
+
+@pytest.fixture(scope="module", params=[
+    ("tensormq", "cpu"), ("zeromq", "cpu"),
+    pytest.param(("tensormq", "cuda"), marks=CUDA), pytest.param(("zeromq", "cuda"), marks=CUDA)],
+    ids=lambda p: "-".join(p))
 def pipeline(request, model_repo):
-    """One pipeline per transport for the whole module (7 processes cost ~10 s to start here)."""
-    p = StandalonePipeline(model_repo, BRANCHY, TASKS, transport=request.param)
+    """One pipeline per transport and device for the whole module (7 processes cost ~10 s to start here)."""
+    transport, device = request.param
+    p = StandalonePipeline(model_repo, BRANCHY, TASKS, transport=transport, device=device)
+    p.tol = 1e-4 if device == "cpu" else 1e-3  # cuDNN kernels differ from the CPU ones
     yield p
     result = p.stop()
     assert all(c == 0 for c in result["codes"].values()), f"exit codes {result['codes']}"
@@ -54,8 +62,8 @@ def test_branchy_pipeline_equals_monolithic(pipeline, model_repo):
     with Client(pipeline.address, timeout=30) as c:
         y = c.infer("classify", x)
         z = c.infer("special", x)
-    assert torch.allclose(y, expected, atol=1e-4, rtol=1e-4)
-    assert torch.allclose(z, special, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(y, expected, atol=pipeline.tol, rtol=pipeline.tol)
+    assert torch.allclose(z, special, atol=pipeline.tol, rtol=pipeline.tol)
     assert not torch.allclose(y, z)  # the specialised branch really is another model
 
 
@@ -72,10 +80,13 @@ def test_every_request_gets_exactly_one_reply(pipeline, model_repo):
     with torch.inference_mode():
         for i, (x, r) in enumerate(results):
             if i % 2:
-                assert torch.allclose(r.tensor, full(x), atol=1e-4, rtol=1e-4)
+                assert torch.allclose(r.tensor, full(x), atol=pipeline.tol, rtol=pipeline.tol)
             assert [h["b"] for h in r.hops] == TASKS["classify" if i % 2 else "special"]
     stats = pipeline.command(DISPATCHER, "ping")
     assert stats["ok"] - before["ok"] == 24 and stats["late"] == 0 and stats["outstanding"] == 0
+    # every slot came back once its consumer was done: nothing is held in shared or GPU memory
+    for name in BRANCHY:
+        assert pipeline.command(name, "ping")["in_flight"] == 0, name
 
 
 def test_bad_requests_get_error_replies_and_blocks_keep_serving(pipeline):
@@ -146,49 +157,3 @@ def test_kpi_logs_are_written_on_store(pipeline):
         assert key in records[-1]
     assert records[-1]["inf"] > 0 and records[-1]["total"] >= records[-1]["inf"]
 
-
-# -- CUDA: the same promises with every block on the GPU (skipped where none is present) --------
-
-@pytest.fixture(scope="module", params=["tensormq", "zeromq"])
-def cuda_pipeline(request, model_repo):
-    p = StandalonePipeline(model_repo, BRANCHY, TASKS, transport=request.param, device="cuda")
-    yield p
-    result = p.stop()
-    assert all(c == 0 for c in result["codes"].values()), f"exit codes {result['codes']}"
-    assert result["left"] == {"slots": [], "sockets": []}, f"left behind: {result['left']}"
-
-
-@pytest.mark.cuda
-def test_cuda_branchy_pipeline_equals_monolithic(cuda_pipeline, model_repo):
-    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
-    full = load_block(model_repo, "resnet18/full.pt")
-    with torch.inference_mode():
-        expected = full(x)
-    special = reference(model_repo, TASKS["special"])(x)
-    with Client(cuda_pipeline.address, timeout=60) as c:
-        y = c.infer("classify", x)
-        z = c.infer("special", x)
-    # cuDNN kernels differ from the CPU ones: compare at the precision the GPU gives
-    assert torch.allclose(y, expected, atol=1e-3, rtol=1e-3)
-    assert torch.allclose(z, special, atol=1e-3, rtol=1e-3)
-    assert not torch.allclose(y, z)
-
-
-@pytest.mark.cuda
-def test_cuda_every_request_gets_exactly_one_reply(cuda_pipeline, model_repo):
-    before = cuda_pipeline.command(DISPATCHER, "ping")
-    inputs = [torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(i)) for i in range(32)]
-    full = load_block(model_repo, "resnet18/full.pt")
-    with Client(cuda_pipeline.address, timeout=60) as c:
-        futures = [(x, c.submit("classify", x)) for x in inputs]
-        results = [(x, f.result(60)) for x, f in futures]
-        time.sleep(0.2)
-        assert not c._waiting
-    with torch.inference_mode():
-        for x, y in results:
-            assert torch.allclose(y, full(x), atol=1e-3, rtol=1e-3)
-    stats = cuda_pipeline.command(DISPATCHER, "ping")
-    assert stats["ok"] - before["ok"] == 32 and stats["late"] == 0 and stats["outstanding"] == 0
-    # every GPU slot came back: nothing is held once the consumers released it
-    for name in BRANCHY:
-        assert cuda_pipeline.command(name, "ping").get("in_flight", 0) == 0, name
