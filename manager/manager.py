@@ -42,6 +42,10 @@ PING_INTERVAL = float(os.environ.get("BLOCKFLOW_PING_INTERVAL", 0.25))
 HANG_TIMEOUT = float(os.environ.get("BLOCKFLOW_HANG_TIMEOUT", 0.9))
 #: Respawns allowed per block before it is marked failed.
 MAX_RESTARTS = int(os.environ.get("BLOCKFLOW_MAX_RESTARTS", 5))
+#: A process that ran this long before dying starts a fresh restart budget: the limit is meant
+#: for crash loops (as systemd's StartLimitBurst within StartLimitIntervalSec), not for a server
+#: that lost a block five times over a month.
+RESTART_WINDOW = float(os.environ.get("BLOCKFLOW_RESTART_WINDOW", 10.0))
 #: Seconds an update waits for requests on a retired block's path to finish.
 DRAIN_TIMEOUT = float(os.environ.get("BLOCKFLOW_DRAIN_TIMEOUT", 10))
 
@@ -69,7 +73,8 @@ class Child:
     status: str = "starting"         # starting, ready, restarting, failed, stopping
     endpoint: str | None = None
     ready_info: dict = field(default_factory=dict)
-    restarts: int = 0
+    restarts: int = 0                # respawns of this block name since it was declared
+    streak: int = 0                  # respawns in the current crash loop (see RESTART_WINDOW)
     last_exit: str | None = None
     failure: str | None = None
     started: float = field(default_factory=time.time)
@@ -163,7 +168,7 @@ class Manager:
         self._incarnations[name] = inc
         return inc
 
-    def spawn_block(self, decl: BlockDecl, restarts: int = 0) -> Child:
+    def spawn_block(self, decl: BlockDecl, restarts: int = 0, streak: int = 0) -> Child:
         inc = self._next_incarnation(decl.name)
         spec = BlockSpec(name=decl.name, model=decl.model, repo=self.repo, run_dir=self.state.run_dir,
                          sock_dir=self.state.sock, shm_dir=self.state.shm, device=decl.device,
@@ -173,16 +178,16 @@ class Manager:
         proc = self.mp.Process(target=serve_block, args=(spec,), name=f"blockflow-{decl.name}", daemon=True)
         proc.start()
         log.info("spawned block %s#%d (pid %d, %s on %s)", decl.name, inc, proc.pid, decl.model, decl.device)
-        return Child(decl.name, decl, inc, proc, restarts=restarts)
+        return Child(decl.name, decl, inc, proc, restarts=restarts, streak=streak)
 
-    def spawn_dispatcher(self, restarts: int = 0) -> Child:
+    def spawn_dispatcher(self, restarts: int = 0, streak: int = 0) -> Child:
         inc = self._next_incarnation(DISPATCHER)
         spec = DispatcherSpec(sock_dir=self.state.sock, shm_dir=self.state.shm, address=self.dispatcher_address,
                               transport=self.transport, controller=self.controller.endpoint,
                               parent_pid=os.getpid(), incarnation=inc, token=self.token, window=self.window)
         proc = self.mp.Process(target=serve_dispatcher, args=(spec,), name="blockflow-dispatcher", daemon=True)
         proc.start()
-        child = Child(DISPATCHER, None, inc, proc, restarts=restarts)
+        child = Child(DISPATCHER, None, inc, proc, restarts=restarts, streak=streak)
         try:
             info = self.controller.wait_ready(child.ident, READY_TIMEOUT, alive=proc.is_alive)
         except (ControlError, TimeoutError) as exc:
@@ -436,23 +441,25 @@ class Manager:
         self.controller.forget(c.ident)
         if c.decl is not None:
             self._fail_requests([c.instance], f"block {c.name} failed ({how}) while holding the request")
-        if boot_error or c.restarts >= MAX_RESTARTS:
+        if time.time() - c.started > RESTART_WINDOW:
+            c.streak = 0  # it ran for a while: this is not a crash loop
+        if boot_error or c.streak >= MAX_RESTARTS:
             c.status = "failed"
-            c.failure = f"{how}; not respawned ({'cannot start' if boot_error else f'{MAX_RESTARTS} restarts used'})"
+            c.failure = f"{how}; not respawned ({'cannot start' if boot_error else f'{MAX_RESTARTS} restarts within {RESTART_WINDOW:.0f}s'})"
             log.error("%s failed: %s", c.instance, c.failure)
             if c.decl is not None:
                 self.publish()  # tasks through it now get an 'unavailable' error at once
         else:
             c.status = "restarting"
             log.warning("%s (pid %s) died: %s; respawning (restart %d of %d)", c.instance, c.process.pid, how,
-                        c.restarts + 1, MAX_RESTARTS)
+                        c.streak + 1, MAX_RESTARTS)
         self._persist()
 
     def respawn_children(self) -> None:
         for name, c in list(self.blocks.items()):
             if c.status != "restarting":
                 continue
-            new = self.spawn_block(c.decl, restarts=c.restarts + 1)
+            new = self.spawn_block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1)
             try:
                 self.wait_ready([new])
             except UpdateFailed as exc:
@@ -465,7 +472,7 @@ class Manager:
         if self.dispatcher is not None and self.dispatcher.status == "restarting":
             old = self.dispatcher
             try:
-                self.dispatcher = self.spawn_dispatcher(restarts=old.restarts + 1)
+                self.dispatcher = self.spawn_dispatcher(restarts=old.restarts + 1, streak=old.streak + 1)
             except RuntimeError as exc:
                 old.status, old.failure = "failed", str(exc)
                 log.error("respawn of the dispatcher failed: %s", exc)

@@ -384,6 +384,29 @@ def test_killed_block_is_respawned(server_factory, identity_repo):
     assert srv.call("GET", "/system")["version"] == 1
 
 
+def test_restart_budget_is_for_crash_loops(server_factory, identity_repo):
+    """A block that keeps dying at once is marked failed; one that ran a while gets a fresh budget."""
+    srv = server_factory(identity_repo, env={"BLOCKFLOW_MAX_RESTARTS": "1", "BLOCKFLOW_RESTART_WINDOW": "4"})
+    srv.call("POST", "/system/update", SIMPLE, timeout=60)
+
+    def killed_and_back(pid, restarts):
+        os.kill(pid, signal.SIGKILL)
+        return wait_for(lambda: (lambda b: b if b["pid"] != pid and b["status"] in ("ready", "failed")
+                                 and b["restarts"] >= restarts else None)(block_of(srv.call("GET", "/system"), "d")),
+                        10, f"block d handled after kill {restarts}")
+
+    first = srv.call("GET", "/blocks/d")
+    b = killed_and_back(first["pid"], 1)  # the first death uses the whole budget of 1
+    assert b["status"] == "ready", b
+    time.sleep(4.5)                         # it ran longer than the window: not a crash loop
+    b = killed_and_back(b["pid"], 2)
+    assert b["status"] == "ready", b
+    os.kill(b["pid"], signal.SIGKILL)       # dies again at once: the loop's budget is spent
+    b = wait_for(lambda: (lambda x: x if x["status"] == "failed" else None)(block_of(srv.call("GET", "/system"), "d")),
+                 10, "block d marked failed")
+    assert "restarts within" in b["failure"], b
+
+
 def _try_infer(client, task, x):
     try:
         return [client.infer(task, x, timeout=5)]
