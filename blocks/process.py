@@ -33,6 +33,7 @@ import zmq
 
 from blockflow.protocol import (EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP,
                                 identity)
+from tensormq.shm import HopGone
 from tensormq.transport import DEFAULT_SEND_TIMEOUT, Transport
 from tensormq.wire import WireError, check_path, dumps, loads_header
 
@@ -157,6 +158,7 @@ class Block:
         self.outbox_lock = threading.Lock()
         self.transport = Transport(self.ctx, f"{self.name}-{spec.incarnation}", spec.transport, spec.shm_dir,
                                    window=spec.window, send_timeout=spec.send_timeout)
+        self.transport.stopping = self.stopping  # a stopping block waits for no slot
         self.threads = [threading.Thread(target=self.receiver_loop, name=f"{self.name}-receiver", daemon=True),
                         threading.Thread(target=self.control_loop, name=f"{self.name}-control", daemon=True),
                         threading.Thread(target=self.monitor_loop, name=f"{self.name}-monitor", daemon=True)]
@@ -299,6 +301,9 @@ class Block:
             (self.monitor_on.set if args.get("enabled", True) else self.monitor_on.clear)()
             return {"enabled": self.monitor_on.is_set()}
         if cmd == "update":
+            # tell the inference thread now which hops are gone, so that a wait for a dead
+            # consumer's slots ends at once instead of holding this update for send_timeout
+            self.transport.mark_live(args.get("live", []))
             done = threading.Event()
             box = {}
             self.tensors.put(("topology", args, done, box))  # applied by the main thread, which owns the sockets
@@ -384,7 +389,10 @@ class Block:
                 lease.release()
             msg = f"block {self.name}: {type(exc).__name__}: {exc}"
             log.warning("%s (request %s)", msg, rid)
-            self.post("data", {"t": "error", "rid": rid, "block": self.name, "err": msg}, ret)
+            err = {"t": "error", "rid": rid, "block": self.name, "err": msg}
+            if isinstance(exc, HopGone):
+                err["code"] = exc.code  # block_failed: the next hop was removed under this request
+            self.post("data", err, ret)
             return
         self.kpi.add("latency", {"ts": arrival_wall, "rid": rid, "task": header.get("task"),
                                  "wait": hop["wait"], "deser": hop["deser"], "dev": hop["dev"],

@@ -114,6 +114,8 @@ class Manager:
         self._incarnations: dict[str, int] = {}
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self._last_health = 0.0   # when check_health last ran (monotonic)
+        self._grace_from = 0.0    # silence before this moment does not count (see check_health)
         self.gpus = 0
 
     # -- life-cycle --------------------------------------------------------------------------
@@ -420,10 +422,15 @@ class Manager:
                 self.on_child_down(c, describe_exit(c.process.exitcode), c.process.exitcode == EXIT_BOOT_ERROR)
 
     def check_health(self, now: float) -> None:
+        # Silence only means a hang if we were pinging all along. While an update or a respawn
+        # held the lock, nobody was pinged: judging then would kill every healthy process.
+        if now - self._last_health > HANG_TIMEOUT / 2:
+            self._grace_from = now
+        self._last_health = now
         for c in self._all_children():
             if c.status != "ready":
                 continue
-            seen = self.controller.last_seen.get(c.ident, now)
+            seen = max(self.controller.last_seen.get(c.ident, now), self._grace_from)
             if now - seen > HANG_TIMEOUT:
                 log.warning("%s (pid %d) did not answer pings for %.2fs; killing it", c.instance, c.process.pid,
                             now - seen)
@@ -457,6 +464,8 @@ class Manager:
 
     def respawn_children(self) -> None:
         for name, c in list(self.blocks.items()):
+            if self._stopping.is_set():
+                return  # shutting down: nothing is respawned, stop() takes them all
             if c.status != "restarting":
                 continue
             new = self.spawn_block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1)

@@ -32,7 +32,7 @@ from collections import OrderedDict
 
 import torch
 
-from .shm import FREE, IN_FLIGHT, Slot, _HDR, _SEG_RE, SlotMapper
+from .shm import FREE, IN_FLIGHT, HopGone, Slot, _HDR, _SEG_RE, SlotMapper
 from .wire import TensorDesc, WireError
 
 log = logging.getLogger(__name__)
@@ -108,13 +108,15 @@ class CudaSlotPool:
             return slots[-1]
         return None
 
-    def put(self, edge: str, tensor: torch.Tensor, device: torch.device, timeout: float) -> TensorDesc:
+    def put(self, edge: str, tensor: torch.Tensor, device: torch.device, timeout: float, give_up=None) -> TensorDesc:
         nbytes = tensor.numel() * tensor.element_size()
         deadline = time.monotonic() + timeout
         while True:
             slot = self._try_acquire(edge, nbytes, device)
             if slot is not None:
                 break
+            if give_up is not None and give_up():
+                raise HopGone(f"{self.owner}: the next hop {edge} was removed while its CUDA slots were full")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{self.owner}: all {self.window} CUDA slots towards {edge} are still in "
                                    f"flight after {timeout:.1f}s; the next block is not keeping up or is gone")

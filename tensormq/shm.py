@@ -48,6 +48,12 @@ from .wire import TensorDesc, WireError, dtype_name
 log = logging.getLogger(__name__)
 
 MAGIC = 0x4C534642  # "BFSL"
+
+
+class HopGone(ConnectionError):
+    """The next hop was removed (or this process is stopping) while we waited to send to it."""
+
+    code = "block_failed"
 HEADER = 64
 FREE, IN_FLIGHT = 0, 1
 _HDR = struct.Struct("<IIQQ")  # magic, state, generation, capacity
@@ -156,8 +162,11 @@ class SlotPool:
             return slot
         return None
 
-    def acquire(self, edge: str, nbytes: int, timeout: float) -> Slot:
-        """A free slot of at least ``nbytes`` on ``edge``; waits while the window is full."""
+    def acquire(self, edge: str, nbytes: int, timeout: float, give_up=None) -> Slot:
+        """A free slot of at least ``nbytes`` on ``edge``; waits while the window is full.
+
+        ``give_up()`` is asked while waiting: True (the hop was removed, we are stopping) ends
+        the wait at once with HopGone, since a dead consumer never frees its slots."""
         if self._closed:
             raise RuntimeError(f"slot pool of {self.owner} is closed")
         deadline = time.monotonic() + timeout
@@ -167,6 +176,8 @@ class SlotPool:
             if slot is not None:
                 slot.mark_in_flight()
                 return slot
+            if give_up is not None and give_up():
+                raise HopGone(f"{self.owner}: the next hop {edge} was removed while its slots were full")
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"{self.owner}: all {self.window} slots towards {edge} are still in flight after "
@@ -174,10 +185,10 @@ class SlotPool:
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
-    def put(self, edge: str, tensor: torch.Tensor, timeout: float) -> TensorDesc:
+    def put(self, edge: str, tensor: torch.Tensor, timeout: float, give_up=None) -> TensorDesc:
         """Copy ``tensor`` into a slot on ``edge`` and return the handle that travels."""
         nbytes = tensor.numel() * tensor.element_size()
-        slot = self.acquire(edge, nbytes, timeout)
+        slot = self.acquire(edge, nbytes, timeout, give_up)
         dst = slot.data[:nbytes].view(tensor.dtype).view(tensor.shape)
         dst.copy_(tensor)
         return TensorDesc.of(dst, "shm", seg=slot.name, gen=slot.generation, off=0, nbytes=nbytes)

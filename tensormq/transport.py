@@ -18,7 +18,7 @@ import time
 import torch
 import zmq
 
-from .shm import DEFAULT_WINDOW, SlotMapper, SlotPool
+from .shm import DEFAULT_WINDOW, HopGone, SlotMapper, SlotPool
 from .wire import MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, is_local
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,11 @@ class Transport:
         self.mapper = SlotMapper(shm_dir) if shm_dir else None
         self._cuda_pool = None
         self._cuda_mapper = None
+        #: hops a topology update removed, set by whichever thread hears of it first (mark_live)
+        #: so that a wait for a dead consumer's slots or socket ends at once; see abandoned()
+        self._gone: frozenset[str] = frozenset()
+        #: set by the owner when it stops: every wait gives up
+        self.stopping = None
 
     # -- receiving ---------------------------------------------------------------------------
     def decode(self, x, frames: list):
@@ -123,8 +128,9 @@ class Transport:
                 from .cuda_ipc import CudaSlotPool
                 self._cuda_pool = CudaSlotPool(self.shm_dir, self.owner, self.window)
             dev = torch.device(target if target.startswith("cuda") else tensor.device)
-            return self._cuda_pool.put(address, tensor.detach(), dev, timeout).to_json(), None
-        return self.pool.put(address, tensor.detach(), timeout).to_json(), None
+            return self._cuda_pool.put(address, tensor.detach(), dev, timeout,
+                                       lambda: self.abandoned(address)).to_json(), None
+        return self.pool.put(address, tensor.detach(), timeout, lambda: self.abandoned(address)).to_json(), None
 
     def socket(self, address: str) -> zmq.Socket:
         """The PUSH socket to ``address``, opened on first use (thesis Algorithm 3)."""
@@ -150,6 +156,8 @@ class Transport:
                 sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
                 return
             except zmq.Again:
+                if self.abandoned(address):
+                    raise HopGone(f"{self.owner}: the next hop {address} was removed before it took the message")
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"{self.owner}: {address} has not taken a message for "
                                        f"{self.send_timeout:.1f}s; is the next hop running?") from None
@@ -161,10 +169,29 @@ class Transport:
         self.send(address, header, payload)
 
     # -- topology ----------------------------------------------------------------------------
+    def abandoned(self, address: str) -> bool:
+        return address in self._gone or (self.stopping is not None and self.stopping.is_set())
+
+    def mark_live(self, live: list[str]) -> None:
+        """Thread-safe early notice of a topology update: the hops we know that are not in
+        ``live`` are gone. The owning thread reclaims them later in set_topology()."""
+        live_set = set(live)
+        for _ in range(10):  # the owning thread may add an edge while we look
+            try:
+                known = set(self.pushers) | set(self.pool.edges if self.pool else ())
+                known |= set(self._cuda_pool.edges if self._cuda_pool else ())
+                break
+            except RuntimeError:
+                continue
+        else:
+            return
+        self._gone = frozenset((self._gone | known) - live_set)
+
     def set_topology(self, live: list[str], devices: dict[str, str] | None = None) -> list[str]:
         """Close sockets to hops that are gone and reclaim the slots they held (Algorithm 3's
         update_connection). Returns the addresses dropped."""
         live_set = set(live)
+        self._gone = frozenset(a for a in self._gone if a not in live_set)
         if devices is not None:
             self.devices = dict(devices)
         gone = [a for a in set(self.pushers) | set(self.pool.edges if self.pool else ()) if a not in live_set]

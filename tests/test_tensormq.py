@@ -7,6 +7,8 @@ import pickle
 import shutil
 import tempfile
 
+import time
+
 import pytest
 import torch
 import zmq
@@ -110,6 +112,29 @@ def test_window_full_is_back_pressure_with_deadline(shm_dir):
         pool.put("other", x, timeout=0.05)
     finally:
         pool.close()
+
+
+def test_wait_for_a_removed_hop_ends_at_once(shm_dir):
+    """A full window towards a consumer that a topology update removed never frees up: the
+    producer must stop waiting as soon as it hears, not after its send timeout."""
+    import threading
+    from tensormq.shm import HopGone
+    ctx = zmq.Context()
+    t = Transport(ctx, "prod", "tensormq", shm_dir, window=1, send_timeout=30)
+    try:
+        dead = "ipc:///nonexistent/dead.sock"
+        t.encode(torch.zeros(4), dead)                      # the only slot: never released
+        threading.Timer(0.2, t.mark_live, args=(["ipc:///nonexistent/other.sock"],)).start()
+        t0 = time.monotonic()
+        with pytest.raises(HopGone, match="removed"):
+            t.encode(torch.zeros(4), dead)
+        assert time.monotonic() - t0 < 5
+        assert t.abandoned(dead) and not t.abandoned("ipc:///nonexistent/other.sock")
+        assert t.set_topology(["ipc:///nonexistent/other.sock"]) == [dead]
+        assert t.in_flight() == 0                         # reclaimed
+    finally:
+        t.close()
+        ctx.term()
 
 
 def test_reclaim_frees_slots_of_a_dead_consumer_and_invalidates_handles(shm_dir):
