@@ -78,7 +78,7 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
     state_dir = tempfile.mkdtemp(prefix="bf-chaos-")
     proc, info = start_server(repo, state_dir)
     url = info["rest"]
-    counts = {"sent": 0, "ok": 0, "wrong": 0, "errors": {}, "never_answered": 0}
+    counts = {"sent": 0, "ok": 0, "wrong": 0, "errors": {}, "never_answered": 0, "deadline_expired": 0}
     faults: list[dict] = []
     ok_times: list[float] = []
     lock = threading.Lock()
@@ -98,6 +98,9 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
                     ok_times.append(now)
                     if not torch.allclose(fut.result(), expected[task][k], atol=1e-4, rtol=1e-4):
                         counts["wrong"] += 1
+                elif isinstance(exc, TimeoutError):
+                    # the client's deadline passed without any reply: counted as never answered
+                    counts["deadline_expired"] += 1
                 else:
                     code = exc.code if isinstance(exc, BlockFlowError) else type(exc).__name__
                     counts["errors"][code] = counts["errors"].get(code, 0) + 1
@@ -172,7 +175,7 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
             except Exception:
                 pass
         with lock:
-            counts["never_answered"] = sum(1 for f in futures if not f.done())
+            counts["never_answered"] = sum(1 for f in futures if not f.done()) + counts["deadline_expired"]
         counts["duplicates"] = client.stats["duplicates"]
         counts["late_replies"] = client.stats["late"]
         client.close()
