@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -47,19 +48,23 @@ def _pct(values, q):
 
 
 def measure(transport: str, sizes: list[tuple], n: int, chain: int, device: str = "cpu") -> list[dict]:
-    from blockflow.client import Client
-    from blockflow.standalone import StandalonePipeline
-
     repo = _identity_repo()
     names = [f"i{k}" for k in range(chain)]
     blocks = {nm: "toy/identity.pt" for nm in names}
     tasks = {"short": names[:1], "long": names}
+    try:
+        return _measure(repo, blocks, tasks, transport, sizes, n, chain, device)
+    finally:
+        shutil.rmtree(repo, ignore_errors=True)
+
+
+def _measure(repo, blocks, tasks, transport, sizes, n, chain, device) -> list[dict]:
+    from blockflow.client import Client
+    from blockflow.standalone import StandalonePipeline
+
     rows = []
     env = {"BLOCKFLOW_KPI_FLUSH_EVERY": "100000"}
-    with StandalonePipeline(repo, blocks, tasks, transport=transport, threads=1, env=env) as p:
-        if device != "cpu":
-            for nm in names:
-                pass  # identity blocks on GPU are started with device in the spec below (see run_cuda)
+    with StandalonePipeline(repo, blocks, tasks, transport=transport, threads=1, env=env, device=device) as p:
         with Client(p.address, timeout=120) as c:
             for shape in sizes:
                 x = torch.randn(*shape)
@@ -98,6 +103,24 @@ def measure(transport: str, sizes: list[tuple], n: int, chain: int, device: str 
     return rows
 
 
+def plot(rows: list[dict], out: str) -> None:
+    from experiments.common import pyplot, save_fig
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for t in sorted({r["transport"] for r in rows}):
+        rs = [r for r in rows if r["transport"] == t]
+        ax.plot([r["mbytes"] for r in rs], [r["per_hop_median_ms"] for r in rs], "o-", label=f"{t} median")
+        ax.plot([r["mbytes"] for r in rs], [r["per_hop_p99_ms"] for r in rs], "x:", label=f"{t} p99")
+    ax.axhline(0.10, color="grey", lw=0.8, ls="--", label="goal 0.10 ms")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tensor size (MB)")
+    ax.set_ylabel("overhead per hop (ms)")
+    ax.set_title("Per-hop overhead, chain of identity blocks")
+    ax.legend(fontsize=8)
+    save_fig(fig, out, "hop_overhead.png")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.hop_overhead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,6 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, help="samples per size (default 200, quick 20)")
     ap.add_argument("--chain", type=int, default=4, help="identity blocks in the long chain (default 4)")
     ap.add_argument("--transports", default="tensormq,zeromq")
+    ap.add_argument("--device", default="cpu", help="where the identity blocks run: cpu, cuda or cuda:N")
     ap.add_argument("--out", help="results directory (default experiments/results/<machine>)")
     args = ap.parse_args(argv)
     n = args.n or (20 if args.quick else 200)
@@ -114,7 +138,7 @@ def main(argv=None) -> int:
         sizes = [(1, *STAGES["block1"]), (1, *STAGES["block4"])]
     rows = []
     for t in args.transports.split(","):
-        rows += measure(t, sizes, n if sizes[0][0] == 1 else n, args.chain)
+        rows += measure(t, sizes, n, args.chain, args.device)
     try:
         from experiments.common import env_info, results_dir
         out = args.out or results_dir()
@@ -126,8 +150,13 @@ def main(argv=None) -> int:
     path = os.path.join(out, "hop_overhead.json")
     with open(path, "w") as f:
         json.dump({"experiment": "hop_overhead", "env": info,
-                   "settings": {"n": n, "chain": args.chain, "quick": args.quick}, "rows": rows}, f, indent=2)
+                   "settings": {"n": n, "chain": args.chain, "quick": args.quick, "device": args.device},
+                   "rows": rows}, f, indent=2)
     print(f"wrote {path}")
+    try:
+        plot(rows, out)
+    except ImportError:  # matplotlib is in the [bench] extra
+        log.warning("matplotlib is missing; no plot written")
     return 0
 
 
