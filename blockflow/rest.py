@@ -91,7 +91,8 @@ def check_token():
     token = cherrypy.request.app.config.get("blockflow", {}).get("token")
     if token and cherrypy.request.method in ("POST", "PUT", "PATCH", "DELETE"):
         auth = cherrypy.request.headers.get("Authorization", "")
-        if not auth.startswith("Bearer ") or not hmac.compare_digest(auth[7:].strip(), token):
+        # compared as bytes: compare_digest raises TypeError (a 500) on a non-ASCII header value
+        if not auth.startswith("Bearer ") or not hmac.compare_digest(auth[7:].strip().encode(), token.encode()):
             cherrypy.response.headers["WWW-Authenticate"] = "Bearer"
             fail(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
 

@@ -189,7 +189,10 @@ class Block:
             while not self.stopping.is_set():
                 events = dict(poller.poll(100))
                 if self.pull in events:
-                    self.receive_data(errors)
+                    try:
+                        self.receive_data(errors)
+                    except Exception:  # a hostile frame must not end this thread (and the block with it)
+                        log.exception("block %s: dropped a message that could not be handled", self.name)
                 if self.ctrl is not None and self.ctrl in events:
                     self.receive_control()
                 if self.outbox_in in events:

@@ -187,7 +187,11 @@ class Dispatcher:
             except zmq.Again:
                 return
             client = frames[0].bytes
-            self.handle_request(client, frames[1:])
+            try:
+                self.handle_request(client, frames[1:])
+            except Exception as exc:  # one hostile frame must not take the clients' entry point down
+                log.exception("dispatcher: request from client %r failed unexpectedly", client[:16])
+                self.reply(client, None, "error", code="bad_request", error=f"bad request: {type(exc).__name__}")
 
     def handle_request(self, client: bytes, frames: list) -> None:
         self.stats["requests"] += 1
@@ -200,7 +204,9 @@ class Dispatcher:
             if not isinstance(cid, (int, str)) or isinstance(cid, bool) or len(str(cid)) > 128:
                 cid = None
                 raise WireError("id must be an integer or a string of at most 128 characters")
-            if self.spec.token and not hmac.compare_digest(str(header.get("token", "")), self.spec.token):
+            # compared as bytes: compare_digest raises TypeError on non-ASCII str
+            if self.spec.token and not hmac.compare_digest(str(header.get("token", "")).encode(),
+                                                           self.spec.token.encode()):
                 self.reply(client, cid, "error", error="unauthorized: a valid token is required", code="unauthorized")
                 return
             op = header.get("op", "infer")
@@ -314,38 +320,45 @@ class Dispatcher:
             except zmq.Again:
                 return
             try:
-                header = loads_header(frames[0])
-            except WireError as exc:
-                log.warning("dispatcher: dropped a malformed result (%s)", exc)
-                continue
-            rid = header.get("rid")
-            req = self.outstanding.pop(rid, None) if isinstance(rid, int) else None
-            kind = header.get("t")
-            if req is None:
-                self.stats["late"] += 1
-                if kind == "result" and isinstance(header.get("x"), dict):
-                    try:
-                        _t, lease = self.transport.decode(header["x"], frames)
-                        if lease is not None:
-                            lease.release()
-                    except WireError:
-                        pass
-                log.info("dispatcher: dropped a %s for request %s that was already answered", kind, rid)
-                continue
-            if kind == "error":
-                err = header.get("err")
-                self.reply(req.client, req.cid, "error", error=str(err)[:2000], code=str(header.get("code", "error")),
-                           hops=header.get("hops"), started=req.started)
-                continue
-            lease = None
-            try:
-                tensor, lease = self.transport.decode(header.get("x"), frames)
-                self.reply(req.client, req.cid, "ok", tensor=tensor, hops=header.get("hops"), started=req.started)
-            except WireError as exc:
-                self.reply(req.client, req.cid, "error", code="bad_result", error=f"the last block sent an unreadable result: {exc}")
-            finally:
-                if lease is not None:
-                    lease.release()
+                self.handle_result(frames)
+            except Exception:  # a forged result must not take the dispatcher down
+                log.exception("dispatcher: dropped a result that could not be handled")
+
+    def handle_result(self, frames: list) -> None:
+        """One message from the last block of a path: answer the client that asked."""
+        try:
+            header = loads_header(frames[0])
+        except WireError as exc:
+            log.warning("dispatcher: dropped a malformed result (%s)", exc)
+            return
+        rid = header.get("rid")
+        req = self.outstanding.pop(rid, None) if isinstance(rid, int) else None
+        kind = header.get("t")
+        if req is None:
+            self.stats["late"] += 1
+            if kind == "result" and isinstance(header.get("x"), dict):
+                try:
+                    _t, lease = self.transport.decode(header["x"], frames)
+                    if lease is not None:
+                        lease.release()
+                except WireError:
+                    pass
+            log.info("dispatcher: dropped a %s for request %s that was already answered", kind, rid)
+            return
+        if kind == "error":
+            err = header.get("err")
+            self.reply(req.client, req.cid, "error", error=str(err)[:2000], code=str(header.get("code", "error")),
+                       hops=header.get("hops"), started=req.started)
+            return
+        lease = None
+        try:
+            tensor, lease = self.transport.decode(header.get("x"), frames)
+            self.reply(req.client, req.cid, "ok", tensor=tensor, hops=header.get("hops"), started=req.started)
+        except Exception as exc:  # the request is ours to answer now: never drop it silently
+            self.reply(req.client, req.cid, "error", code="bad_result", error=f"the last block sent an unreadable result: {exc}")
+        finally:
+            if lease is not None:
+                lease.release()
 
     def expire(self, now: float) -> None:
         late = [rid for rid, r in self.outstanding.items() if r.deadline < now]

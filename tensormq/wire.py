@@ -72,7 +72,9 @@ def loads_header(frame, limit: int = MAX_HEADER_BYTES) -> dict:
         raise WireError(f"header is {len(buf)} bytes, more than the limit of {limit}")
     try:
         obj = json.loads(bytes(buf))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError, UnicodeDecodeError and integers longer than
+        # Python's digit limit; RecursionError covers arrays nested thousands deep
         raise WireError(f"header is not JSON ({exc.__class__.__name__}); pickles and other formats are refused") from None
     if not isinstance(obj, dict):
         raise WireError("header must be a JSON object")
@@ -135,7 +137,7 @@ class TensorDesc:
         if not isinstance(x, dict):
             raise WireError("x (tensor descriptor) must be an object")
         name = x.get("dtype")
-        if name not in DTYPES:
+        if not isinstance(name, str) or name not in DTYPES:  # a list or object is unhashable
             raise WireError(f"x.dtype {name!r:.40} is not supported; use one of {', '.join(DTYPES)}")
         shape, stride = x.get("shape"), x.get("stride")
         for key, val in (("shape", shape), ("stride", stride)):
@@ -144,8 +146,15 @@ class TensorDesc:
                 raise WireError(f"x.{key} must be a list of at most {MAX_DIMS} non-negative integers")
         if len(shape) != len(stride):
             raise WireError(f"x.shape has {len(shape)} dimensions but x.stride has {len(stride)}")
+        # a zero-sized tensor passes the byte limit whatever its other dimensions, but torch
+        # computes contiguous strides from them and fails on int64 overflow: bound their product
+        extent = 1
+        for dim in shape:
+            extent *= max(dim, 1)
+        if extent >= 1 << 62:
+            raise WireError(f"x.shape {shape} has dimensions whose product exceeds 2**62")
         loc = x.get("loc")
-        if loc not in ("bytes", "shm", "cuda"):
+        if not isinstance(loc, str) or loc not in ("bytes", "shm", "cuda"):
             raise WireError(f"x.loc {loc!r:.40} is not one of bytes, shm, cuda")
         desc = TensorDesc(DTYPES[name], tuple(shape), tuple(stride), loc, x)
         if desc.numel * desc.itemsize > max_bytes or desc.span_bytes() > max_bytes:
