@@ -1,0 +1,272 @@
+"""Soak run: a real ``blockflow serve`` under steady load with a topology update every 30 s.
+
+1. Deploy the ResNet18 4-block + head ``classify`` pipeline (one thread per block).
+2. Without ``--rate``: measure the saturation rate (closed loop, ``--clients`` synchronous
+   clients for ``--saturate`` seconds) and run at ``--load`` (80%) of it.
+3. Poisson arrivals at that rate for ``--minutes``; every ``--update-every`` seconds a topology
+   update alternates between the plain path and one through an extra block (``b4b``, a second
+   copy of block4), so blocks are spawned, paths switched and blocks retired all run long.
+4. Every ``--sample`` seconds: RSS of the server and all its children, the bytes in its
+   shared-memory directory and (on a GPU) the memory the CUDA driver reports in use.
+   Growth = mean of the last window against the mean of the first window after warm-up.
+5. Shutdown, then check that no process, socket file or shared-memory segment is left.
+
+    python -m experiments.soak [--minutes 10] [--rate R] [--quick]
+
+Writes experiments/results/<machine>/soak.json. Exit code 0 when every limit held.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+
+import psutil
+
+from experiments.common import (blockflow_server, env_info, input_tensor, parser, results_dir, setup_logging,
+                                write_json)
+
+log = logging.getLogger("experiments.soak")
+
+MODEL = "resnet18"
+STEMS = (("b1", "block1"), ("b2", "block2"), ("b3", "block3"), ("b4", "block4"), ("h", "head"))
+#: Growth allowed after warm-up, percent (the issue's limit).
+MAX_GROWTH_PCT = 5.0
+
+
+def topology(phase: int) -> dict:
+    """Even phases: b1..b4, h. Odd phases: b4b (a second block4) replaces b4 on the path."""
+    blocks = [{"name": n, "model": f"{MODEL}/{s}.pt", "threads": 1} for n, s in STEMS]
+    path = [n for n, _ in STEMS]
+    if phase % 2:
+        blocks.append({"name": "b4b", "model": f"{MODEL}/block4.pt", "threads": 1})
+        path[3] = "b4b"
+    return {"transport": "tensormq", "blocks": blocks, "tasks": [{"id": "classify", "path": path}]}
+
+
+def tree_pids(pid: int) -> list[int]:
+    try:
+        return [pid] + [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def rss_mb(pids) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2 ** 20
+
+
+def dir_mb(path: str) -> float:
+    total = 0
+    try:
+        for name in os.listdir(path):
+            try:
+                total += os.stat(os.path.join(path, name)).st_size
+            except FileNotFoundError:
+                pass
+    except FileNotFoundError:
+        pass
+    return total / 2 ** 20
+
+
+def vram_mb() -> float | None:
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2 ** 20
+    except Exception:
+        return None
+
+
+def saturation(address: str, clients: int, seconds: float) -> float:
+    """Requests per second that ``clients`` synchronous clients get through (closed loop)."""
+    from blockflow.client import Client
+    x = input_tensor()
+    done = []
+    stop = time.monotonic() + seconds
+
+    def loop():
+        with Client(address, timeout=60) as c:
+            c.infer("classify", x)  # warm-up, not counted
+            n = 0
+            t0 = time.monotonic()
+            while time.monotonic() < stop:
+                c.infer("classify", x)
+                n += 1
+            done.append(n / max(1e-6, time.monotonic() - t0))
+
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 120)
+    return sum(done)
+
+
+def growth(samples: list[dict], key: str, warm_until: float, window: float) -> dict:
+    # only samples of the plain topology (even phases): the extra block of odd phases is
+    # memory that comes and goes by design, not growth
+    vals = [(s["t"], s[key]) for s in samples
+            if s.get(key) is not None and s["t"] >= warm_until and s.get("phase", 0) % 2 == 0]
+    if len(vals) < 2:
+        return {"pct": None}
+    first = [v for t, v in vals if t < vals[0][0] + window] or [vals[0][1]]
+    last = [v for t, v in vals if t > vals[-1][0] - window] or [vals[-1][1]]
+    a, b = statistics.fmean(first), statistics.fmean(last)
+    return {"after_warmup": round(a, 2), "end": round(b, 2), "max": round(max(v for _, v in vals), 2),
+            "pct": round((b - a) / a * 100, 2) if a > 0 else (0.0 if b == 0 else None)}
+
+
+def run_soak(repo: str, minutes: float, rate: float | None, update_every: float, sample_every: float,
+             clients: int, load: float, saturate_s: float, warmup_s: float, window_s: float, seed: int) -> dict:
+    from blockflow.client import BlockFlowError, Client
+    from blockflow.demo import stop_server
+    from manager.state import StateDir
+
+    rng = random.Random(seed)
+    x = input_tensor()
+    result: dict = {"settings": {"minutes": minutes, "update_every_s": update_every, "sample_every_s": sample_every,
+                                 "warmup_s": warmup_s, "window_s": window_s, "seed": seed, "model": MODEL}}
+    with blockflow_server(repo) as srv:
+        state = StateDir(srv.info["state_dir"])
+        srv.update(topology(0))
+        if rate is None:
+            sat = saturation(srv.dispatcher, clients, saturate_s)
+            rate = max(0.5, load * sat)
+            result["saturation_rps"] = round(sat, 2)
+            log.info("saturation %.2f req/s with %d clients; soaking at %.2f req/s", sat, clients, rate)
+        result["rate_rps"] = round(rate, 2)
+
+        counts = {"sent": 0, "ok": 0, "errors": {}, "timeouts": 0}
+        lock = threading.Lock()
+        futures = []
+        updates = []
+        samples: list[dict] = []
+        duration = minutes * 60
+        t0 = time.monotonic()
+        stop_at = t0 + duration
+
+        def on_done(fut):
+            exc = fut.exception()
+            with lock:
+                if exc is None:
+                    counts["ok"] += 1
+                elif isinstance(exc, BlockFlowError):
+                    counts["errors"][exc.code] = counts["errors"].get(exc.code, 0) + 1
+                else:
+                    counts["timeouts"] += 1
+
+        client = Client(srv.dispatcher, timeout=60)
+
+        def load_loop():
+            next_t = time.monotonic()
+            while time.monotonic() < stop_at:
+                next_t += rng.expovariate(rate)
+                time.sleep(max(0.0, next_t - time.monotonic()))
+                fut = client.submit("classify", x)
+                with lock:
+                    counts["sent"] += 1
+                futures.append(fut)
+                fut.add_done_callback(on_done)
+
+        loader = threading.Thread(target=load_loop, name="soak-load", daemon=True)
+        loader.start()
+        phase, next_update, next_sample = 0, t0 + update_every, t0
+        while time.monotonic() < stop_at:
+            now = time.monotonic()
+            if now >= next_sample:
+                next_sample += sample_every
+                pids = tree_pids(srv.proc.pid)
+                samples.append({"t": round(now - t0, 1), "rss_mb": round(rss_mb(pids), 1),
+                                "shm_mb": round(dir_mb(state.shm), 2), "vram_mb": vram_mb(),
+                                "procs": len(pids), "ok": counts["ok"], "phase": phase})
+            if now >= next_update:
+                next_update += update_every
+                phase += 1
+                t = time.monotonic()
+                try:
+                    res = srv.update(topology(phase))
+                    updates.append({"t": round(t - t0, 1), "phase": phase, "seconds": round(res["seconds"], 2),
+                                    "spawned": res["diff"]["spawned"]})
+                except Exception as exc:  # recorded; a failed update fails the run
+                    updates.append({"t": round(t - t0, 1), "phase": phase, "error": str(exc)[:300]})
+            time.sleep(0.2)
+        loader.join(10)
+        # every request answered (or timed out on the client) before shutdown
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not all(f.done() for f in futures):
+            time.sleep(0.2)
+        unanswered = sum(1 for f in futures if not f.done())
+        client.close()
+
+        pids = tree_pids(srv.proc.pid)
+        code = stop_server(srv.proc)
+        time.sleep(0.5)
+        left = {"processes": [p for p in pids if psutil.pid_exists(p)
+                              and psutil.Process(p).status() != psutil.STATUS_ZOMBIE],
+                "sockets": sorted(os.listdir(state.sock)) if os.path.isdir(state.sock) else [],
+                "shm": os.path.exists(state.shm) and sorted(os.listdir(state.shm))}
+    warm = warmup_s
+    result.update({
+        "duration_s": round(duration, 1), "counts": counts, "unanswered": unanswered,
+        "achieved_ok_rps": round(counts["ok"] / duration, 2), "updates": updates,
+        "growth": {k: growth(samples, k, warm, window_s) for k in ("rss_mb", "shm_mb", "vram_mb")},
+        "samples": samples, "server_exit_code": code, "left_behind": left,
+    })
+    failed_updates = [u for u in updates if "error" in u]
+    ok = (code == 0 and not left["processes"] and not left["sockets"] and not left["shm"] and unanswered == 0
+          and not failed_updates
+          and all(g["pct"] is None or g["pct"] <= MAX_GROWTH_PCT for g in result["growth"].values()))
+    result["passed"] = ok
+    return result
+
+
+def main(argv=None) -> int:
+    ap = parser("soak", __doc__)
+    ap.add_argument("--minutes", type=float, default=10.0, help="length of the soak (default 10)")
+    ap.add_argument("--rate", type=float, help="requests per second (default: 80%% of the measured saturation)")
+    ap.add_argument("--load", type=float, default=0.8, help="fraction of saturation to run at (default 0.8)")
+    ap.add_argument("--clients", type=int, default=4, help="closed-loop clients for the saturation measurement")
+    ap.add_argument("--update-every", type=float, default=30.0, help="seconds between topology updates")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    setup_logging(args.verbose)
+    from experiments.common import ensure_repo
+    if args.quick:
+        minutes = args.minutes if "--minutes" in (argv or sys.argv) else 0.75
+        update_every = args.update_every if "--update-every" in (argv or sys.argv) else 10.0
+        saturate, sample, warmup, window = 5.0, 1.0, minutes * 60 / 3, 8.0
+    else:
+        minutes, update_every, saturate, sample = args.minutes, args.update_every, 15.0, 5.0
+        warmup, window = min(90.0, minutes * 60 / 5), 60.0
+    repo = args.repo
+    if not os.path.exists(os.path.join(repo, MODEL, "block4.pt")):
+        from blocks.repository import export_model
+        export_model(MODEL, repo, blocks=4, method="script", variants={"x": ["block4", "head"]})
+    else:
+        ensure_repo  # resnet18 already there
+    res = run_soak(repo, minutes, args.rate, update_every, sample, args.clients, args.load, saturate, warmup,
+                   window, args.seed)
+    g = res["growth"]
+    print(f"soak {res['duration_s']:.0f}s at {res['rate_rps']} req/s (saturation {res.get('saturation_rps')}): "
+          f"sent {res['counts']['sent']}, ok {res['counts']['ok']}, errors {res['counts']['errors']}, "
+          f"timeouts {res['counts']['timeouts']}, unanswered {res['unanswered']}, updates {len(res['updates'])}; "
+          f"RSS {g['rss_mb']}, shm {g['shm_mb']}, VRAM {g['vram_mb']}; exit {res['server_exit_code']}, "
+          f"left {res['left_behind']}; passed {res['passed']}")
+    write_json(args.out or results_dir(), "soak", {"env": env_info(res["settings"]), **res})
+    return 0 if res["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
