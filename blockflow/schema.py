@@ -69,7 +69,7 @@ def _str(value, where: str, choices=None) -> str:
 
 def _name(value, where: str) -> str:
     _str(value, where)
-    if not NAME_RE.match(value):
+    if not NAME_RE.fullmatch(value):
         raise UpdateError(where, f"{value!r:.60} is not a valid name (letters, digits, '_', '.', '-'; "
                                  "up to 63 characters, starting with a letter or digit)")
     return value
@@ -77,7 +77,7 @@ def _name(value, where: str) -> str:
 
 def _device(value, where: str, gpus: int) -> str:
     _str(value, where)
-    if not _DEVICE_RE.match(value):
+    if not _DEVICE_RE.fullmatch(value):
         raise UpdateError(where, f"unknown device {value!r:.40}; use 'cpu', 'cuda' or 'cuda:N'")
     if value.startswith("cuda"):
         index = int(value.split(":")[1]) if ":" in value else 0

@@ -248,7 +248,7 @@ def _check_variants(variants: dict[str, list[str]], blocks: int) -> dict[str, li
     allowed = set(BLOCK_NAMES[blocks]) | {FULL}
     clean: dict[str, list[str]] = {}
     for name in sorted(variants):
-        if not isinstance(name, str) or not _VARIANT_RE.match(name):
+        if not isinstance(name, str) or not _VARIANT_RE.fullmatch(name):
             raise ValueError(
                 f"variant name {name!r} must match {_VARIANT_RE.pattern} "
                 "(it becomes part of a file name)"

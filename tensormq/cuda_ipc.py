@@ -173,7 +173,7 @@ class CudaMapper:
     def open(self, desc: TensorDesc):
         f = desc.fields
         seg = f.get("seg")
-        if not isinstance(seg, str) or not _SEG_RE.match(seg):
+        if not isinstance(seg, str) or not _SEG_RE.fullmatch(seg):
             raise WireError("x.seg must be a slot name")
         header = self.headers._open(seg)
         _magic, state, cur_gen, _cap = _HDR.unpack_from(header.mm, 0)

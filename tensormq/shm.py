@@ -130,7 +130,7 @@ class SlotPool:
     """The producer side: a window of slots per outgoing edge (keyed by the hop's address)."""
 
     def __init__(self, directory: str, owner: str, window: int = DEFAULT_WINDOW):
-        if not _SEG_RE.match(owner):
+        if not _SEG_RE.fullmatch(owner):
             raise ValueError(f"pool owner {owner!r} must match {_SEG_RE.pattern}")
         self.directory = directory
         self.owner = owner
@@ -262,7 +262,7 @@ class SlotMapper:
         """The tensor the handle names, viewed in place, and the lease to release it with."""
         f = desc.fields
         seg = f.get("seg")
-        if not isinstance(seg, str) or not _SEG_RE.match(seg):
+        if not isinstance(seg, str) or not _SEG_RE.fullmatch(seg):
             raise WireError("x.seg must be a slot name")
         gen = f.get("gen")
         off = f.get("off")

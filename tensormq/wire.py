@@ -168,7 +168,7 @@ def check_path(path) -> list[list[str]]:
         raise WireError(f"path must be a list of 1 to {MAX_PATH} hops")
     for i, hop in enumerate(path):
         if (not isinstance(hop, list) or len(hop) != 2 or not isinstance(hop[0], str)
-                or not isinstance(hop[1], str) or not _NAME_RE.match(hop[0]) or not _ADDR_RE.match(hop[1])):
+                or not isinstance(hop[1], str) or not _NAME_RE.fullmatch(hop[0]) or not _ADDR_RE.fullmatch(hop[1])):
             raise WireError(f"path[{i}] must be [name, 'ipc://...' or 'tcp://host:port'], got {str(hop):.80}")
     return path
 
