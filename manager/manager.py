@@ -234,6 +234,15 @@ class Manager:
                 c.process.join(2)
             c.last_exit = describe_exit(c.process.exitcode)
             self.controller.forget(c.ident)
+            self._remove_slots(c)
+
+    def _remove_slots(self, c: Child) -> None:
+        """A dead producer's slot files are ours to remove (a clean exit left none)."""
+        if c.process.pid is None or c.process.is_alive():
+            return
+        removed = self.state.remove_slots_of(c.process.pid)
+        if removed:
+            log.info("removed %d slot files that %s (pid %d) left behind", removed, c.instance, c.process.pid)
 
     # -- system updates ----------------------------------------------------------------------
     def apply(self, body) -> dict:
@@ -446,6 +455,7 @@ class Manager:
     def on_child_down(self, c: Child, how: str, boot_error: bool) -> None:
         c.last_exit = how
         self.controller.forget(c.ident)
+        self._remove_slots(c)
         if c.decl is not None:
             self._fail_requests([c.instance], f"block {c.name} failed ({how}) while holding the request")
         if time.time() - c.started > RESTART_WINDOW:

@@ -106,6 +106,27 @@ class StateDir:
                         killed, removed)
         return {"killed": killed, "removed": removed}
 
+    def remove_slots_of(self, pid: int) -> int:
+        """Unlink the slot files of a process that died without closing its pools.
+
+        Slot files are named ``<owner>.<pid>.<seq>`` (tensormq/shm.py). Consumers that still map
+        one keep their mapping; a handle that arrives after this fails with a clear error.
+        """
+        removed = 0
+        try:
+            names = os.listdir(self.shm)
+        except FileNotFoundError:
+            return 0
+        for name in names:
+            parts = name.rsplit(".", 2)
+            if len(parts) == 3 and parts[1] == str(pid):
+                try:
+                    os.unlink(os.path.join(self.shm, name))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed
+
     def remove_runtime(self) -> None:
         """At clean shutdown: sockets and slots go; KPI runs and state.json stay."""
         shutil.rmtree(self.shm, ignore_errors=True)

@@ -353,6 +353,12 @@ class TestInvalidUpdates:
 
 # -- 3. a killed block is detected, respawned, and serves again --------------------------------
 
+def _slot_files_of(pid: int) -> list[str]:
+    """TensorMQ slot files (``<owner>.<pid>.<seq>``) that process ``pid`` created."""
+    import glob
+    return [f for f in glob.glob("/dev/shm/blockflow-*/*") if os.path.basename(f).rsplit(".", 2)[1:2] == [str(pid)]]
+
+
 def test_killed_block_is_respawned(server_factory, identity_repo):
     srv = server_factory(identity_repo)
     srv.call("POST", "/system/update", SIMPLE, timeout=60)
@@ -362,6 +368,7 @@ def test_killed_block_is_respawned(server_factory, identity_repo):
         old = srv.call("GET", "/blocks/d")
         assert old["status"] == "ready" and old["restarts"] == 0
         t0 = time.monotonic()
+        assert _slot_files_of(old["pid"]), "block d should own the slots of its result edge"
         os.kill(old["pid"], signal.SIGKILL)
 
         def respawned():
@@ -374,6 +381,7 @@ def test_killed_block_is_respawned(server_factory, identity_repo):
         assert took < 5, f"respawn took {took:.1f}s"
         assert new["incarnation"] > old["incarnation"]
         assert "SIGKILL" in (new.get("last_exit") or "") or new["last_exit"] is None
+        assert not _slot_files_of(old["pid"]), "the killed block's slot files were left in /dev/shm"
         assert srv.call("GET", "/blocks/a")["pid"] == srv.call("GET", "/system")["blocks"][0]["pid"]
         assert srv.call("GET", "/health/ready")["status"] == "ok"
         # the pipeline serves again (a request may still meet the switch: retry briefly)
