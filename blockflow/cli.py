@@ -78,7 +78,7 @@ def _demo(args) -> int:
 
 def _bench(args) -> int:
     from experiments import run_all
-    return run_all(args.name, quick=args.quick)
+    return run_all(args.name, quick=args.quick, args=["--out", args.out] if args.out else None)
 
 
 def _block(args) -> int:
@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run the experiments (experiments/); `all` runs every one")
     b.add_argument("name", help="experiment name or 'all'")
     b.add_argument("--quick", action="store_true", help="short settings for a smoke run")
+    b.add_argument("--out", help="results directory (default experiments/results/<machine>, where the "
+                                 "committed results live; give another one for smoke runs)")
     b.set_defaults(fn=_bench)
 
     bl = sub.add_parser("block", help="run one block process by hand (the manager normally does)")
