@@ -1,0 +1,173 @@
+"""Pipeline computing time under different batch sizes (thesis Figs. 4.7 and 4.8).
+
+The 4-block ResNet50 (+head) pipeline served by ``blockflow serve``, one synchronous client,
+batch sizes 1, 2, 4, 8, 16 and 32, over ``zeromq`` and ``tensormq``. For every batch size the
+client sends N requests (after one untimed request that sizes the buffers); reported are the
+round trip, the pipeline inference (sum of the blocks' model time) and the pipeline overhead
+(round trip - inference), and as a reference full.pt run in this process on the same batch with
+the same torch threads. The thesis's argument is that ZeroMQ's overhead grows with the batch
+(the serialised tensor grows) while TensorMQ's stays flat (the handle has a fixed size).
+
+On this CPU a batch of 32 takes seconds, so the default is N = 300 requests per batch size (the
+thesis gives no count; --n N changes it); --quick sends 2 per batch size for batches 1, 4, 16.
+The first min(250, N/4) samples of every batch size are dropped as warm-up (min(5, N/4) in
+--quick, i.e. none of the 2), on top of the untimed first request.
+
+    python -m experiments.batch_scaling [--quick] [--n N] [--batches 1,2,4,8,16,32] [--threads T]
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from experiments import common
+from experiments.pipeline_latency import load_models, pipeline_sample, sync, time_call
+
+log = logging.getLogger("experiments.batch_scaling")
+
+NAME = "batch_scaling"
+BATCHES = (1, 2, 4, 8, 16, 32)
+QUICK_BATCHES = (1, 4, 16)
+
+
+def measure_transport(server, transport: str, batches, n: int, threads: int, device: str, label: str) -> dict:
+    from blockflow.client import Client
+    server.update(common.pipeline_update(transport, threads=threads, device=device))
+    out = {}
+    with Client(server.dispatcher, timeout=600) as c, common.Progress(len(batches) * (n + 1), label) as bar:
+        for b in batches:
+            x = common.input_tensor(b, seed=b)
+            pipeline_sample(c, x, timeout=600)  # untimed: sizes the slots and buffers for this batch
+            bar.update()
+            recs = []
+            for _ in range(n):
+                recs.append(pipeline_sample(c, x, timeout=600))
+                bar.update()
+            out[b] = recs
+    return out
+
+
+def measure_monolithic(full, batches, n: int, device: str) -> dict:
+    out = {}
+    with common.Progress(len(batches) * (n + 1), "full.pt in-process") as bar:
+        for b in batches:
+            x = common.input_tensor(b, seed=b).to(device)
+            time_call(lambda: full(x), device)
+            bar.update()
+            vals = []
+            for _ in range(n):
+                vals.append(time_call(lambda: full(x), device))
+                bar.update()
+            out[b] = vals
+    return out
+
+
+def plot(rows: list[dict], out: str, machine: str) -> None:
+    plt = common.pyplot()
+    colors = {"zeromq": "tab:blue", "tensormq": "tab:orange", "monolithic": "tab:olive"}
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for series in ("zeromq", "tensormq", "monolithic"):
+        rs = [r for r in rows if r["series"] == series]
+        if rs:
+            ax.errorbar([r["batch"] for r in rs], [r["rtt_ms"]["mean"] for r in rs],
+                        yerr=[r["rtt_ms"]["std"] for r in rs], marker="o", capsize=3, color=colors[series],
+                        label=series if series != "monolithic" else "full.pt in-process (reference)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("mean pipeline time (ms)")
+    ax.set_title(f"Pipeline computing time vs batch size (Fig. 4.7) - {machine}", fontsize=9)
+    ax.legend(fontsize=8)
+    common.save_fig(fig, out, f"{NAME}_fig4_7.png")
+
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
+    for series in ("zeromq", "tensormq"):
+        rs = [r for r in rows if r["series"] == series]
+        if not rs:
+            continue
+        axes[0].plot([r["batch"] for r in rs], [r["overhead_ms"]["mean"] for r in rs], marker="o",
+                     color=colors[series], label=series)
+        axes[1].plot([r["batch"] for r in rs], [r["rtt_ms"]["mean"] / r["batch"] for r in rs], marker="o",
+                     color=colors[series], label=series)
+    mono = [r for r in rows if r["series"] == "monolithic"]
+    axes[1].plot([r["batch"] for r in mono], [r["rtt_ms"]["mean"] / r["batch"] for r in mono], marker="o",
+                 color=colors["monolithic"], label="full.pt in-process")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("mean pipeline overhead (ms)")
+    axes[0].set_title("overhead (round trip - inference)", fontsize=9)
+    axes[1].set_ylabel("ms per image")
+    axes[1].set_title("time per image", fontsize=9)
+    fig.suptitle("Zoom on the overhead (Fig. 4.8)", fontsize=9)
+    common.save_fig(fig, out, f"{NAME}_fig4_8.png")
+
+
+def main(argv=None) -> int:
+    ap = common.parser(NAME, __doc__)
+    ap.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",") if b],
+                    help=f"comma-separated batch sizes (default {','.join(map(str, BATCHES))}; "
+                         f"--quick: {','.join(map(str, QUICK_BATCHES))})")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per block and for full.pt (default 1)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--transports", default=",".join(common.TRANSPORTS))
+    args = ap.parse_args(argv)
+    common.setup_logging(args.verbose)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    batches = [int(b) for b in (args.batches or (QUICK_BATCHES if args.quick else BATCHES))]
+    transports = [t for t in args.transports.split(",") if t]
+    n = args.n or (2 if args.quick else 300)
+    warm = common.warmup_count(n, args.quick)
+    repo = common.ensure_repo(args.repo)
+    settings = {"n": n, "batches": batches, "transports": transports, "threads": args.threads, "device": device,
+                "warmup_dropped": warm, "untimed_first_request_per_batch": 1, "client": "1 synchronous client",
+                "quick": args.quick}
+    env = common.env_info(settings)
+    _, full = load_models(repo, device, args.threads)
+    mono = measure_monolithic(full, batches, n, device)
+    del full
+    raw = {}
+    with common.blockflow_server(repo) as server:
+        for t in transports:
+            raw[t] = measure_transport(server, t, batches, n, args.threads, device, f"{t} batches")
+    sync(device)
+    rows, csv_rows = [], []
+    for b in batches:
+        kept = mono[b][warm:]
+        rows.append({"series": "monolithic", "batch": b, "n": n, "dropped": warm, "rtt_ms": common.describe(kept)})
+        csv_rows += [["monolithic", b, i, int(i >= warm), v, v, ""] for i, v in enumerate(mono[b])]
+    for t in transports:
+        for b in batches:
+            recs = raw[t][b]
+            kept = recs[warm:]
+            rows.append({"series": t, "batch": b, "n": n, "dropped": warm,
+                         "rtt_ms": common.describe([r["rtt"] for r in kept]),
+                         "inference_ms": common.describe([r["inf"] for r in kept]),
+                         "overhead_ms": common.describe([r["overhead"] for r in kept]),
+                         "tensor_mb_block1_out": b * 256 * 56 * 56 * 4 / 2**20,
+                         "per_block_overhead_ms": {h: common.describe([sum(v for k, v in r["hops"][h].items()
+                                                                           if k != "inf") for r in kept])["mean"]
+                                                   for h in recs[0]["hops"]}})
+            csv_rows += [[t, b, i, int(i >= warm), r["rtt"], r["inf"], r["overhead"]] for i, r in enumerate(recs)]
+    common.write_json(args.out, NAME, {"env": env, "settings": settings, "rows": rows})
+    common.write_csv(args.out, f"{NAME}_samples.csv",
+                     ["series", "batch", "i", "kept", "rtt_ms", "inference_ms", "overhead_ms"], csv_rows)
+    plot(rows, args.out, env["machine"])
+    print(f"\nFigs. 4.7-4.8 on {env['machine']} ({device}, {args.threads} thread(s), n={n} per batch, "
+          f"{warm} dropped):")
+    print(f"{'batch':>5s} " + " ".join(f"{t + ' rtt':>14s} {t + ' ovh':>14s}" for t in transports)
+          + f" {'full.pt':>10s}")
+    for b in batches:
+        line = f"{b:5d} "
+        for t in transports:
+            r = next(r for r in rows if r["series"] == t and r["batch"] == b)
+            line += f"{r['rtt_ms']['mean']:14.2f} {r['overhead_ms']['mean']:14.2f} "
+        m = next(r for r in rows if r["series"] == "monolithic" and r["batch"] == b)
+        print(line + f"{m['rtt_ms']['mean']:10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,420 @@
+"""Shared helpers for the experiments: where results go, what machine made them, a progress
+bar, warm-up handling, the model repository, a real ``blockflow serve`` and small statistics.
+
+Every experiment writes ``experiments/results/<machine>/<name>.json`` (plus CSV/PNG files) where
+``<machine>`` is a stable label such as ``x86_64-2cpu`` or ``x86_64-16cpu-nvidia-h100-80gb-hbm3``:
+no host name, so results from two runs on the same kind of machine land in the same place.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import logging
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+log = logging.getLogger("experiments")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS_ROOT = os.path.join(HERE, "results")
+DEFAULT_REPO = os.path.join(ROOT, "model_repo")
+
+#: Warm-up samples dropped before statistics (thesis 4.1.2 and 4.2.2: "discarding the first 250").
+WARMUP_FULL = 250
+WARMUP_QUICK = 5
+
+#: ResNet50 4-block pipeline as the thesis deploys it: block name in the update -> file stem.
+PIPELINE = (("b1", "block1"), ("b2", "block2"), ("b3", "block3"), ("b4", "block4"), ("h", "head"))
+TRANSPORTS = ("zeromq", "tensormq")
+TASK = "classify"
+
+
+# -- the machine and the results directory ----------------------------------------------------
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def gpu_names() -> list[str]:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # a broken driver must not stop CPU experiments
+        pass
+    return []
+
+
+def machine_label() -> str:
+    """``<arch>-<N>cpu[-<gpu slug>[-xK]]``: stable for a kind of machine, free of host names."""
+    label = f"{platform.machine() or 'unknown'}-{os.cpu_count() or 0}cpu"
+    gpus = gpu_names()
+    if gpus:
+        label += "-" + _slug(gpus[0]) + (f"-x{len(gpus)}" if len(gpus) > 1 else "")
+    return label
+
+
+def results_dir(out: str | None = None) -> str:
+    """``out`` if given, else ``experiments/results/<machine>``; created if missing."""
+    path = out or os.path.join(RESULTS_ROOT, machine_label())
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def env_info(settings: dict | None = None) -> dict:
+    """What produced a result: versions, devices, CPU, memory, load, and the settings used."""
+    import psutil
+    import torch
+    info = {
+        "machine": machine_label(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": gpu_names(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads_default": torch.get_num_threads(),
+        "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "loadavg_at_start": [round(v, 2) for v in os.getloadavg()],
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if torch.cuda.is_available():
+        info["cudnn"] = torch.backends.cudnn.version()
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            info["nvidia_driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:
+            pass
+    try:
+        import zmq
+        import cherrypy
+        info["pyzmq"], info["libzmq"], info["cherrypy"] = zmq.__version__, zmq.zmq_version(), cherrypy.__version__
+    except Exception:
+        pass
+    try:  # read-only: which commit produced the numbers
+        info["git_commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                            text=True, timeout=5).stdout.strip() or None
+    except Exception:
+        info["git_commit"] = None
+    if settings is not None:
+        info["settings"] = settings
+    return info
+
+
+def write_json(out: str, name: str, data: dict) -> str:
+    """Write ``<out>/<name>.json``; ``data`` should carry ``env`` (env_info) and ``settings``."""
+    data.setdefault("experiment", name)
+    if "env" in data:
+        data["env"]["loadavg_at_end"] = [round(v, 2) for v in os.getloadavg()]
+    path = os.path.join(results_dir(out), f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=_jsonable)
+        f.write("\n")
+    print(f"wrote {path}")
+    return path
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    return str(v)
+
+
+def write_csv(out: str, filename: str, header: list[str], rows) -> str:
+    path = os.path.join(results_dir(out), filename)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        for r in rows:
+            w.writerow([f"{v:.4f}" if isinstance(v, float) else v for v in r])
+    print(f"wrote {path}")
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot with the Agg backend (no display needed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_fig(fig, out: str, filename: str, dpi: int = 80) -> str:
+    path = os.path.join(results_dir(out), filename)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+# -- command line --------------------------------------------------------------------------
+def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=f"python -m experiments.{name}", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short settings (smoke run)")
+    ap.add_argument("--repo", default=DEFAULT_REPO, help=f"model repository (default {DEFAULT_REPO}); "
+                                                         "ResNet50 blocks are exported into it if missing")
+    ap.add_argument("--out", help="results directory (default experiments/results/<machine>)")
+    ap.add_argument("--n", type=int, help="override the number of samples per measurement")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return ap
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.jit")
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.")
+
+
+# -- progress and warm-up ------------------------------------------------------------------
+class Progress:
+    """A dependency-free progress bar on stderr (a line per 10% when stderr is not a terminal)."""
+
+    def __init__(self, total: int, label: str = "", width: int = 30):
+        self.total, self.label, self.width = max(1, int(total)), label, width
+        self.n = 0
+        self.t0 = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self._last_decile = -1
+        self._last_draw = 0.0
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+        frac = min(1.0, self.n / self.total)
+        if self.tty:
+            now = time.monotonic()
+            if now - self._last_draw < 0.1 and self.n < self.total:
+                return
+            self._last_draw = now
+            fill = int(frac * self.width)
+            sys.stderr.write(f"\r{self.label:24.24s} [{'#' * fill}{'.' * (self.width - fill)}] "
+                             f"{self.n}/{self.total} {now - self.t0:6.1f}s")
+            sys.stderr.flush()
+        else:
+            decile = int(frac * 10)
+            if decile != self._last_decile and (decile % 5 == 0 or self.n == self.total):
+                self._last_decile = decile
+                sys.stderr.write(f"{self.label}: {self.n}/{self.total} ({time.monotonic() - self.t0:.1f}s)\n")
+                sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.n = max(self.n, 0)
+            self._last_draw = 0.0
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def warmup_count(n_total: int, quick: bool) -> int:
+    """Samples to drop: 250 as in the thesis (5 in quick mode), never more than a quarter."""
+    return min(WARMUP_QUICK if quick else WARMUP_FULL, n_total // 4)
+
+
+def discard_warmup(values: list, quick: bool) -> list:
+    return list(values)[warmup_count(len(values), quick):]
+
+
+# -- statistics ----------------------------------------------------------------------------
+def pct(values, q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def describe(values) -> dict:
+    """n, mean, std, min, p50, p90, p99, max (milliseconds in, milliseconds out)."""
+    v = [float(x) for x in values]
+    if not v:
+        return {"n": 0}
+    return {"n": len(v), "mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0,
+            "min": min(v), "p50": pct(v, 0.5), "p90": pct(v, 0.9), "p99": pct(v, 0.99), "max": max(v)}
+
+
+# -- the model repository ------------------------------------------------------------------
+def ensure_repo(repo: str = DEFAULT_REPO, model: str = "resnet50", method: str = "script") -> str:
+    """``repo`` with ``<model>`` exported (4 blocks, head, full and the 'x' variant of block4/head)."""
+    from blocks.repository import export_model
+    if not os.path.exists(os.path.join(repo, model, "block4-x.pt")):
+        log.info("exporting %s blocks (%s) into %s (seeded weights, once)", model, method, repo)
+        export_model(model, repo, blocks=4, method=method, variants={"x": ["block4", "head"]})
+    return repo
+
+
+def traced_repo(repo: str = DEFAULT_REPO, model: str = "resnet50") -> str:
+    """A repository with traced blocks, kept inside ``repo`` (``<repo>/_traced``) so it is ignored
+    by git along with the repository and never overwrites the scripted files."""
+    from blocks.repository import export_model
+    path = os.path.join(repo, "_traced")
+    if not os.path.exists(os.path.join(path, model, "manifest.json")):
+        log.info("exporting traced %s blocks into %s (once)", model, path)
+        export_model(model, path, blocks=4, method="trace")
+    return path
+
+
+def manifest_entries(repo: str, model: str = "resnet50") -> dict:
+    from blocks.repository import load_manifest
+    return load_manifest(repo, model)["blocks"]
+
+
+# -- a real server -------------------------------------------------------------------------
+class Server:
+    def __init__(self, proc, info):
+        self.proc, self.info = proc, info
+        self.rest, self.dispatcher, self.run_dir = info["rest"], info["dispatcher"], info["run_dir"]
+
+    def call(self, method: str, path: str, body=None, timeout: float = 120.0):
+        from blockflow.restclient import call
+        return call(method, self.rest + path, body, timeout=timeout)
+
+    def update(self, body: dict) -> dict:
+        res = self.call("POST", "/system/update", body)
+        log.info("update v%s applied in %.2fs (spawned %s, replaced %s)", res["version"], res["seconds"],
+                 res["diff"]["spawned"], res["diff"]["replaced"])
+        return res
+
+    def block_pids(self) -> dict[str, int]:
+        return {b["name"]: b["pid"] for b in self.call("GET", "/system")["blocks"]}
+
+    def dispatcher_pid(self) -> int | None:
+        d = self.call("GET", "/system").get("dispatcher")
+        return d["pid"] if d else None
+
+    def kpi(self, name: str) -> dict:
+        """GET /blocks/{name}/kpi (also flushes the block's KPI logs into run_dir)."""
+        return self.call("GET", f"/blocks/{name}/kpi")
+
+    def flush_kpi(self) -> None:
+        for name in self.block_pids():
+            self.kpi(name)
+
+
+@contextlib.contextmanager
+def blockflow_server(repo: str, log_level: str = "WARNING", extra: list[str] | None = None):
+    """``blockflow serve`` on free ports with a private, short state directory (ipc paths are
+    limited to ~107 characters); stopped with SIGTERM and cleaned up on exit."""
+    from blockflow.demo import start_server, stop_server
+    state = tempfile.mkdtemp(prefix="bfx-")
+    env = dict(os.environ, BLOCKFLOW_LOG=log_level)
+    t0 = time.monotonic()
+    proc, info = start_server(os.path.abspath(repo), state, extra=["--quiet", *(extra or [])], env=env)
+    log.info("blockflow serve up in %.1fs (REST %s, dispatcher %s)", time.monotonic() - t0, info["rest"],
+             info["dispatcher"])
+    try:
+        yield Server(proc, info)
+    finally:
+        code = stop_server(proc)
+        if code != 0:
+            log.warning("blockflow serve exited with code %s", code)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def pipeline_update(transport: str, model: str = "resnet50", threads: int | None = 1, device: str = "cpu",
+                    devices: list[str] | None = None) -> dict:
+    """The update that deploys only the 4-block + head ``classify`` path (b1..h)."""
+    blocks = []
+    for i, (name, stem) in enumerate(PIPELINE):
+        b = {"name": name, "model": f"{model}/{stem}.pt", "device": devices[i] if devices else device}
+        if threads:
+            b["threads"] = threads
+        blocks.append(b)
+    return {"transport": transport, "protocol": "ipc", "blocks": blocks,
+            "tasks": [{"id": TASK, "path": [n for n, _ in PIPELINE]}]}
+
+
+def input_tensor(batch: int = 1, seed: int = 0):
+    import torch
+    return torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(seed))
+
+
+def process_tree_rss(pids) -> float:
+    """Sum of RSS (MB) of ``pids``; vanished processes count 0."""
+    import psutil
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total / 2**20
+
+
+class CpuSampler:
+    """Samples CPU% and RSS of a set of pids every ``interval`` seconds in a thread (psutil),
+    the way the thesis collected per-process CPU timelines for Fig. 4.6."""
+
+    def __init__(self, pids: dict[str, int], interval: float = 0.25):
+        import threading
+
+        import psutil
+        self.interval = interval
+        self.procs = {}
+        for name, pid in pids.items():
+            try:
+                p = psutil.Process(pid)
+                p.cpu_percent(None)
+                self.procs[name] = p
+            except psutil.NoSuchProcess:
+                pass
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="cpu-sampler")
+        self.t0 = time.monotonic()
+
+    def _loop(self):
+        import psutil
+        while not self._stop.wait(self.interval):
+            rec = {"t": time.monotonic() - self.t0}
+            for name, p in self.procs.items():
+                try:
+                    with p.oneshot():
+                        rec[name] = p.cpu_percent(None)
+                        rec[name + ".rss_mb"] = p.memory_info().rss / 2**20
+                except psutil.NoSuchProcess:
+                    rec[name] = None
+            self.samples.append(rec)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(2)

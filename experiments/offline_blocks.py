@@ -1,0 +1,185 @@
+"""Offline block analysis (thesis 4.1.1, Table 4.2 and Fig. 4.2).
+
+Each ResNet50 block (block1..block4, head) and the whole model (full) is loaded alone, scripted
+and traced, in a fresh interpreter, and runs N inferences on a seeded batch-1 input. Reported
+per block: mean/std/p50/p99 latency, process RSS before and after loading and after the
+inferences (the CPU stand-in for the thesis's "process occupied VRAM"), the parameter count and
+bytes from the manifest, and torch allocated/reserved memory when the block runs on a GPU.
+
+The sum of the scripted block means (block1..block4 + head) is the offline baseline that
+pipeline_latency compares the served pipeline with (thesis: 11.703 ms on the GV100).
+
+    python -m experiments.offline_blocks [--quick] [--n N] [--threads T] [--device cpu|cuda]
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+from experiments import common
+
+log = logging.getLogger("experiments.offline_blocks")
+
+NAME = "offline_blocks"
+BLOCKS = ("block1", "block2", "block3", "block4", "head", "full")
+METHODS = ("script", "trace")
+
+
+def worker(args: dict) -> dict:
+    """Runs in a fresh interpreter: load one block, time ``n`` inferences, measure memory."""
+    import psutil
+    import torch
+
+    from blocks.repository import load_block, load_manifest
+
+    torch.set_num_threads(args["threads"])
+    proc = psutil.Process()
+    dev = torch.device(args["device"])
+    entry = load_manifest(args["repo"], "resnet50")["blocks"][f"{args['block']}.pt"]
+    x = torch.randn(entry["input_shape"], generator=torch.Generator().manual_seed(0))
+    if dev.type == "cuda":
+        torch.cuda.init()
+        torch.zeros(1, device=dev)  # the CUDA context, before "before"
+        x = x.to(dev)
+    rss0 = proc.memory_info().rss
+    t0 = time.perf_counter()
+    model = load_block(args["repo"], f"resnet50/{args['block']}.pt", args["device"])
+    load_s = time.perf_counter() - t0
+    rss_loaded = proc.memory_info().rss
+    times, alloc, reserved = [], [], []
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    with torch.inference_mode():
+        for _ in range(args["warmup"]):
+            model(x)
+        sync()
+        for _ in range(args["n"]):
+            t = time.perf_counter()
+            model(x)
+            sync()
+            times.append((time.perf_counter() - t) * 1e3)
+            if dev.type == "cuda":
+                alloc.append(torch.cuda.memory_allocated(dev) / 2**20)
+                reserved.append(torch.cuda.memory_reserved(dev) / 2**20)
+    mem = proc.memory_full_info()
+    out = {"block": args["block"], "method": args["method"], "device": args["device"], "threads": args["threads"],
+           "n": args["n"], "warmup": args["warmup"], "load_s": load_s, "latency_ms": common.describe(times),
+           "rss_before_load_mb": rss0 / 2**20, "rss_after_load_mb": rss_loaded / 2**20,
+           "rss_after_inference_mb": mem.rss / 2**20, "uss_after_inference_mb": mem.uss / 2**20,
+           "rss_load_delta_mb": (rss_loaded - rss0) / 2**20, "rss_total_delta_mb": (mem.rss - rss0) / 2**20,
+           "params": entry["params"], "param_bytes": entry["param_bytes"],
+           "params_mb": entry["param_bytes"] / 2**20, "times_ms": times}
+    if dev.type == "cuda":
+        out["torch_allocated_mb"] = common.describe(alloc)
+        out["torch_reserved_mb"] = common.describe(reserved)
+        out["torch_max_allocated_mb"] = torch.cuda.max_memory_allocated(dev) / 2**20
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(dev.index or 0)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                if p.pid == os.getpid() and p.usedGpuMemory is not None:
+                    out["process_vram_mb"] = p.usedGpuMemory / 2**20
+        except Exception:
+            pass
+    return out
+
+
+def run_worker(repo: str, block: str, method: str, n: int, warmup: int, threads: int, device: str) -> dict:
+    spec = dict(repo=repo, block=block, method=method, n=n, warmup=warmup, threads=threads, device=device)
+    proc = subprocess.run([sys.executable, "-m", "experiments.offline_blocks", "--worker", json.dumps(spec)],
+                          cwd=common.ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker for {method} {block} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def plot(rows: list[dict], out: str) -> None:
+    plt = common.pyplot()
+    scripted = [r for r in rows if r["method"] == "script" and r["block"] != "full"]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    names = [r["block"] for r in scripted]
+    vals = [r["params"] / 1e6 for r in scripted]
+    bars = ax.bar(names, vals, color="tab:blue")
+    ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_ylabel("parameters (millions)")
+    ax.set_title("ResNet50 parameters per block (Fig. 4.2)")
+    common.save_fig(fig, out, "offline_blocks_params.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    width = 0.38
+    for k, method in enumerate(METHODS):
+        rs = [r for r in rows if r["method"] == method]
+        xs = [i + (k - 0.5) * width for i in range(len(rs))]
+        ax.bar(xs, [r["latency_ms"]["mean"] for r in rs], width, yerr=[r["latency_ms"]["std"] for r in rs],
+               label=f"{method}ed", capsize=2)
+    ax.set_xticks(range(len(BLOCKS)), BLOCKS)
+    ax.set_ylabel("latency (ms), mean ± std")
+    ax.set_title(f"Offline inference latency per block ({rows[0]['device']}, {rows[0]['threads']} thread(s))")
+    ax.legend()
+    common.save_fig(fig, out, "offline_blocks_latency.png")
+
+
+def main(argv=None) -> int:
+    ap = common.parser(NAME, __doc__)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the served blocks)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--worker", help=argparse_hidden())
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+    common.setup_logging(args.verbose)
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    n = args.n or (20 if args.quick else 1000)
+    warmup = 3 if args.quick else 20
+    repos = {"script": common.ensure_repo(args.repo), "trace": common.traced_repo(args.repo)}
+    settings = {"n": n, "warmup_runs_untimed": warmup, "threads": args.threads, "device": device,
+                "blocks": list(BLOCKS), "methods": list(METHODS), "quick": args.quick,
+                "isolation": "one fresh interpreter per (method, block)"}
+    env = common.env_info(settings)
+    rows = []
+    with common.Progress(len(METHODS) * len(BLOCKS), "offline blocks") as bar:
+        for method in METHODS:
+            for block in BLOCKS:
+                rows.append(run_worker(repos[method], block, method, n, warmup, args.threads, device))
+                bar.update()
+    times = {f"{r['method']}/{r['block']}": r.pop("times_ms") for r in rows}
+    offline_sum = {m: sum(r["latency_ms"]["mean"] for r in rows if r["method"] == m and r["block"] != "full")
+                   for m in METHODS}
+    full_mean = {m: next(r["latency_ms"]["mean"] for r in rows if r["method"] == m and r["block"] == "full")
+                 for m in METHODS}
+    common.write_json(args.out, NAME, {"env": env, "settings": settings, "rows": rows,
+                                       "offline_sum_ms": offline_sum, "full_model_ms": full_mean})
+    common.write_csv(args.out, f"{NAME}_times.csv", ["method", "block", "i", "ms"],
+                     ([k.split("/")[0], k.split("/")[1], i, v] for k, vs in times.items() for i, v in enumerate(vs)))
+    plot(rows, args.out)
+
+    print(f"\nTable 4.2 on {env['machine']} ({device}, {args.threads} thread(s), n={n}):")
+    print(f"{'type':8s} {'block':7s} {'mean ms':>9s} {'std ms':>8s} {'p99 ms':>8s} {'params M':>9s} "
+          f"{'params MB':>9s} {'RSS load Δ MB':>13s} {'RSS total Δ MB':>14s} {'RSS MB':>8s}")
+    for r in rows:
+        lat = r["latency_ms"]
+        print(f"{r['method'].upper():8s} {r['block']:7s} {lat['mean']:9.3f} {lat['std']:8.3f} {lat['p99']:8.3f} "
+              f"{r['params'] / 1e6:9.3f} {r['params_mb']:9.2f} {r['rss_load_delta_mb']:13.1f} "
+              f"{r['rss_total_delta_mb']:14.1f} {r['rss_after_inference_mb']:8.1f}")
+    for m in METHODS:
+        print(f"offline sum of block means ({m}): {offline_sum[m]:.3f} ms; full model alone {full_mean[m]:.3f} ms")
+    return 0
+
+
+def argparse_hidden():
+    import argparse
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The experiment scripts, run for real in their smallest settings (about 45 s on 2 cores).
+
+Each script runs as ``python -m experiments.NAME --quick --n K --out TMP`` in its own interpreter,
+exactly as ``blockflow bench`` runs it, with real processes, sockets and ResNet50 blocks; the
+tests then read what it wrote and check the content: the expected blocks/transports/kinds are
+there, latencies are positive and finite, warm-up samples were dropped, the machine and settings
+were recorded, the plots are real PNG files. ``leak_check`` fails a test that leaves a child
+process or a shared-memory directory behind.
+"""
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def resnet_repo():
+    """The ResNet50 repository the experiments use (exported once into model_repo/ if missing)."""
+    from experiments.common import DEFAULT_REPO, ensure_repo
+    return ensure_repo(DEFAULT_REPO)
+
+
+def run_experiment(name: str, out: str, *args: str, timeout: float = 240) -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + os.environ["PYTHONPATH"]
+                                              if os.environ.get("PYTHONPATH") else ""))
+    proc = subprocess.run([sys.executable, "-m", f"experiments.{name}", "--quick", "--out", out, *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def load(out: str, name: str) -> dict:
+    with open(os.path.join(out, f"{name}.json")) as f:
+        return json.load(f)
+
+
+def positive(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
+def assert_stats(d: dict, n: int | None = None) -> None:
+    """A common.describe() dict with plausible, ordered, positive millisecond values."""
+    for key in ("mean", "p50", "p99", "min", "max"):
+        assert positive(d[key]), f"{key} = {d[key]!r} in {d}"
+    assert d["min"] <= d["p50"] <= d["p99"] <= d["max"]
+    if n is not None:
+        assert d["n"] == n
+
+
+def assert_env(data: dict, **settings) -> None:
+    env = data["env"]
+    for key in ("torch", "torch_cuda", "cuda_available", "gpus", "cpu_count", "machine", "platform"):
+        assert key in env, f"env lacks {key}"
+    assert env["cpu_count"] == os.cpu_count()
+    import torch
+    assert env["torch"] == torch.__version__
+    assert env["settings"] == data["settings"]
+    for k, v in settings.items():
+        assert data["settings"][k] == v, (k, data["settings"][k])
+
+
+def assert_png(out: str, filename: str) -> None:
+    path = os.path.join(out, filename)
+    with open(path, "rb") as f:
+        head = f.read(8)
+    assert head == PNG_MAGIC, f"{filename} is not a PNG"
+    assert os.path.getsize(path) > 2000, f"{filename} is suspiciously small"
+
+
+def test_offline_blocks(tmp_path, resnet_repo, leak_check):
+    out = str(tmp_path)
+    stdout = run_experiment("offline_blocks", out, "--n", "5", "--repo", resnet_repo)
+    data = load(out, "offline_blocks")
+    assert_env(data, n=5, quick=True)
+    rows = {(r["method"], r["block"]): r for r in data["rows"]}
+    assert set(rows) == {(m, b) for m in ("script", "trace") for b in ("block1", "block2", "block3", "block4",
+                                                                        "head", "full")}
+    for r in rows.values():
+        assert_stats(r["latency_ms"], n=5)
+        assert r["params"] > 0 and r["rss_after_load_mb"] > r["rss_before_load_mb"] > 0
+    # ResNet50's parameters sit mostly in the tail (Fig. 4.2); together the blocks hold the whole model
+    assert rows[("script", "block4")]["params"] > rows[("script", "block3")]["params"] > rows[("script", "block1")][
+        "params"]
+    blocks_params = sum(rows[("script", b)]["params"] for b in ("block1", "block2", "block3", "block4", "head"))
+    assert blocks_params == rows[("script", "full")]["params"]
+    for m in ("script", "trace"):
+        expect = sum(rows[(m, b)]["latency_ms"]["mean"] for b in ("block1", "block2", "block3", "block4", "head"))
+        assert data["offline_sum_ms"][m] == pytest.approx(expect)
+    with open(os.path.join(out, "offline_blocks_times.csv")) as f:
+        assert sum(1 for _ in csv.reader(f)) == 1 + 12 * 5
+    assert_png(out, "offline_blocks_params.png")
+    assert_png(out, "offline_blocks_latency.png")
+    assert "offline sum of block means" in stdout
+
+
+def test_rtt(tmp_path, leak_check):
+    out = str(tmp_path)
+    run_experiment("rtt", out, "--n", "20")
+    data = load(out, "rtt")
+    assert_env(data, n=20, quick=True)
+    assert data["settings"]["warmup_dropped"] == {"string": 5, "json": 5, "tensor": 5}
+    rows = {(r["protocol"], r["kind"]): r for r in data["rows"]}
+    assert set(rows) == {(p, k) for p in ("zeromq", "http", "http_newconn") for k in ("string", "json", "tensor")}
+    for r in rows.values():
+        assert r["n"] == 20 and r["dropped"] == 5
+        assert_stats(r["rtt_ms"], n=15)
+    # a 3.2 MB tensor takes longer than a 43-byte string on the same socket
+    assert rows[("zeromq", "tensor")]["rtt_ms"]["p50"] > rows[("zeromq", "string")]["rtt_ms"]["p50"]
+    assert [s["kind"] for s in data["table_4_3"]] == ["string", "json", "tensor"]
+    for s in data["table_4_3"]:
+        assert positive(s["ratio_mean"]) and s["thesis_zeromq_ms"] > 0
+    with gzip.open(os.path.join(out, "rtt_raw.csv.gz"), "rt") as f:
+        assert sum(1 for _ in f) == 1 + 9 * 20
+    assert_png(out, "rtt.png")
+
+
+def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
+    out = str(tmp_path)
+    stdout = run_experiment("pipeline_latency", out, "--n", "8", "--repo", resnet_repo)
+    data = load(out, "pipeline_latency")
+    assert_env(data, n=8, quick=True, threads=1, batch=1, transports=["zeromq", "tensormq"], http=True)
+    s = data["summary"]
+    # warm-up: min(5, 8 // 4) = 2 samples dropped from every series
+    for series in (s["offline"], s["http"], *s["transports"].values()):
+        assert series["n"] == 8 and series["dropped"] == 2
+    assert set(s["offline"]["blocks_ms"]) == {"b1", "b2", "b3", "b4", "h"}
+    assert_stats(s["offline"]["sum_ms"], n=6)
+    assert_stats(s["offline"]["monolithic_ms"], n=6)
+    assert_stats(s["http"]["rtt_ms"], n=6)
+    # the REST round trip contains the model's inference time measured by the server
+    assert s["http"]["rtt_ms"]["p50"] > s["http"]["server_inference_ms"]["p50"] > 0
+    assert set(s["transports"]) == {"zeromq", "tensormq"}
+    for t, ts in s["transports"].items():
+        assert_stats(ts["rtt_ms"], n=6)
+        assert_stats(ts["inference_ms"], n=6)
+        assert_stats(ts["monolithic_interleaved_ms"], n=6)
+        assert set(ts["blocks"]) == {"b1", "b2", "b3", "b4", "h"}
+        for b, comp in ts["blocks"].items():
+            assert_stats(comp["inference_ms"], n=6)
+            assert comp["overhead_ms"]["mean"] >= 0
+            assert set(comp["components_ms"]) == {"wait", "deser", "dev", "inf", "share"}
+        # round trip = inference + overhead, and the blocks' inference is most of it
+        assert ts["rtt_ms"]["mean"] == pytest.approx(ts["inference_ms"]["mean"] + ts["overhead_ms"]["mean"])
+        assert ts["inference_ms"]["mean"] > 0.5 * ts["rtt_ms"]["mean"]
+        assert all(rss > 50 for rss in ts["block_rss_mb"].values())
+    for t, r in data["ratio_pipeline_vs_monolithic"].items():
+        assert r["ratio"] == pytest.approx(r["pipeline_p50_ms"] / r["monolithic_p50_ms"])
+        assert 0.5 < r["ratio"] < 10
+        assert f"RATIO {t}:" in stdout
+    assert data["thesis_gv100"]["offline_ms"] == 11.703
+    with open(os.path.join(out, "pipeline_latency_samples.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert {r["series"] for r in rows} == {"zeromq", "tensormq", "http", "offline"}
+    assert len(rows) == 4 * 8 and sum(int(r["kept"]) for r in rows) == 4 * 6
+    for name in ("fig4_3", "fig4_4", "fig4_5"):
+        assert_png(out, f"pipeline_latency_{name}.png")
