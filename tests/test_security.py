@@ -26,6 +26,8 @@ from blockflow.protocol import DISPATCHER, RETURN_HOP
 from blockflow.standalone import StandalonePipeline
 from experiments.fuzz import pickle_bomb
 from manager.state import StateDir
+from tensormq.shm import SlotMapper
+from tensormq.wire import TensorDesc
 
 from conftest import kill_tree
 
@@ -343,7 +345,16 @@ def test_limits_and_overloaded(identity_repo, short_tmp, leak_check):
             header = {"v": 1, "t": "data", "rid": rid, "task": "t", "path": [[RETURN_HOP, ret]], "hops": [],
                       "x": {"dtype": "float32", "shape": [1, 256], "stride": [256, 1], "loc": "bytes"}}
             push.send_multipart([json.dumps(header).encode(), payload])
-        answers = [json.loads(back.recv_multipart()[0]) for _ in range(12)]
+        # The test is the consumer of s's results: like the dispatcher, it releases each slot
+        # (s has one slot towards us, window=1; held, it would stall s for its 10 s deadline).
+        mapper = SlotMapper(pipe.shm)
+        answers = []
+        for _ in range(12):
+            a = json.loads(back.recv_multipart()[0])
+            if a["t"] == "result" and a["x"].get("loc") == "shm":
+                mapper.open(TensorDesc.parse(a["x"]))[1].release()
+            answers.append(a)
+        mapper.close()
         assert sorted(a["rid"] for a in answers) == list(range(12))  # every one answered once
         overloaded = [a for a in answers if a.get("code") == "overloaded"]
         assert len(overloaded) >= 6, answers
