@@ -242,7 +242,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     setup_logging(args.verbose)
-    from experiments.common import ensure_repo
     if args.quick:
         minutes = args.minutes if "--minutes" in (argv or sys.argv) else 0.75
         update_every = args.update_every if "--update-every" in (argv or sys.argv) else 10.0
@@ -254,8 +253,6 @@ def main(argv=None) -> int:
     if not os.path.exists(os.path.join(repo, MODEL, "block4.pt")):
         from blocks.repository import export_model
         export_model(MODEL, repo, blocks=4, method="script", variants={"x": ["block4", "head"]})
-    else:
-        ensure_repo  # resnet18 already there
     res = run_soak(repo, minutes, args.rate, update_every, sample, args.clients, args.load, saturate, warmup,
                    window, args.seed)
     g = res["growth"]

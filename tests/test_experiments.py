@@ -164,3 +164,8 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
     assert len(rows) == 4 * 8 and sum(int(r["kept"]) for r in rows) == 4 * 6
     for name in ("fig4_3", "fig4_4", "fig4_5"):
         assert_png(out, f"pipeline_latency_{name}.png")
+    # the README's table is made from this JSON: it shows the measured p50 beside the thesis's
+    from experiments.report import section
+    table = section(out, "pipeline_latency")
+    p50 = s["transports"]["tensormq"]["rtt_ms"]["p50"]
+    assert f"| tensormq pipeline, 5 blocks | {p50:,.2f} |" in table and "| 16.04 |" in table, table
