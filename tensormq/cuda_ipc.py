@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import time
 from collections import OrderedDict
 
 import torch
 
-from .shm import FREE, IN_FLIGHT, HopGone, Slot, _HDR, _SEG_RE, SlotMapper
+from .shm import FREE, IN_FLIGHT, HopGone, Slot, _SEG_RE, SlotMapper, release_slot
 from .wire import TensorDesc, WireError
 
 log = logging.getLogger(__name__)
@@ -175,16 +174,17 @@ class CudaMapper:
         seg = f.get("seg")
         if not isinstance(seg, str) or not _SEG_RE.fullmatch(seg):
             raise WireError("x.seg must be a slot name")
+        gen = f.get("gen")
+        if not isinstance(gen, int) or isinstance(gen, bool) or gen < 0:
+            raise WireError("x.gen must be a non-negative integer")
         header = self.headers._open(seg)
-        _magic, state, cur_gen, _cap = _HDR.unpack_from(header.mm, 0)
-        if cur_gen != f.get("gen") or state != IN_FLIGHT:
-            raise WireError(f"x.seg {seg} generation {f.get('gen')!r:.20} is stale; handle refused")
+        SlotMapper.check_in_flight(header, seg, gen)
         buf = self._storage(seg, f)
         off = f.get("off")
         if not isinstance(off, int) or off < 0 or off % desc.itemsize or off + desc.span_bytes() > buf.numel():
             raise WireError(f"x.off/x.shape describe memory outside CUDA slot {seg}")
         tensor = torch.as_strided(buf.view(desc.dtype), desc.shape, desc.stride, off // desc.itemsize)
-        return tensor, CudaLease(header, seg, cur_gen, buf, f)
+        return tensor, CudaLease(header, seg, gen, buf, f)
 
     def close(self) -> None:
         self.storages.clear()
@@ -215,9 +215,4 @@ class CudaLease:
         if self.released:
             return
         self.released = True
-        try:
-            _m, state, cur_gen, _c = _HDR.unpack_from(self.mapped.mm, 0)
-            if cur_gen == self.gen and state == IN_FLIGHT:
-                struct.pack_into("<I", self.mapped.mm, 4, FREE)
-        except ValueError:
-            pass
+        release_slot(self.mapped, self.gen)

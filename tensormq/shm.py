@@ -5,15 +5,23 @@ Note [TensorMQ slot ownership]
 Every producer (a block or the dispatcher) owns a *pool* of slots per outgoing edge. A slot
 is one file in the instance's private shared-memory directory (``0700``, under /dev/shm)::
 
-    +--------+--------+------------+-----------+---- ... padding to 64 ----+------------------+
-    | magic  | state  | generation | capacity  |                           | data (capacity)  |
-    | u32    | u32    | u64        | u64       |                           |                  |
-    +--------+--------+------------+-----------+---------------------------+------------------+
-    0        4        8            16          24                          64
+    +---------+----------+------------+----------+---- ... padding ----+------------------+
+    | magic   | capacity | generation | released |                     | data (capacity)  |
+    | u64     | u64      | u64        | u64      |                     |                  |
+    +---------+----------+------------+----------+---------------------+------------------+
+    0         8          16           24         32                    64
 
-    state     FREE (0)  -- producer acquires, bumps generation -->  IN_FLIGHT (1)
-              IN_FLIGHT -- whoever holds the handle last releases  -->  FREE
+    FREE       released == generation
+    IN_FLIGHT  released <  generation: the producer acquired it (generation += 1) and the
+               holder of that generation has not released it yet (released = generation)
 
+- Every header word has one writer, and every write is one aligned 8-byte store (a numpy
+  view, never ``struct.pack_into``): ``generation`` is the producer's, ``released`` is the
+  consumer's. A release therefore cannot undo a later acquire. (It could when both wrote
+  one ``state`` word: a consumer that read IN_FLIGHT, was preempted inside its write --
+  ``pack_into`` zeroes the field and then stores it, two stores -- and finished after the
+  producer had reused the slot freed a message still in flight: the rare "generation N is
+  stale" errors the soak saw.)
 - Only the producer creates, grows (a new file, new name) and unlinks slot files; it unlinks
   them all in ``SlotPool.close()``. Consumers only map them (``SlotMapper``).
 - The handle (segment name, generation, offset, nbytes) travels in the message header. The
@@ -36,11 +44,11 @@ import logging
 import mmap
 import os
 import re
-import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .wire import TensorDesc, WireError, dtype_name
@@ -56,7 +64,8 @@ class HopGone(ConnectionError):
     code = "block_failed"
 HEADER = 64
 FREE, IN_FLIGHT = 0, 1
-_HDR = struct.Struct("<IIQQ")  # magic, state, generation, capacity
+#: Header words (uint64, little-endian, 8-byte aligned at the start of a page).
+W_MAGIC, W_CAPACITY, W_GENERATION, W_RELEASED = 0, 1, 2, 3
 _SEG_RE = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
 
 #: Slots a producer keeps in flight per edge before it waits (back-pressure).
@@ -71,6 +80,11 @@ def _round_capacity(nbytes: int) -> int:
     while cap < nbytes:
         cap <<= 1
     return cap
+
+
+def _header(mm: mmap.mmap) -> np.ndarray:
+    """The slot's header words; reads and writes of one element are single aligned accesses."""
+    return np.frombuffer(mm, dtype="<u8", count=HEADER // 8)
 
 
 def _map_file(path: str, size: int, create: bool) -> mmap.mmap:
@@ -92,7 +106,9 @@ class Slot:
         self.path = os.path.join(directory, name)
         self.capacity = capacity
         self.mm = _map_file(self.path, HEADER + capacity, create=True)
-        _HDR.pack_into(self.mm, 0, MAGIC, FREE, 0, capacity)
+        self.hdr = _header(self.mm)
+        self.hdr[W_CAPACITY] = capacity  # the file is zero-filled: generation == released == 0, FREE
+        self.hdr[W_MAGIC] = MAGIC  # last: a mapper accepts the slot only once it is complete
         if capacity:
             self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=HEADER, count=capacity)
             self.data.zero_()  # fault the pages in now, not on the first send
@@ -102,20 +118,24 @@ class Slot:
 
     @property
     def state(self) -> int:
-        return struct.unpack_from("<I", self.mm, 4)[0]
+        return FREE if int(self.hdr[W_RELEASED]) == self.generation else IN_FLIGHT
 
     def mark_in_flight(self) -> int:
         self.generation += 1
-        struct.pack_into("<IQ", self.mm, 4, IN_FLIGHT, self.generation)
+        self.hdr[W_GENERATION] = self.generation
         return self.generation
 
     def force_free(self) -> None:
-        """Invalidate every outstanding handle (new generation) and free the slot."""
+        """Invalidate every outstanding handle (new generation) and free the slot. Only for a
+        slot that is then closed: a late release by the old holder may still store its
+        (older) generation into ``released``."""
         self.generation += 1
-        struct.pack_into("<IQ", self.mm, 4, FREE, self.generation)
+        self.hdr[W_GENERATION] = self.generation
+        self.hdr[W_RELEASED] = self.generation
 
     def close(self) -> None:
         self.data = None
+        self.hdr = None
         try:
             self.mm.close()
         except BufferError:  # a tensor still views it; the mapping goes when that tensor does
@@ -217,7 +237,15 @@ class SlotPool:
 @dataclass
 class Mapped:
     mm: mmap.mmap
-    data: torch.Tensor  # uint8 over the data area
+    data: torch.Tensor  # uint8 over the data area (the header is viewed per access: a
+                        # lasting view would keep the mapping from ever being closed)
+
+    def drop(self) -> None:
+        self.data = None
+        try:
+            self.mm.close()
+        except BufferError:  # a tensor still views it; the mapping goes when that tensor does
+            pass
 
 
 class SlotMapper:
@@ -241,22 +269,30 @@ class SlotMapper:
             mm = _map_file(path, size, create=False)
         except OSError as exc:
             raise WireError(f"x.seg {seg} cannot be opened ({exc.strerror}); stale or forged handle") from None
-        magic, _state, _gen, cap = _HDR.unpack_from(mm, 0)
+        hdr = _header(mm)
+        magic, cap = int(hdr[W_MAGIC]), int(hdr[W_CAPACITY])
         if magic != MAGIC or cap + HEADER > size:
+            del hdr
             mm.close()
             raise WireError(f"x.seg {seg} is not a TensorMQ slot")
         data = (torch.frombuffer(mm, dtype=torch.uint8, offset=HEADER, count=cap) if cap
                 else torch.empty(0, dtype=torch.uint8))
+        del hdr
         m = Mapped(mm, data)
         self.maps[seg] = m
         while len(self.maps) > self.max_mappings:
             _, old = self.maps.popitem(last=False)
-            old.data = None
-            try:
-                old.mm.close()
-            except BufferError:
-                pass
+            old.drop()
         return m
+
+    @staticmethod
+    def check_in_flight(m: Mapped, seg: str, gen: int) -> None:
+        """Refuse a handle whose generation is not the one the slot is in flight with."""
+        hdr = _header(m.mm)
+        cur_gen, released = int(hdr[W_GENERATION]), int(hdr[W_RELEASED])
+        if cur_gen != gen or released == cur_gen:
+            state = "free" if released == cur_gen else "in flight"
+            raise WireError(f"x.seg {seg} generation {gen} is stale (slot is at {cur_gen}, {state}); handle refused")
 
     def open(self, desc: TensorDesc) -> tuple[torch.Tensor, "ShmLease"]:
         """The tensor the handle names, viewed in place, and the lease to release it with."""
@@ -271,9 +307,8 @@ class SlotMapper:
             if not isinstance(val, int) or isinstance(val, bool) or val < 0:
                 raise WireError(f"x.{key} must be a non-negative integer")
         m = self._open(seg)
-        magic, state, cur_gen, cap = _HDR.unpack_from(m.mm, 0)
-        if cur_gen != gen or state != IN_FLIGHT:
-            raise WireError(f"x.seg {seg} generation {gen} is stale (slot is at {cur_gen}); handle refused")
+        self.check_in_flight(m, seg, gen)
+        cap = m.data.numel()
         if off % desc.itemsize or off + max(nbytes, desc.span_bytes()) > cap or desc.span_bytes() > nbytes:
             raise WireError(f"x.off/x.nbytes/x.shape describe memory outside slot {seg}")
         typed = m.data.view(desc.dtype) if cap % desc.itemsize == 0 else None
@@ -284,11 +319,7 @@ class SlotMapper:
 
     def close(self) -> None:
         for m in self.maps.values():
-            m.data = None
-            try:
-                m.mm.close()
-            except BufferError:
-                pass
+            m.drop()
         self.maps.clear()
 
 
@@ -322,10 +353,17 @@ class ShmLease:
         if self.released:
             return
         self.released = True
-        mm = self.mapped.mm
-        try:
-            _magic, state, cur_gen, _cap = _HDR.unpack_from(mm, 0)
-            if cur_gen == self.gen and state == IN_FLIGHT:
-                struct.pack_into("<I", mm, 4, FREE)
-        except ValueError:  # mapping closed under us: the producer already reclaimed it
-            pass
+        release_slot(self.mapped, self.gen)
+
+
+def release_slot(mapped: Mapped, gen: int) -> None:
+    """Store ``gen`` as released, unless the producer has moved the slot on (reclaimed it).
+
+    One aligned store into a word only consumers write: the producer cannot reuse the slot
+    until it sees this exact generation, so no interleaving makes it free a later one."""
+    try:
+        hdr = _header(mapped.mm)
+    except ValueError:  # mapping closed under us (evicted, or the block is stopping)
+        return
+    if int(hdr[W_GENERATION]) == gen:
+        hdr[W_RELEASED] = gen

@@ -1,4 +1,4 @@
-"""Unit tests of the wire format and the shared-memory slots (no processes)."""
+"""Unit tests of the wire format and the shared-memory slots (one test races two processes)."""
 from __future__ import annotations
 
 import json
@@ -219,3 +219,58 @@ def test_view_of_a_slot_is_forwarded_without_copy(shm_dir):
         t.close()
         pool.close()
         ctx.term()
+
+
+_CONSUMER = r"""
+import json, sys
+from tensormq.shm import SlotMapper
+from tensormq.wire import TensorDesc, WireError
+mapper, opened, refused = SlotMapper(sys.argv[1]), 0, []
+for line in sys.stdin:
+    try:
+        _t, lease = mapper.open(TensorDesc.parse(json.loads(line)))
+    except WireError as exc:
+        refused.append(str(exc))
+        continue
+    opened += 1
+    lease.release()
+mapper.close()
+print(json.dumps({"opened": opened, "refused": refused[:5], "n_refused": len(refused)}))
+"""
+
+
+def test_a_release_never_frees_a_slot_the_producer_has_reused(shm_dir):
+    """Two processes race on one edge as fast as they can: the consumer releases each slot
+    while the producer spins waiting to reuse it. Every handle the producer sends must still
+    be in flight when the consumer opens it. (With one shared state word, a consumer
+    preempted inside its two-store write could free the slot's next generation: a few
+    handles per 10,000 came back "stale"; this test caught that in about a third of its runs
+    on a 2-core machine, and the fixed header never fails it.)"""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # busy processes oversubscribe the cores, so that the consumer is preempted mid-release
+    # now and then, as it is in a pipeline of five processes on two cores
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 2))]
+    consumer = subprocess.Popen([sys.executable, "-c", _CONSUMER, shm_dir], cwd=root, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+    pool = SlotPool(shm_dir, "race", window=4)
+    x = torch.arange(4, dtype=torch.float32)
+    sent = 0
+    try:
+        deadline = time.monotonic() + 6.0
+        while time.monotonic() < deadline and sent < 100_000:
+            desc = pool.put("edge", x, timeout=10.0)
+            consumer.stdin.write(json.dumps(desc.to_json()) + "\n")
+            consumer.stdin.flush()
+            sent += 1
+        out, _ = consumer.communicate(timeout=60)
+    finally:
+        for p in burners + [consumer]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        pool.close()
+    report = json.loads(out)
+    assert report["n_refused"] == 0, report
+    assert report["opened"] == sent > 1000
