@@ -34,7 +34,7 @@ import zmq
 from blockflow.protocol import (EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP,
                                 identity)
 from tensormq.shm import HopGone
-from tensormq.transport import DEFAULT_SEND_TIMEOUT, Transport
+from tensormq.transport import DEFAULT_SEND_TIMEOUT, Transport, receive_limit
 from tensormq.wire import WireError, check_path, dumps, loads_header
 
 from .kpilog import KpiLog
@@ -133,6 +133,7 @@ class Block:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.linger = 0
         self.pull.rcvhwm = 1000
+        self.pull.maxmsgsize = receive_limit()
         try:
             if spec.protocol == "ipc":
                 self.endpoint = spec.endpoint_hint()
@@ -358,6 +359,7 @@ class Block:
         ret = path[-1][1]
         t0 = time.perf_counter()
         lease = None
+        x_desc = None  # the handle of a message not sent yet: its slot is ours to give back
         try:
             x, lease = self.transport.decode(header.get("x"), frames)
             t1 = time.perf_counter()
@@ -386,8 +388,11 @@ class Block:
             hop["share"] = (t4 - t3) * 1e3
             out["x"] = x_desc
             self.transport.send(next_addr, out, payload)
+            x_desc = None
             t5 = time.perf_counter()
         except Exception as exc:
+            if x_desc is not None:
+                self.transport.discard(x_desc)
             if lease is not None:
                 lease.release()
             msg = f"block {self.name}: {type(exc).__name__}: {exc}"

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 import zmq
 
 from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP, identity
-from tensormq.transport import Transport, decode_bytes
+from tensormq.transport import Transport, decode_bytes, receive_limit
 from tensormq.wire import MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, loads_header
 
 log = logging.getLogger("blockflow.dispatcher")
@@ -98,6 +98,7 @@ class Dispatcher:
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.linger = 0
         self.front.router_mandatory = 0
+        self.front.maxmsgsize = receive_limit(spec.max_tensor_bytes)
         self.front.bind(spec.address)
         if spec.address.endswith(":0") or spec.address.endswith(":*"):
             self.address = self.front.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -105,6 +106,7 @@ class Dispatcher:
             self.address = spec.address
         self.results = self.ctx.socket(zmq.PULL)
         self.results.linger = 0
+        self.results.maxmsgsize = receive_limit(spec.max_tensor_bytes)
         self.result_ipc = f"ipc://{os.path.join(spec.sock_dir, f'dispatcher-{spec.incarnation}.sock')}"
         path = self.result_ipc[len("ipc://"):]
         if os.path.exists(path):
@@ -285,7 +287,7 @@ class Dispatcher:
         try:
             self.transport.send(first, header, payload, timeout=1.0)
         except TimeoutError as exc:
-            self.release_desc(x)
+            self.transport.discard(x)
             self.reply(req.client, req.cid, "error", code="unavailable", error=f"task {req.task}: {exc}")
             return True
         req.tensor = req.frames = None
@@ -303,14 +305,6 @@ class Dispatcher:
             if not self.forward(rid, req):
                 return
             self.pending.popleft()
-
-    def release_desc(self, x: dict) -> None:
-        try:
-            if x.get("loc") in ("shm", "cuda"):
-                _t, lease = self.transport.decode(x, [None])
-                lease.release()
-        except WireError:
-            pass
 
     # -- results -----------------------------------------------------------------------------
     def receive_results(self) -> None:

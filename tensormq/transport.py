@@ -13,13 +13,15 @@ thread-safe): in a block, the inference thread.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections import OrderedDict
 
 import torch
 import zmq
 
 from .shm import DEFAULT_WINDOW, HopGone, SlotMapper, SlotPool
-from .wire import MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, is_local
+from .wire import MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, is_local
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +29,18 @@ MODES = ("tensormq", "zeromq")
 #: Payloads smaller than this are copied into the ZeroMQ message (cheaper than tracking).
 ZERO_COPY_THRESHOLD = 64 * 1024
 #: How long a send may wait for a free slot or a full socket before the request fails.
-DEFAULT_SEND_TIMEOUT = 10.0
+DEFAULT_SEND_TIMEOUT = float(os.environ.get("BLOCKFLOW_SEND_TIMEOUT", 10.0))
+#: Next hops that the last topology update did not list (or all of them, before the first
+#: one) keep a socket and slots only up to this many; the least recently used goes first.
+#: Paths come from messages, so without a bound every forged hop would cost a socket.
+MAX_UNLISTED_HOPS = 64
+
+
+def receive_limit(max_tensor_bytes: int = MAX_TENSOR_BYTES, max_header_bytes: int = MAX_HEADER_BYTES) -> int:
+    """ZMQ_MAXMSGSIZE for sockets that receive tensors: a frame up to twice the limits is
+    still read and answered with an error that names the limit; a larger one is cut off by
+    ZeroMQ before it is buffered (the sender is disconnected and gets no answer)."""
+    return 2 * (max_tensor_bytes + max_header_bytes)
 
 
 def decode_bytes(desc: TensorDesc, frame) -> torch.Tensor:
@@ -71,7 +84,8 @@ class Transport:
         self.ctx, self.owner, self.mode = ctx, owner, mode
         self.shm_dir, self.window, self.send_timeout = shm_dir, window, send_timeout
         self.max_tensor_bytes = max_tensor_bytes
-        self.pushers: dict[str, zmq.Socket] = {}
+        self.pushers: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
+        self.listed: frozenset[str] | None = None  # the hops of the last topology update
         self.devices: dict[str, str] = {}  # next hop address -> device it runs on (Algorithm 4)
         self.pool = SlotPool(shm_dir, owner, window) if shm_dir else None
         self.mapper = SlotMapper(shm_dir) if shm_dir else None
@@ -135,7 +149,10 @@ class Transport:
     def socket(self, address: str) -> zmq.Socket:
         """The PUSH socket to ``address``, opened on first use (thesis Algorithm 3)."""
         sock = self.pushers.get(address)
-        if sock is None:
+        if sock is not None:
+            self.pushers.move_to_end(address)
+        else:
+            self._limit_unlisted(address)
             sock = self.ctx.socket(zmq.PUSH)
             sock.linger = 0
             sock.sndhwm = 1000
@@ -168,6 +185,35 @@ class Transport:
         header["x"] = x
         self.send(address, header, payload)
 
+    def discard(self, x: dict) -> None:
+        """Give back the slot that the descriptor of a message never sent names: one of ours,
+        or the input's when its handle was being forwarded. Nobody else holds it."""
+        try:
+            if isinstance(x, dict) and x.get("loc") in ("shm", "cuda"):
+                _t, lease = self.decode(x, [None])
+                lease.release()
+        except WireError as exc:
+            log.warning("%s: could not give back the slot of an unsent message: %s", self.owner, exc)
+
+    def _limit_unlisted(self, address: str) -> None:
+        unlisted = [a for a in self.pushers if self.listed is None or a not in self.listed]
+        while len(unlisted) >= MAX_UNLISTED_HOPS:
+            old = unlisted.pop(0)
+            log.warning("%s: more than %d next hops that no topology update listed; closing the one "
+                        "used least recently (%s)", self.owner, MAX_UNLISTED_HOPS, old)
+            self.drop_hop(old)
+
+    def drop_hop(self, address: str) -> None:
+        """Close the socket to ``address`` and reclaim the slots it held (queued messages are
+        dropped; their handles go stale)."""
+        sock = self.pushers.pop(address, None)
+        if sock is not None:
+            sock.close(linger=0)
+        if self.pool is not None:
+            self.pool.reclaim(address)
+        if self._cuda_pool is not None:
+            self._cuda_pool.reclaim(address)
+
     # -- topology ----------------------------------------------------------------------------
     def abandoned(self, address: str) -> bool:
         return address in self._gone or (self.stopping is not None and self.stopping.is_set())
@@ -191,18 +237,15 @@ class Transport:
         """Close sockets to hops that are gone and reclaim the slots they held (Algorithm 3's
         update_connection). Returns the addresses dropped."""
         live_set = set(live)
+        self.listed = frozenset(live_set)
         self._gone = frozenset(a for a in self._gone if a not in live_set)
         if devices is not None:
             self.devices = dict(devices)
-        gone = [a for a in set(self.pushers) | set(self.pool.edges if self.pool else ()) if a not in live_set]
+        known = set(self.pushers) | set(self.pool.edges if self.pool else ())
+        known |= set(self._cuda_pool.edges if self._cuda_pool else ())
+        gone = [a for a in known if a not in live_set]
         for addr in gone:
-            sock = self.pushers.pop(addr, None)
-            if sock is not None:
-                sock.close(linger=0)
-            if self.pool is not None:
-                self.pool.reclaim(addr)
-            if self._cuda_pool is not None:
-                self._cuda_pool.reclaim(addr)
+            self.drop_hop(addr)
         return gone
 
     def in_flight(self) -> int:

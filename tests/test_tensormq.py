@@ -137,6 +137,53 @@ def test_wait_for_a_removed_hop_ends_at_once(shm_dir):
         ctx.term()
 
 
+def test_forged_next_hops_cost_a_bounded_number_of_sockets_and_slots(shm_dir):
+    """Paths come from messages: a flood of made-up next hops must not grow sockets or slots
+    without bound, and the hops the last topology update listed are never the ones closed."""
+    from tensormq.transport import MAX_UNLISTED_HOPS
+    ctx = zmq.Context()
+    t = Transport(ctx, "prod", "tensormq", shm_dir, window=2, send_timeout=1)
+    try:
+        keep = "ipc:///nonexistent/listed.sock"
+        t.set_topology([keep])
+        t.send_tensor(keep, {"t": "data"}, torch.zeros(4))  # nobody listens: ZeroMQ queues it
+        for i in range(MAX_UNLISTED_HOPS + 40):
+            t.send_tensor(f"ipc:///nonexistent/forged-{i}.sock", {"t": "data"}, torch.zeros(4))
+        assert keep in t.pushers
+        assert len(t.pushers) == MAX_UNLISTED_HOPS + 1
+        assert len(t.pool.edges) == MAX_UNLISTED_HOPS + 1
+        assert t.in_flight() == MAX_UNLISTED_HOPS + 1  # the closed hops' slots were reclaimed
+        assert len(os.listdir(shm_dir)) == MAX_UNLISTED_HOPS + 1
+        assert "ipc:///nonexistent/forged-0.sock" not in t.pushers  # least recently used went first
+    finally:
+        t.close()
+        ctx.term()
+    assert os.listdir(shm_dir) == []
+
+
+def test_the_slot_of_a_message_never_sent_is_given_back(shm_dir):
+    ctx = zmq.Context()
+    t = Transport(ctx, "prod", "tensormq", shm_dir, window=1, send_timeout=1)
+    mapper = SlotMapper(shm_dir)
+    try:
+        x, _ = t.encode(torch.ones(8), "ipc:///nonexistent/next.sock")
+        assert t.in_flight() == 1
+        t.discard(x)  # the send failed: the handle never left this process
+        assert t.in_flight() == 0
+        with pytest.raises(WireError, match="stale"):
+            mapper.open(TensorDesc.parse(x))
+        # a forwarded input handle goes back to its producer the same way
+        other = SlotPool(shm_dir, "up", window=1)
+        d = other.put("e", torch.ones(8), timeout=1).to_json()
+        t.discard(d)
+        assert other.in_flight() == 0
+        other.close()
+    finally:
+        mapper.close()
+        t.close()
+        ctx.term()
+
+
 def test_reclaim_frees_slots_of_a_dead_consumer_and_invalidates_handles(shm_dir):
     pool = SlotPool(shm_dir, "prod", window=2)
     mapper = SlotMapper(shm_dir)
