@@ -32,6 +32,12 @@ is one file in the instance's private shared-memory directory (``0700``, under /
   stale or forged handle can neither free a slot that was reused nor read its new data.
 - Back-pressure: at most ``window`` slots per edge are in flight; ``acquire`` waits for a
   free one and raises ``TimeoutError`` after its deadline.
+- An edge's whole window is created on its first use, sized for that tensor (rounded up to
+  a power of two): its memory is committed when the topology starts serving, not at some
+  later burst, so shared memory does not creep up over hours (the 10-minute soak saw +10%
+  with slots made one at a time) and bursts do not pay for file creation and page faults.
+  A larger tensor later replaces free slots one at a time. Cost: ``window`` x slot size per
+  edge, e.g. 8 x 4 MiB after ResNet50's block1 at batch 1.
 - If the consumer dies, its slots stay IN_FLIGHT. The control plane tells the producer that
   the hop is gone (``reclaim(edge)``): the producer bumps every slot's generation, which
   invalidates any handle still queued towards the dead consumer, and frees the slots.
@@ -169,10 +175,11 @@ class SlotPool:
         for s in free:
             if s.capacity >= nbytes:
                 return s
-        if len(slots) < self.window:
-            slot = self._new_slot(_round_capacity(nbytes))
-            slots.append(slot)
-            return slot
+        if len(slots) < self.window:  # the edge's first use: its whole window at once
+            cap = _round_capacity(nbytes)
+            fresh = [self._new_slot(cap) for _ in range(self.window - len(slots))]
+            slots.extend(fresh)
+            return fresh[0]
         if free:  # every free slot is too small: grow one (a new file, so old handles stay invalid)
             old = free[0]
             slots.remove(old)

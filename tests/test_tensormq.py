@@ -100,6 +100,28 @@ def test_slot_lifecycle_and_release(shm_dir):
     assert os.listdir(shm_dir) == []  # the producer unlinked every slot it created
 
 
+def test_an_edge_commits_its_whole_window_on_first_use(shm_dir):
+    """Shared memory is committed when an edge starts serving and stays flat afterwards,
+    whatever bursts come (one slot at a time, it crept up over a soak)."""
+    pool = SlotPool(shm_dir, "prod", window=3)
+    mapper = SlotMapper(shm_dir)
+    try:
+        x = torch.ones(1000)
+        first = pool.put("e", x, timeout=1)
+        names = sorted(os.listdir(shm_dir))
+        assert len(names) == 3 and pool.in_flight("e") == 1
+        held = [first] + [pool.put("e", x, timeout=1) for _ in range(2)]  # a burst fills the window
+        for d in held:
+            mapper.open(TensorDesc.parse(d.to_json()))[1].release()
+        for _ in range(20):
+            d = pool.put("e", x, timeout=1)
+            mapper.open(TensorDesc.parse(d.to_json()))[1].release()
+        assert sorted(os.listdir(shm_dir)) == names
+    finally:
+        mapper.close()
+        pool.close()
+
+
 def test_window_full_is_back_pressure_with_deadline(shm_dir):
     pool = SlotPool(shm_dir, "prod", window=2)
     try:
@@ -153,7 +175,7 @@ def test_forged_next_hops_cost_a_bounded_number_of_sockets_and_slots(shm_dir):
         assert len(t.pushers) == MAX_UNLISTED_HOPS + 1
         assert len(t.pool.edges) == MAX_UNLISTED_HOPS + 1
         assert t.in_flight() == MAX_UNLISTED_HOPS + 1  # the closed hops' slots were reclaimed
-        assert len(os.listdir(shm_dir)) == MAX_UNLISTED_HOPS + 1
+        assert len(os.listdir(shm_dir)) == (MAX_UNLISTED_HOPS + 1) * 2  # a window of 2 per edge
         assert "ipc:///nonexistent/forged-0.sock" not in t.pushers  # least recently used went first
     finally:
         t.close()
@@ -189,7 +211,7 @@ def test_reclaim_frees_slots_of_a_dead_consumer_and_invalidates_handles(shm_dir)
     mapper = SlotMapper(shm_dir)
     try:
         d = pool.put("e", torch.ones(4), timeout=1)
-        assert pool.reclaim("e") == 1
+        assert pool.reclaim("e") == 2  # the whole window, one of them in flight
         with pytest.raises(WireError):
             mapper.open(TensorDesc.parse(d.to_json()))
         assert os.listdir(shm_dir) == []
