@@ -122,6 +122,7 @@ class Manager:
     def start(self) -> None:
         self.state.prepare()
         self.state.clean_leftovers()
+        self.state.sweep_orphans()
         self.mp = multiprocessing.get_context("forkserver")
         self.mp.set_forkserver_preload(["blocks.process", "dispatcher.process"])
         try:

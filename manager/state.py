@@ -10,7 +10,10 @@ Layout (every directory 0700)::
 The shared-memory directory is derived from the state directory, so a server started after a
 ``kill -9`` of its predecessor finds, and removes, what the predecessor left: processes still
 listed in state.json (matched by pid *and* start time, so a recycled pid is never killed),
-socket files and slot files.
+socket files and slot files. A run killed with its state directory (a temporary one, as
+tests and experiments use) cannot be found that way, so every server also sweeps the slot
+directories of this user whose server is gone and whose slot files all name dead processes
+(``sweep_orphans``); each records its owner beside it, in ``<directory>.owner``.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -26,6 +30,14 @@ import time
 import psutil
 
 log = logging.getLogger("blockflow.state")
+
+#: Beside a slot directory: which state directory and server process it belongs to.
+OWNER_SUFFIX = ".owner"
+#: A slot directory without an owner record (made by older BlockFlow) is swept only this old.
+UNOWNED_GRACE_S = 600.0
+_SERVER_SHM = re.compile(r"blockflow-(\d+)-[0-9a-f]{12}")
+_OWNER = re.compile(r"(blockflow-\d+-[0-9a-f]{12})" + re.escape(OWNER_SUFFIX))
+_STANDALONE_SHM = re.compile(r"blockflow-sa-(\d+)-.+")  # blockflow/standalone.py: creator's pid
 
 
 def default_state_dir() -> str:
@@ -59,6 +71,9 @@ class StateDir:
     def prepare(self) -> None:
         for path in (self.root, self.sock, self.runs, self.shm):
             _private_dir(path)
+        fd = os.open(self.shm + OWNER_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"root": self.root, "server": process_record(os.getpid())}, f)
         self.run_dir = _private_dir(os.path.join(self.runs, time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"))
 
     def save(self, state: dict) -> None:
@@ -106,6 +121,32 @@ class StateDir:
                         killed, removed)
         return {"killed": killed, "removed": removed}
 
+    def sweep_orphans(self) -> list[str]:
+        """Remove this user's slot directories that no live process can still use: their
+        server is gone (or, for a standalone pipeline, its creator) and every slot file in
+        them names a dead producer. Returns the directories removed."""
+        parent = os.path.dirname(self.shm)
+        try:
+            names = os.listdir(parent)
+        except FileNotFoundError:
+            return []
+        removed = []
+        for name in names:
+            path = os.path.join(parent, name)
+            if path == self.shm or not _orphaned(path, name):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            _unlink(path + OWNER_SUFFIX)
+            removed.append(path)
+        for name in names:  # owner records whose directory is already gone
+            owner = _OWNER.fullmatch(name)
+            if owner and owner.group(1) not in names and not _owner_alive(os.path.join(parent, name)):
+                _unlink(os.path.join(parent, name))
+        if removed:
+            log.warning("removed %d slot directories that dead BlockFlow runs left: %s", len(removed),
+                        ", ".join(os.path.basename(p) for p in removed))
+        return removed
+
     def remove_slots_of(self, pid: int) -> int:
         """Unlink the slot files of a process that died without closing its pools.
 
@@ -130,12 +171,53 @@ class StateDir:
     def remove_runtime(self) -> None:
         """At clean shutdown: sockets and slots go; KPI runs and state.json stay."""
         shutil.rmtree(self.shm, ignore_errors=True)
+        _unlink(self.shm + OWNER_SUFFIX)
         if os.path.isdir(self.sock):
             for name in os.listdir(self.sock):
                 try:
                     os.unlink(os.path.join(self.sock, name))
                 except OSError:
                     pass
+
+
+def _orphaned(path: str, name: str) -> bool:
+    server, standalone = _SERVER_SHM.fullmatch(name), _STANDALONE_SHM.fullmatch(name)
+    if not (server or standalone):
+        return False
+    try:
+        st = os.stat(path)
+        files = os.listdir(path)
+    except OSError:
+        return False
+    if st.st_uid != os.getuid() or (server and int(server.group(1)) != os.getuid()):
+        return False
+    if standalone and psutil.pid_exists(int(standalone.group(1))):
+        return False
+    if server:
+        alive = _owner_alive(path + OWNER_SUFFIX)
+        if alive or (alive is None and time.time() - st.st_mtime < UNOWNED_GRACE_S):
+            return False
+    for f in files:  # slot files are <owner>.<pid>.<seq> (tensormq/shm.py)
+        parts = f.rsplit(".", 2)
+        if len(parts) == 3 and parts[1].isdigit() and psutil.pid_exists(int(parts[1])):
+            return False
+    return True
+
+
+def _owner_alive(owner_file: str) -> bool | None:
+    """Whether the server an owner record names still runs; None without a readable record."""
+    try:
+        with open(owner_file) as f:
+            return _same_process(json.load(f)["server"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _same_process(rec: dict) -> bool:

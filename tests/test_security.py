@@ -231,6 +231,50 @@ def tree(pid: int) -> list[int]:
         return []
 
 
+def test_slot_directories_of_dead_runs_are_swept(short_tmp):
+    """A run killed together with its temporary state directory cannot be found through
+    state.json: the next server removes its slot directory by looking at who is still alive,
+    and leaves alone every directory a live process may still use."""
+    import shutil
+    from manager.state import OWNER_SUFFIX, process_record
+    me = StateDir(os.path.join(short_tmp, "me"))
+    parent = os.path.dirname(me.shm)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    dead, alive, uid = ended.pid, os.getpid(), os.getuid()
+    tag = os.urandom(4).hex()
+
+    def slot_dir(name, slot_pid=None, owner=None):
+        path = os.path.join(parent, name)
+        os.makedirs(path, mode=0o700)
+        if slot_pid is not None:
+            open(os.path.join(path, f"b1-0.{slot_pid}.1"), "wb").close()
+        if owner is not None:
+            with open(path + OWNER_SUFFIX, "w") as f:
+                json.dump({"root": "/gone", "server": process_record(owner)}, f)
+        return path
+
+    made = {
+        "orphan": slot_dir(f"blockflow-{uid}-{tag}aaaa", dead, owner=dead),
+        "standalone_orphan": slot_dir(f"blockflow-sa-{dead}-{tag}"),
+        "server_alive": slot_dir(f"blockflow-{uid}-{tag}bbbb", dead, owner=alive),
+        "producer_alive": slot_dir(f"blockflow-{uid}-{tag}cccc", alive, owner=dead),
+        "standalone_alive": slot_dir(f"blockflow-sa-{alive}-{tag}"),
+        "unowned_but_young": slot_dir(f"blockflow-{uid}-{tag}dddd", dead),
+    }
+    try:
+        removed = set(me.sweep_orphans())
+        assert {made["orphan"], made["standalone_orphan"]} <= removed, removed
+        assert not os.path.exists(made["orphan"]) and not os.path.exists(made["orphan"] + OWNER_SUFFIX)
+        for key in ("server_alive", "producer_alive", "standalone_alive", "unowned_but_young"):
+            assert made[key] not in removed and os.path.isdir(made[key]), key
+    finally:
+        for path in made.values():
+            shutil.rmtree(path, ignore_errors=True)
+            if os.path.exists(path + OWNER_SUFFIX):
+                os.unlink(path + OWNER_SUFFIX)
+
+
 def test_kill_9_leftovers_are_removed_by_the_next_serve(identity_repo, short_tmp, leak_check):
     from blockflow.demo import stop_server
     from blockflow.restclient import call
