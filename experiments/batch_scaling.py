@@ -110,14 +110,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",") if b],
                     help=f"comma-separated batch sizes (default {','.join(map(str, BATCHES))}; "
                          f"--quick: {','.join(map(str, QUICK_BATCHES))})")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per block and for full.pt (default 1)")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--transports", default=",".join(common.TRANSPORTS))
+    common.add_pipeline_args(ap, "torch threads per block and for full.pt (default 1)")
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device, transports = common.device_and_transports(args)
     batches = [int(b) for b in (args.batches or (QUICK_BATCHES if args.quick else BATCHES))]
-    transports = [t for t in args.transports.split(",") if t]
     n = args.n or (2 if args.quick else 300)
     warm = common.warmup_count(n, args.quick)
     repo = common.ensure_repo(args.repo)

@@ -187,6 +187,22 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     return ap
 
 
+def add_pipeline_args(ap: argparse.ArgumentParser, threads_help: str = "torch threads per block (default 1)",
+                      transports: bool = True) -> None:
+    """The options every experiment that runs blocks shares: --threads, --device, --transports."""
+    ap.add_argument("--threads", type=int, default=1, help=threads_help)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    if transports:
+        ap.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated (default both)")
+
+
+def device_and_transports(args) -> tuple[str, list[str]]:
+    """The device (cuda when available unless --device says) and the transports to run."""
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device, [t for t in (getattr(args, "transports", None) or "").split(",") if t]
+
+
 def setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -271,7 +287,7 @@ def describe(values) -> dict:
 # -- the model repository ------------------------------------------------------------------
 def ensure_repo(repo: str = DEFAULT_REPO, model: str = "resnet50", method: str = "script") -> str:
     """``repo`` with ``<model>`` exported (4 blocks, head, full and the 'x' variant of block4/head)."""
-    from blocks.repository import export_model
+    from blockflow.blocks.repository import export_model
     if not os.path.exists(os.path.join(repo, model, "block4-x.pt")):
         log.info("exporting %s blocks (%s) into %s (seeded weights, once)", model, method, repo)
         export_model(model, repo, blocks=4, method=method, variants={"x": ["block4", "head"]})
@@ -281,7 +297,7 @@ def ensure_repo(repo: str = DEFAULT_REPO, model: str = "resnet50", method: str =
 def traced_repo(repo: str = DEFAULT_REPO, model: str = "resnet50") -> str:
     """A repository with traced blocks, kept inside ``repo`` (``<repo>/_traced``) so it is ignored
     by git along with the repository and never overwrites the scripted files."""
-    from blocks.repository import export_model
+    from blockflow.blocks.repository import export_model
     path = os.path.join(repo, "_traced")
     if not os.path.exists(os.path.join(path, model, "manifest.json")):
         log.info("exporting traced %s blocks into %s (once)", model, path)
@@ -290,7 +306,7 @@ def traced_repo(repo: str = DEFAULT_REPO, model: str = "resnet50") -> str:
 
 
 def manifest_entries(repo: str, model: str = "resnet50") -> dict:
-    from blocks.repository import load_manifest
+    from blockflow.blocks.repository import load_manifest
     return load_manifest(repo, model)["blocks"]
 
 

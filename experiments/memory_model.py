@@ -230,11 +230,10 @@ def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated (default resnet50,resnet152)")
     ap.add_argument("--n-tasks", type=int, default=100, help="admitted tasks N (default 100, as the thesis)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per block (default 1)")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    common.add_pipeline_args(ap, transports=False)
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device, _ = common.device_and_transports(args)
     models = [m for m in args.models.split(",") if m]
     requests = args.n or (3 if args.quick else 20)
     for m in models:

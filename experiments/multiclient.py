@@ -118,15 +118,12 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=lambda s: [int(v) for v in s.split(",") if v],
                     help="comma-separated client counts (default 1..10; --quick 1,2,5,10)")
     ap.add_argument("--duration", type=float, help="seconds per client count (default 120, --quick 3)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per block (default 1)")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--transports", default=",".join(common.TRANSPORTS))
+    common.add_pipeline_args(ap)
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device, transports = common.device_and_transports(args)
     ks = args.clients or list(QUICK_CLIENTS if args.quick else CLIENTS)
     duration = args.duration or (3.0 if args.quick else 120.0)
-    transports = [t for t in args.transports.split(",") if t]
     repo = common.ensure_repo(args.repo)
     settings = {"clients": ks, "duration_s": duration, "transports": transports, "threads": args.threads,
                 "device": device, "batch": 1, "quick": args.quick, "n": args.n,

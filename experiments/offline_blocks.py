@@ -34,7 +34,7 @@ def worker(args: dict) -> dict:
     import psutil
     import torch
 
-    from blocks.repository import load_block, load_manifest
+    from blockflow.blocks.repository import load_block, load_manifest
 
     torch.set_num_threads(args["threads"])
     proc = psutil.Process()
@@ -129,8 +129,7 @@ def plot(rows: list[dict], out: str) -> None:
 
 def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the served blocks)")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    common.add_pipeline_args(ap, "torch threads (default 1, as the served blocks)", transports=False)
     ap.add_argument("--worker", help=argparse_hidden())
     args = ap.parse_args(argv)
     if args.worker:
@@ -138,7 +137,7 @@ def main(argv=None) -> int:
         return 0
     common.setup_logging(args.verbose)
     import torch
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device, _ = common.device_and_transports(args)
     n = args.n or (20 if args.quick else 1000)
     warmup = 3 if args.quick else 20
     repos = {"script": common.ensure_repo(args.repo), "trace": common.traced_repo(args.repo)}

@@ -105,7 +105,7 @@ def series_from_args(args, quick_n: int = QUICK_N, full_duration: float = 120.0)
 
 def load_models(repo: str, device: str, threads: int) -> tuple[dict, torch.nn.Module]:
     """The five blocks and full.pt loaded in this process, warmed once."""
-    from blocks.repository import load_block
+    from blockflow.blocks.repository import load_block
     torch.set_num_threads(threads)
     blocks = {n: load_block(repo, f"resnet50/{stem}.pt", device) for n, stem in common.PIPELINE}
     full = load_block(repo, "resnet50/full.pt", device)
@@ -273,15 +273,11 @@ def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
     ap.add_argument("--duration", type=float, help="seconds per series instead of a count (default 120, as the "
                                                    "thesis; ignored with --n or --quick)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per block and for the monolithic model "
-                                                           "(default 1)")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--transports", default=",".join(common.TRANSPORTS), help="comma-separated (default both)")
+    common.add_pipeline_args(ap, "torch threads per block and for the monolithic model (default 1)")
     ap.add_argument("--no-http", action="store_true", help="skip the HTTP* monolithic endpoint")
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    transports = [t for t in args.transports.split(",") if t]
+    device, transports = common.device_and_transports(args)
     series = series_from_args(args)
     repo = common.ensure_repo(args.repo)
     settings = {"series": series.describe(), "n": series.n, "duration_s": series.duration, "threads": args.threads,

@@ -180,16 +180,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", type=lambda s: [float(v) for v in s.split(",") if v],
                     help="comma-separated offered rates in req/s (default: 2..40 on CPU, 20..400 on GPU)")
     ap.add_argument("--duration", type=float, help="seconds per rate (default 60, --quick 4)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per block (default 1)")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--transports", default=",".join(common.TRANSPORTS))
+    common.add_pipeline_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device, transports = common.device_and_transports(args)
     rates = args.rates or list(QUICK_RATES if args.quick else (GPU_RATES if device.startswith("cuda") else CPU_RATES))
     duration = args.duration or (4.0 if args.quick else 60.0)
-    transports = [t for t in args.transports.split(",") if t]
     repo = common.ensure_repo(args.repo)
     settings = {"rates": rates, "duration_s": duration, "transports": transports, "threads": args.threads,
                 "device": device, "batch": 1, "seed": args.seed, "quick": args.quick, "n": args.n,

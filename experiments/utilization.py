@@ -192,14 +192,11 @@ def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
     ap.add_argument("--duration", type=float, help="seconds per transport (default 120, --quick 4)")
     ap.add_argument("--interval", type=float, default=0.25, help="sampling interval in seconds (default 0.25)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per block (default 1)")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    ap.add_argument("--transports", default=",".join(common.TRANSPORTS))
+    common.add_pipeline_args(ap)
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device, transports = common.device_and_transports(args)
     duration = args.duration or (4.0 if args.quick else 120.0)
-    transports = [t for t in args.transports.split(",") if t]
     repo = common.ensure_repo(args.repo)
     settings = {"duration_s": duration, "interval_s": args.interval, "transports": transports,
                 "threads": args.threads, "device": device, "batch": 1, "quick": args.quick, "n": args.n,
