@@ -5,12 +5,13 @@ import argparse
 import json
 import logging
 import os
+import subprocess
 import sys
 import warnings
 
 
 def _export(args) -> int:
-    from blocks.repository import export_model
+    from blockflow.blocks.repository import export_model
     variants = {}
     if args.variant:
         if not args.variant_blocks:
@@ -76,18 +77,39 @@ def _demo(args) -> int:
     return run_demo(repo=args.repo, config=args.config, requests=args.requests)
 
 
+#: The experiments are not installed with the product: they live in a checkout's experiments/.
+EXPERIMENT_NAMES = ["offline_blocks", "rtt", "pipeline_latency", "hop_overhead", "batch_scaling", "multiclient",
+                    "throughput", "utilization", "energy", "memory_model", "multi_gpu"]
+
+
+def _experiments_dir(given: str | None) -> str | None:
+    """The checkout holding experiments/: --checkout, else the current directory, else the one this
+    package was installed from in editable mode."""
+    candidates = [given] if given else [os.getcwd(), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    for root in candidates:
+        if os.path.isfile(os.path.join(root, "experiments", "__main__.py")):
+            return root
+    return None
+
+
 def _bench(args) -> int:
-    from experiments import run_all
-    return run_all(args.name, quick=args.quick, args=["--out", args.out] if args.out else None)
+    root = _experiments_dir(args.checkout)
+    if root is None:
+        print("blockflow bench: no experiments/ folder found (it ships with a checkout of the repository, not "
+              "with the installed package); run it from the checkout or pass --checkout DIR", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "experiments", args.name, *(["--quick"] if args.quick else []),
+           *(["--out", args.out] if args.out else [])]
+    return subprocess.call(cmd, cwd=root)
 
 
 def _block(args) -> int:
-    from blocks.process import main
+    from blockflow.blocks.process import main
     return main(["--spec", args.spec])
 
 
 def _dispatcher(args) -> int:
-    from dispatcher.process import main
+    from blockflow.dispatcher.process import main
     return main(["--spec", args.spec])
 
 
@@ -160,8 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--requests", type=int, default=20, help="requests per task")
     d.set_defaults(fn=_demo)
 
-    b = sub.add_parser("bench", help="run the experiments (experiments/); `all` runs every one")
-    b.add_argument("name", help="experiment name or 'all'")
+    b = sub.add_parser("bench", help="run the experiments (experiments/); `all` runs every one",
+                       description="Run the thesis's chapter 4 experiments from a checkout's experiments/ folder, "
+                                   "each in its own interpreter. Experiments: " + ", ".join(EXPERIMENT_NAMES) + ".")
+    b.add_argument("name", help="experiment name or 'all' (" + ", ".join(EXPERIMENT_NAMES) + ")")
+    b.add_argument("--checkout", help="repository checkout holding experiments/ (default: the current directory)")
     b.add_argument("--quick", action="store_true", help="short settings for a smoke run")
     b.add_argument("--out", help="results directory (default experiments/results/<machine>, where the "
                                  "committed results live; give another one for smoke runs)")

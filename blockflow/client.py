@@ -24,8 +24,8 @@ from concurrent.futures import Future
 import torch
 import zmq
 
-from tensormq.transport import decode_bytes, encode_bytes
-from tensormq.wire import TensorDesc, WireError, dumps, loads_header
+from blockflow.tensormq.transport import decode_bytes, encode_bytes
+from blockflow.tensormq.wire import TensorDesc, WireError, dumps, loads_header
 
 log = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ def run_demo(repo: str = "model_repo", config: str | None = None, requests: int 
     from .restclient import call
 
     if not os.path.exists(os.path.join(repo, "resnet50", "block4-x.pt")):
-        from blocks.repository import export_model
+        from blockflow.blocks.repository import export_model
         print(f"exporting ResNet50 blocks into {repo} (seeded weights, once)")
         export_model("resnet50", repo, blocks=4, method="script", variants={"x": ["block4", "head"]})
     with open(config or DEFAULT_CONFIG) as f:

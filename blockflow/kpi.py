@@ -6,7 +6,7 @@ import json
 import os
 import statistics
 
-from blocks.kpilog import LATENCY_FIELDS
+from blockflow.blocks.kpilog import LATENCY_FIELDS
 
 
 def _read(path: str, skip: int = 0) -> list[dict]:

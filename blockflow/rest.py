@@ -23,7 +23,7 @@ import logging
 import cherrypy
 
 from blockflow.schema import UpdateError
-from manager.manager import Conflict, Manager, UpdateFailed
+from blockflow.manager.manager import Conflict, Manager, UpdateFailed
 
 log = logging.getLogger("blockflow.rest")
 

@@ -89,7 +89,7 @@ def _device(value, where: str, gpus: int) -> str:
 
 def validate_update(body, repo: str, gpus: int = 0, cpu_count: int | None = None) -> Update:
     """Check an update against the schema and the model repository."""
-    from blocks.repository import BlockFileError, verify_block
+    from blockflow.blocks.repository import BlockFileError, verify_block
 
     if not isinstance(body, dict):
         raise UpdateError("body", "must be a JSON object with 'blocks' and 'tasks'")

@@ -13,8 +13,8 @@ import os
 import cherrypy
 from cherrypy.process import plugins
 
-from manager.manager import Manager
-from manager.state import StateDir
+from blockflow.manager.manager import Manager
+from blockflow.manager.state import StateDir
 
 from .rest import Root, app_config
 

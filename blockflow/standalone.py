@@ -1,7 +1,7 @@
 """Blocks and a dispatcher as separate processes without the REST server.
 
 For benchmarks and tests that want the data plane alone: each block and the dispatcher is a
-real process started from the command line (``python -m blocks.process --spec ...``), wired
+real process started from the command line (``python -m blockflow.blocks.process --spec ...``), wired
 by real ZeroMQ sockets, registering with a real controller that lives in this process.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tempfile
 import zmq
 
 from blockflow.protocol import DISPATCHER, identity
-from manager.controller import Controller
+from blockflow.manager.controller import Controller
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,14 +45,14 @@ class StandalonePipeline:
                             shm_dir=self.shm, transport=transport, controller=self.controller.endpoint,
                             parent_pid=os.getpid(), threads=threads, window=window, device=device)
                 self.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "blocks.process", "--spec", json.dumps(spec)], cwd=ROOT, env=env)
+                    [sys.executable, "-m", "blockflow.blocks.process", "--spec", json.dumps(spec)], cwd=ROOT, env=env)
             self.endpoints = {n: self.controller.wait_ready(identity(n, 0), 120)["endpoint"] for n in blocks}
             table = {t: {"path": [[n, self.endpoints[n]] for n in p], "blocks": [f"{n}#0" for n in p], "input": None}
                      for t, p in tasks.items()}
             dspec = dict(sock_dir=self.sock, shm_dir=self.shm, address="tcp://127.0.0.1:0", transport=transport,
                          controller=self.controller.endpoint, parent_pid=os.getpid(), tasks=table, window=window)
             self.procs[DISPATCHER] = subprocess.Popen(
-                [sys.executable, "-m", "dispatcher.process", "--spec", json.dumps(dspec)], cwd=ROOT, env=env)
+                [sys.executable, "-m", "blockflow.dispatcher.process", "--spec", json.dumps(dspec)], cwd=ROOT, env=env)
             self.address = self.controller.wait_ready(identity(DISPATCHER, 0), 120)["endpoint"]
         except BaseException:
             self.stop()

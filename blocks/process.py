@@ -33,9 +33,9 @@ import zmq
 
 from blockflow.protocol import (EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP,
                                 identity)
-from tensormq.shm import HopGone
-from tensormq.transport import DEFAULT_SEND_TIMEOUT, Transport, receive_limit
-from tensormq.wire import WireError, check_path, dumps, loads_header
+from blockflow.tensormq.shm import HopGone
+from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, Transport, receive_limit
+from blockflow.tensormq.wire import WireError, check_path, dumps, loads_header
 
 from .kpilog import KpiLog
 from .monitor import DEFAULT_INTERVAL, ResourceSampler
@@ -263,7 +263,7 @@ class Block:
         x = header.get("x")
         if isinstance(x, dict) and x.get("loc") == "shm" and self.transport.mapper is not None:
             try:
-                from tensormq.wire import TensorDesc
+                from blockflow.tensormq.wire import TensorDesc
                 _t, lease = self.transport.mapper.open(TensorDesc.parse(x))
                 lease.release()
             except WireError:

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-log = logging.getLogger("blocks.repository")
+log = logging.getLogger("blockflow.blocks.repository")
 
 MODELS = ("resnet18", "resnet50", "resnet152")
 METHODS = ("script", "trace")

@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass, field
 import zmq
 
 from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP, identity
-from tensormq.transport import Transport, decode_bytes, receive_limit
-from tensormq.wire import MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, loads_header
+from blockflow.tensormq.transport import Transport, decode_bytes, receive_limit
+from blockflow.tensormq.wire import MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, loads_header
 
 log = logging.getLogger("blockflow.dispatcher")
 
@@ -171,7 +171,7 @@ class Dispatcher:
             header["ms"] = (time.monotonic() - started) * 1e3
         frames = [client, dumps(header)]
         if tensor is not None:
-            from tensormq.transport import encode_bytes
+            from blockflow.tensormq.transport import encode_bytes
             desc, payload = encode_bytes(tensor)
             header["x"] = desc.to_json()
             frames = [client, dumps(header), payload]

@@ -59,7 +59,7 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
     from blockflow.client import BlockFlowError, Client
     from blockflow.demo import start_server, stop_server
     from blockflow.restclient import RestError, call
-    from blocks.repository import load_block
+    from blockflow.blocks.repository import load_block
 
     rng = random.Random(seed)
     log(f"chaos: seed {seed}, {duration:.0f}s at {rate}/s, a fault every ~{fault_every}s")
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="results directory")
     args = ap.parse_args(argv)
     if not os.path.exists(os.path.join(args.repo, MODEL, "block4-x.pt")):
-        from blocks.repository import export_model
+        from blockflow.blocks.repository import export_model
         export_model(MODEL, args.repo, blocks=4, variants={"x": ["block4", "head"]})
     report = run_chaos(args.repo, 20.0 if args.quick else args.duration, args.rate, args.seed, args.fault_every)
     try:

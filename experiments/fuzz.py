@@ -242,10 +242,10 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
     from blockflow.client import BlockFlowError, Client
     from blockflow.protocol import DISPATCHER, RETURN_HOP
     from blockflow.standalone import StandalonePipeline
-    from blocks.process import _return_address
-    from tensormq.shm import IN_FLIGHT, SlotMapper, SlotPool
-    from tensormq.wire import TensorDesc, WireError
-    from tensormq.transport import encode_bytes
+    from blockflow.blocks.process import _return_address
+    from blockflow.tensormq.shm import IN_FLIGHT, SlotMapper, SlotPool
+    from blockflow.tensormq.wire import TensorDesc, WireError
+    from blockflow.tensormq.transport import encode_bytes
 
     rng = random.Random(seed)
     own = workdir is None

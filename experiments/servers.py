@@ -57,7 +57,7 @@ def serve_http(model_path: str | None, repo: str | None, threads: int) -> None:
     if model_path:
         import warnings
         warnings.filterwarnings("ignore", category=FutureWarning)
-        from blocks.repository import load_block
+        from blockflow.blocks.repository import load_block
         model = load_block(repo, model_path, "cpu")
         with torch.inference_mode():
             model(torch.zeros(1, 3, 224, 224))  # warm the model once, as the blocks do

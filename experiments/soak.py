@@ -134,7 +134,7 @@ def run_soak(repo: str, minutes: float, rate: float | None, update_every: float,
              clients: int, load: float, saturate_s: float, warmup_s: float, window_s: float, seed: int) -> dict:
     from blockflow.client import BlockFlowError, Client
     from blockflow.demo import stop_server
-    from manager.state import StateDir
+    from blockflow.manager.state import StateDir
 
     rng = random.Random(seed)
     x = input_tensor()
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
         warmup = args.warmup
     repo = args.repo
     if not os.path.exists(os.path.join(repo, MODEL, "block4.pt")):
-        from blocks.repository import export_model
+        from blockflow.blocks.repository import export_model
         export_model(MODEL, repo, blocks=4, method="script", variants={"x": ["block4", "head"]})
     res = run_soak(repo, minutes, args.rate, update_every, sample, args.clients, args.load, saturate, warmup,
                    window, args.seed)

@@ -19,7 +19,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 import zmq
 
-from tensormq.wire import dumps
+from blockflow.tensormq.wire import dumps
 
 log = logging.getLogger("blockflow.controller")
 

@@ -26,8 +26,8 @@ import zmq
 
 from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, RETURN_HOP, describe_exit, identity
 from blockflow.schema import BlockDecl, Update, UpdateError, validate_update
-from blocks.process import BlockSpec, serve_block
-from dispatcher.process import DispatcherSpec, serve_dispatcher
+from blockflow.blocks.process import BlockSpec, serve_block
+from blockflow.dispatcher.process import DispatcherSpec, serve_dispatcher
 
 from .controller import ControlError, Controller
 from .state import StateDir, process_record
@@ -124,7 +124,7 @@ class Manager:
         self.state.clean_leftovers()
         self.state.sweep_orphans()
         self.mp = multiprocessing.get_context("forkserver")
-        self.mp.set_forkserver_preload(["blocks.process", "dispatcher.process"])
+        self.mp.set_forkserver_preload(["blockflow.blocks.process", "blockflow.dispatcher.process"])
         try:
             import torch
             self.gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

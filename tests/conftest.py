@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def model_repo(tmp_path_factory):
     """resnet18 and resnet50 split into 4 blocks + head, with an 'x' variant of block4/head."""
-    from blocks.repository import export_model
+    from blockflow.blocks.repository import export_model
     repo = tmp_path_factory.mktemp("model_repo")
     for model in ("resnet18", "resnet50"):
         export_model(model, repo, blocks=4, method="script", variants={"x": ["block4", "head"]})

@@ -580,7 +580,7 @@ def test_token_guards_mutations_and_clients(server_factory, identity_repo, monke
 # -- 8. the ResNet50 shared config ---------------------------------------------------------------
 
 def test_resnet50_shared_config(server_factory, model_repo):
-    from blocks.repository import load_block
+    from blockflow.blocks.repository import load_block
 
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                           "resnet50_shared.json")

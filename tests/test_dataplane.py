@@ -13,7 +13,7 @@ import zmq
 
 from blockflow.client import BlockFlowError, Client
 from blockflow.protocol import DISPATCHER
-from blocks.repository import load_block
+from blockflow.blocks.repository import load_block
 from blockflow.standalone import StandalonePipeline
 
 BRANCHY = {  # two tasks share block1-3 and own their block4/head (thesis scenario)

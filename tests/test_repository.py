@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from blocks import repository as repo_mod
-from blocks.repository import (
+from blockflow.blocks import repository as repo_mod
+from blockflow.blocks.repository import (
     BlockFileError,
     build_reference,
     export_model,

@@ -25,9 +25,9 @@ from blockflow.client import BlockFlowError, Client
 from blockflow.protocol import DISPATCHER, RETURN_HOP
 from blockflow.standalone import StandalonePipeline
 from experiments.fuzz import pickle_bomb
-from manager.state import StateDir
-from tensormq.shm import SlotMapper
-from tensormq.wire import TensorDesc
+from blockflow.manager.state import StateDir
+from blockflow.tensormq.shm import SlotMapper
+from blockflow.tensormq.wire import TensorDesc
 
 from conftest import kill_tree
 
@@ -236,7 +236,7 @@ def test_slot_directories_of_dead_runs_are_swept(short_tmp):
     state.json: the next server removes its slot directory by looking at who is still alive,
     and leaves alone every directory a live process may still use."""
     import shutil
-    from manager.state import OWNER_SUFFIX, process_record
+    from blockflow.manager.state import OWNER_SUFFIX, process_record
     me = StateDir(os.path.join(short_tmp, "me"))
     parent = os.path.dirname(me.shm)
     ended = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -13,9 +13,9 @@ import pytest
 import torch
 import zmq
 
-from tensormq.shm import FREE, IN_FLIGHT, SlotMapper, SlotPool
-from tensormq.transport import Transport, decode_bytes, encode_bytes
-from tensormq.wire import TensorDesc, WireError, check_path, loads_header
+from blockflow.tensormq.shm import FREE, IN_FLIGHT, SlotMapper, SlotPool
+from blockflow.tensormq.transport import Transport, decode_bytes, encode_bytes
+from blockflow.tensormq.wire import TensorDesc, WireError, check_path, loads_header
 
 
 @pytest.fixture
@@ -140,7 +140,7 @@ def test_wait_for_a_removed_hop_ends_at_once(shm_dir):
     """A full window towards a consumer that a topology update removed never frees up: the
     producer must stop waiting as soon as it hears, not after its send timeout."""
     import threading
-    from tensormq.shm import HopGone
+    from blockflow.tensormq.shm import HopGone
     ctx = zmq.Context()
     t = Transport(ctx, "prod", "tensormq", shm_dir, window=1, send_timeout=30)
     try:
@@ -162,7 +162,7 @@ def test_wait_for_a_removed_hop_ends_at_once(shm_dir):
 def test_forged_next_hops_cost_a_bounded_number_of_sockets_and_slots(shm_dir):
     """Paths come from messages: a flood of made-up next hops must not grow sockets or slots
     without bound, and the hops the last topology update listed are never the ones closed."""
-    from tensormq.transport import MAX_UNLISTED_HOPS
+    from blockflow.tensormq.transport import MAX_UNLISTED_HOPS
     ctx = zmq.Context()
     t = Transport(ctx, "prod", "tensormq", shm_dir, window=2, send_timeout=1)
     try:
@@ -292,8 +292,8 @@ def test_view_of_a_slot_is_forwarded_without_copy(shm_dir):
 
 _CONSUMER = r"""
 import json, sys
-from tensormq.shm import SlotMapper
-from tensormq.wire import TensorDesc, WireError
+from blockflow.tensormq.shm import SlotMapper
+from blockflow.tensormq.wire import TensorDesc, WireError
 mapper, opened, refused = SlotMapper(sys.argv[1]), 0, []
 for line in sys.stdin:
     try:
