@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import warnings
+from blockflow import settings
 
 
 def _export(args) -> int:
@@ -26,7 +27,7 @@ def _export(args) -> int:
 
 def _serve(args) -> int:
     from .server import serve
-    token = args.token or os.environ.get("BLOCKFLOW_TOKEN")
+    token = args.token or settings.TOKEN
     serve(host=args.host, port=args.port, dispatcher_host=args.dispatcher_host, dispatcher_port=args.dispatcher_port,
           repo=args.repo, state_dir=args.state_dir, token=token, ready_file=args.ready_file, window=args.window,
           quiet=args.quiet)
@@ -55,7 +56,7 @@ def _load(args) -> int:
     from .loadgen import format_summary, run_load
     shape = tuple(int(s) for s in args.shape.split(","))
     s = run_load(args.address, args.task, clients=args.clients, batch=args.batch, duration=args.duration,
-                 rate=args.rate, shape=shape, token=args.token or os.environ.get("BLOCKFLOW_TOKEN"),
+                 rate=args.rate, shape=shape, token=args.token or settings.TOKEN,
                  timeout=args.timeout, out=args.out)
     print(format_summary(s))
     return 0 if s["ok"] else 1
@@ -150,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("update", help="POST a system update (JSON file) to a running server")
     u.add_argument("file")
     u.add_argument("--url", default="http://127.0.0.1:8080")
-    u.add_argument("--token", default=os.environ.get("BLOCKFLOW_TOKEN"))
+    u.add_argument("--token", default=settings.TOKEN)
     u.set_defaults(fn=_update)
 
     st = sub.add_parser("status", help="print GET /system of a running server")
@@ -204,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else os.environ.get("BLOCKFLOW_LOG", "INFO"),
+    logging.basicConfig(level=logging.DEBUG if args.verbose else settings.LOG_LEVEL,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.jit")
     return args.fn(args) or 0

@@ -26,11 +26,12 @@ import zmq
 
 from blockflow.tensormq.transport import decode_bytes, encode_bytes
 from blockflow.tensormq.wire import TensorDesc, WireError, dumps, loads_header
+from blockflow import settings
 
 log = logging.getLogger(__name__)
 
 #: Seconds a call waits for its reply unless told otherwise.
-DEFAULT_TIMEOUT = float(os.environ.get("BLOCKFLOW_CLIENT_TIMEOUT", 30.0))
+DEFAULT_TIMEOUT = settings.CLIENT_TIMEOUT
 
 
 class BlockFlowError(RuntimeError):
@@ -55,7 +56,7 @@ class Client:
     def __init__(self, address: str = "tcp://127.0.0.1:5580", timeout: float = DEFAULT_TIMEOUT,
                  token: str | None = None):
         self.address, self.timeout = address, timeout
-        self.token = token if token is not None else os.environ.get("BLOCKFLOW_TOKEN")
+        self.token = token if token is not None else settings.TOKEN
         self._ids = itertools.count(1)
         self._outbox: queue.Queue = queue.Queue()
         self._waiting: dict[int, tuple[Future, float]] = {}

@@ -63,7 +63,8 @@ def run_demo(repo: str = "model_repo", config: str | None = None, requests: int 
     state_dir = tempfile.mkdtemp(prefix="blockflow-demo-")
     t0 = time.monotonic()
     # the server's own log only when something goes wrong (BLOCKFLOW_LOG=INFO shows it all)
-    env = dict(os.environ, BLOCKFLOW_LOG=os.environ.get("BLOCKFLOW_LOG", "WARNING"))
+    env = dict(os.environ)
+    env.setdefault("BLOCKFLOW_LOG", "WARNING")
     proc, info = start_server(repo, state_dir, env=env)
     try:
         print(f"server up in {time.monotonic() - t0:.1f}s: REST {info['rest']}, dispatcher {info['dispatcher']}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from blockflow import settings
 
 TRANSPORTS = ("tensormq", "zeromq")
 PROTOCOLS = ("ipc", "tcp")
@@ -16,8 +17,8 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d{1,2})$")
 
 #: Most blocks and tasks one update may declare.
-MAX_BLOCKS = int(os.environ.get("BLOCKFLOW_MAX_BLOCKS", 64))
-MAX_TASKS = int(os.environ.get("BLOCKFLOW_MAX_TASKS", 256))
+MAX_BLOCKS = settings.MAX_BLOCKS
+MAX_TASKS = settings.MAX_TASKS
 
 BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads"}
 TOP_FIELDS = {"transport", "protocol", "blocks", "tasks"}

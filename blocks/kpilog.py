@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import os
 import threading
+from blockflow import settings
 
 #: Records buffered before a flush happens on its own.
-FLUSH_EVERY = int(os.environ.get("BLOCKFLOW_KPI_FLUSH_EVERY", 2000))
+FLUSH_EVERY = settings.KPI_FLUSH_EVERY
 
 #: The latency components of thesis eq. 4.1, in milliseconds, in the order they happen.
 LATENCY_FIELDS = ("wait", "deser", "dev", "inf", "share", "fwd", "total")

@@ -6,11 +6,12 @@ import os
 import time
 
 import psutil
+from blockflow import settings
 
 log = logging.getLogger(__name__)
 
 #: Seconds between two samples of the monitor thread (thesis: 250 ms).
-DEFAULT_INTERVAL = float(os.environ.get("BLOCKFLOW_MONITOR_INTERVAL", 0.25))
+DEFAULT_INTERVAL = settings.MONITOR_INTERVAL
 
 
 class ResourceSampler:

@@ -39,11 +39,12 @@ from blockflow.tensormq.wire import WireError, check_path, dumps, loads_header
 
 from .kpilog import KpiLog
 from .monitor import DEFAULT_INTERVAL, ResourceSampler
+from blockflow import settings
 
 log = logging.getLogger("blockflow.block")
 
 #: Tensors a block queues before it answers new ones with an ``overloaded`` error.
-DEFAULT_MAX_QUEUE = int(os.environ.get("BLOCKFLOW_MAX_QUEUE", 64))
+DEFAULT_MAX_QUEUE = settings.MAX_QUEUE
 _STOP = object()
 
 
@@ -461,7 +462,7 @@ def _return_address(raw) -> tuple[int, str] | None:
 
 def serve_block(spec: BlockSpec) -> int:
     """Entry point of a block process (spawned by the manager or run by hand)."""
-    logging.basicConfig(level=os.environ.get("BLOCKFLOW_LOG", "INFO"),
+    logging.basicConfig(level=settings.LOG_LEVEL,
                         format=f"%(asctime)s %(levelname)s [{spec.name}] %(message)s")
     stop_signals = {}
     block = Block(spec)

@@ -35,13 +35,14 @@ import zmq
 from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP, identity
 from blockflow.tensormq.transport import Transport, decode_bytes, receive_limit
 from blockflow.tensormq.wire import MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, loads_header
+from blockflow import settings
 
 log = logging.getLogger("blockflow.dispatcher")
 
 #: Seconds a request may spend inside the pipeline before the client gets a timeout error.
-DEFAULT_REQUEST_TIMEOUT = float(os.environ.get("BLOCKFLOW_REQUEST_TIMEOUT", 30.0))
+DEFAULT_REQUEST_TIMEOUT = settings.REQUEST_TIMEOUT
 #: Requests waiting for a free slot towards their first block before new ones are refused.
-DEFAULT_MAX_PENDING = int(os.environ.get("BLOCKFLOW_MAX_PENDING", 1024))
+DEFAULT_MAX_PENDING = settings.MAX_PENDING
 
 
 @dataclass
@@ -444,7 +445,7 @@ def _alive(pid: int) -> bool:
 
 
 def serve_dispatcher(spec: DispatcherSpec) -> int:
-    logging.basicConfig(level=os.environ.get("BLOCKFLOW_LOG", "INFO"),
+    logging.basicConfig(level=settings.LOG_LEVEL,
                         format="%(asctime)s %(levelname)s [dispatcher] %(message)s")
     d = Dispatcher(spec)
 

@@ -31,23 +31,24 @@ from blockflow.dispatcher.process import DispatcherSpec, serve_dispatcher
 
 from .controller import ControlError, Controller
 from .state import StateDir, process_record
+from blockflow import settings
 
 log = logging.getLogger("blockflow.manager")
 
 #: Seconds a new block has to load its model and report READY.
-READY_TIMEOUT = float(os.environ.get("BLOCKFLOW_READY_TIMEOUT", 60))
+READY_TIMEOUT = settings.READY_TIMEOUT
 #: Seconds between health pings.
-PING_INTERVAL = float(os.environ.get("BLOCKFLOW_PING_INTERVAL", 0.25))
+PING_INTERVAL = settings.PING_INTERVAL
 #: A process silent for this long is considered hung, killed and respawned.
-HANG_TIMEOUT = float(os.environ.get("BLOCKFLOW_HANG_TIMEOUT", 0.9))
+HANG_TIMEOUT = settings.HANG_TIMEOUT
 #: Respawns allowed per block before it is marked failed.
-MAX_RESTARTS = int(os.environ.get("BLOCKFLOW_MAX_RESTARTS", 5))
+MAX_RESTARTS = settings.MAX_RESTARTS
 #: A process that ran this long before dying starts a fresh restart budget: the limit is meant
 #: for crash loops (as systemd's StartLimitBurst within StartLimitIntervalSec), not for a server
 #: that lost a block five times over a month.
-RESTART_WINDOW = float(os.environ.get("BLOCKFLOW_RESTART_WINDOW", 10.0))
+RESTART_WINDOW = settings.RESTART_WINDOW
 #: Seconds an update waits for requests on a retired block's path to finish.
-DRAIN_TIMEOUT = float(os.environ.get("BLOCKFLOW_DRAIN_TIMEOUT", 10))
+DRAIN_TIMEOUT = settings.DRAIN_TIMEOUT
 
 
 class UpdateFailed(RuntimeError):

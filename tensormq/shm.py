@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from .wire import TensorDesc, WireError, dtype_name
+from blockflow import settings
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ W_MAGIC, W_CAPACITY, W_GENERATION, W_RELEASED = 0, 1, 2, 3
 _SEG_RE = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
 
 #: Slots a producer keeps in flight per edge before it waits (back-pressure).
-DEFAULT_WINDOW = int(os.environ.get("BLOCKFLOW_WINDOW", 8))
+DEFAULT_WINDOW = settings.WINDOW
 #: Mappings a consumer keeps open; older ones are closed (slots that grew get new names).
 MAX_MAPPINGS = 256
 

@@ -22,6 +22,7 @@ import zmq
 
 from .shm import DEFAULT_WINDOW, HopGone, SlotMapper, SlotPool
 from .wire import MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, is_local
+from blockflow import settings
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ MODES = ("tensormq", "zeromq")
 #: Payloads smaller than this are copied into the ZeroMQ message (cheaper than tracking).
 ZERO_COPY_THRESHOLD = 64 * 1024
 #: How long a send may wait for a free slot or a full socket before the request fails.
-DEFAULT_SEND_TIMEOUT = float(os.environ.get("BLOCKFLOW_SEND_TIMEOUT", 10.0))
+DEFAULT_SEND_TIMEOUT = settings.SEND_TIMEOUT
 #: Next hops that the last topology update did not list (or all of them, before the first
 #: one) keep a socket and slots only up to this many; the least recently used goes first.
 #: Paths come from messages, so without a bound every forged hop would cost a socket.

@@ -27,13 +27,14 @@ import re
 from dataclasses import dataclass
 
 import torch
+from blockflow import settings
 
 PROTOCOL_VERSION = 1
 
 #: Largest header frame accepted (bytes). Paths and timings are small; anything bigger is hostile.
-MAX_HEADER_BYTES = int(os.environ.get("BLOCKFLOW_MAX_HEADER_BYTES", 64 * 1024))
+MAX_HEADER_BYTES = settings.MAX_HEADER_BYTES
 #: Largest tensor accepted, in bytes (payload or shared slot). Override with BLOCKFLOW_MAX_TENSOR_BYTES.
-MAX_TENSOR_BYTES = int(os.environ.get("BLOCKFLOW_MAX_TENSOR_BYTES", 1 << 30))
+MAX_TENSOR_BYTES = settings.MAX_TENSOR_BYTES
 #: Most dimensions a tensor may have.
 MAX_DIMS = 8
 #: Longest path a message may carry.

@@ -1,0 +1,119 @@
+"""Every ``BLOCKFLOW_*`` environment variable, read once, here.
+
+Other modules import the values from this one and pass them down in the specs they build; no
+other module reads the environment for a setting. The README's settings table is generated from
+:data:`SETTINGS` (``python -m blockflow.settings``), and a test checks that it is current.
+
+A value that cannot be parsed stops the process at import with a message that names the
+variable, what it holds and what it should hold.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str                    #: the environment variable
+    default: object
+    parse: Callable[[str], object]
+    meaning: str
+    shown: str = ""              #: the default as the README shows it
+
+
+SETTINGS: dict[str, Setting] = {}
+
+
+def _read(name: str, default, parse, meaning: str, shown: str = ""):
+    SETTINGS[name] = Setting(name, default, parse, meaning, shown or str(default))
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return parse(raw)
+    except ValueError:
+        raise SystemExit(f"blockflow: environment variable {name}={raw!r} is not a valid "
+                         f"{getattr(parse, '__name__', 'value')}; unset it or give e.g. {default!r}") from None
+
+
+def _positive_int(raw: str) -> int:
+    v = int(raw)
+    if v < 0:
+        raise ValueError(raw)
+    return v
+
+
+_positive_int.__name__ = "non-negative integer"
+
+
+def _seconds(raw: str) -> float:
+    v = float(raw)
+    if v < 0:
+        raise ValueError(raw)
+    return v
+
+
+_seconds.__name__ = "number of seconds"
+
+# -- data plane ---------------------------------------------------------------------------------
+MAX_TENSOR_BYTES: int = _read("BLOCKFLOW_MAX_TENSOR_BYTES", 1 << 30, _positive_int,
+                              "largest tensor accepted on any socket, in bytes", "1 GiB")
+MAX_HEADER_BYTES: int = _read("BLOCKFLOW_MAX_HEADER_BYTES", 64 * 1024, _positive_int,
+                              "largest message header, in bytes", "64 KiB")
+WINDOW: int = _read("BLOCKFLOW_WINDOW", 8, _positive_int,
+                    "TensorMQ slots in flight per edge (back-pressure); also `serve --window`")
+SEND_TIMEOUT: float = _read("BLOCKFLOW_SEND_TIMEOUT", 10.0, _seconds,
+                            "seconds a block waits for a free slot or a full socket before the request fails",
+                            "10 s")
+MAX_QUEUE: int = _read("BLOCKFLOW_MAX_QUEUE", 64, _positive_int,
+                       "tensors a block queues before answering `overloaded`")
+MAX_PENDING: int = _read("BLOCKFLOW_MAX_PENDING", 1024, _positive_int,
+                         "requests the dispatcher holds waiting for a slot")
+REQUEST_TIMEOUT: float = _read("BLOCKFLOW_REQUEST_TIMEOUT", 30.0, _seconds,
+                               "time a request may spend inside the pipeline", "30 s")
+CLIENT_TIMEOUT: float = _read("BLOCKFLOW_CLIENT_TIMEOUT", 30.0, _seconds,
+                              "default deadline of one client call", "30 s")
+
+# -- supervision ----------------------------------------------------------------------------------
+READY_TIMEOUT: float = _read("BLOCKFLOW_READY_TIMEOUT", 60.0, _seconds,
+                             "time a new process has to load its model and announce READY", "60 s")
+PING_INTERVAL: float = _read("BLOCKFLOW_PING_INTERVAL", 0.25, _seconds,
+                             "period of the controller's health pings", "0.25 s")
+HANG_TIMEOUT: float = _read("BLOCKFLOW_HANG_TIMEOUT", 0.9, _seconds,
+                            "silence after which a process is considered hung and killed", "0.9 s")
+MAX_RESTARTS: int = _read("BLOCKFLOW_MAX_RESTARTS", 5, _positive_int,
+                          "respawns of a crash-looping process before it is marked failed")
+RESTART_WINDOW: float = _read("BLOCKFLOW_RESTART_WINDOW", 10.0, _seconds,
+                              "a process that ran this long before dying starts a fresh restart budget", "10 s")
+DRAIN_TIMEOUT: float = _read("BLOCKFLOW_DRAIN_TIMEOUT", 10.0, _seconds,
+                             "time a removed block has to finish its queued requests", "10 s")
+
+# -- limits of an update --------------------------------------------------------------------------
+MAX_BLOCKS: int = _read("BLOCKFLOW_MAX_BLOCKS", 64, _positive_int, "blocks in one system update")
+MAX_TASKS: int = _read("BLOCKFLOW_MAX_TASKS", 256, _positive_int, "tasks in one system update")
+
+# -- observability --------------------------------------------------------------------------------
+MONITOR_INTERVAL: float = _read("BLOCKFLOW_MONITOR_INTERVAL", 0.25, _seconds,
+                                "period of the per-block resource sampler (psutil, pynvml)", "0.25 s")
+KPI_FLUSH_EVERY: int = _read("BLOCKFLOW_KPI_FLUSH_EVERY", 2000, _positive_int,
+                             "KPI records a block buffers before writing them out")
+LOG_LEVEL: str = _read("BLOCKFLOW_LOG", "INFO", str.upper, "log level of every process (DEBUG, INFO, WARNING, ...)")
+
+# -- security -------------------------------------------------------------------------------------
+TOKEN: str | None = _read("BLOCKFLOW_TOKEN", None, str,
+                          "shared secret: REST calls and client requests must carry it (`serve --token`)", "none")
+
+
+def markdown_table() -> str:
+    """The README's settings table."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for s in SETTINGS.values():
+        rows.append(f"| `{s.name}` | {s.shown} | {s.meaning} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table() + "\n")
