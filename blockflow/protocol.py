@@ -20,10 +20,39 @@ Control messages travel between the controller (ROUTER) and each process (DEALER
   ``ping``, ``store``, ``monitor``, ``update``, ``stop`` and, for the dispatcher,
   ``tasks``, ``fail``, ``outstanding``.
 """
-EXIT_OK = 0
-EXIT_CRASH = 1
-EXIT_BOOT_ERROR = 3
-EXIT_ORPHANED = 4
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    CRASH = 1
+    BOOT_ERROR = 3
+    ORPHANED = 4
+
+
+EXIT_OK = ExitCode.OK
+EXIT_CRASH = ExitCode.CRASH
+EXIT_BOOT_ERROR = ExitCode.BOOT_ERROR
+EXIT_ORPHANED = ExitCode.ORPHANED
+
+
+class ErrorCode(str, enum.Enum):
+    """The ``code`` of every error reply a client can get; one place, so clients can match on it."""
+
+    BAD_REQUEST = "bad_request"        #: the message could not be parsed
+    BAD_INPUT = "bad_input"            #: the tensor does not fit the task (dtype, shape)
+    BAD_RESULT = "bad_result"          #: a block produced something that cannot be returned
+    UNAUTHORIZED = "unauthorized"      #: a token is required and was missing or wrong
+    UNKNOWN_TASK = "unknown_task"      #: no such task is served now
+    OVERLOADED = "overloaded"          #: a queue is full; retry later
+    TIMEOUT = "timeout"                #: the request's deadline passed inside the pipeline
+    BLOCK_FAILED = "block_failed"      #: a block on the path died, hung or was removed
+    UNAVAILABLE = "unavailable"        #: the system cannot serve now (e.g. restarting)
+    SHUTDOWN = "shutdown"              #: the server is stopping
+    DISCONNECTED = "disconnected"      #: the client lost its connection; the request may have run
+
+    def __str__(self) -> str:
+        return self.value
 
 EXIT_NAMES = {EXIT_OK: "stopped", EXIT_CRASH: "crashed", EXIT_BOOT_ERROR: "boot error",
               EXIT_ORPHANED: "orphaned"}
