@@ -1,0 +1,174 @@
+"""Dynamic batching at a block, across tasks (issue 15; Rafiqi's adaptive batch size).
+
+A block with a ``batching`` policy takes up to ``max_batch`` waiting requests whose tensors agree
+in everything but the batch dimension (dtype, device, trailing shape), from any task, waits at
+most the current delay for more, runs them as one batch and splits the output back to each
+request's own remaining path.
+
+How a batch is built and split, and where the bytes move::
+
+    request tensors (each a view of its own TensorMQ slot, or a decoded buffer)
+         |  torch.cat(dim=0)                       <- the one copy batching adds, into a new tensor
+         v
+    model(batch)                                   <- one inference for every request
+         |  output.split(sizes, dim=0)             <- views, no copy
+         v
+    per-request outputs, each sent on its own path (a slot copy, as for any new tensor)
+
+Requests that cannot join a batch (another shape or dtype) run in a batch of their own; a batch
+whose inference raises is run again one request at a time, so one bad request fails only itself.
+
+The delay (``max_queue_delay_us``) is either fixed or ``"auto"``: :class:`DelayController` keeps
+exponential moving averages of the gap between arrivals and of the per-batch service time. A
+block that keeps up with its arrivals (gap >= service time) waits for nothing: whatever is
+already queued forms the batch. Under load it waits at most for the few requests expected within
+half a service time, and a batch that took longer than the block's budget halves the delay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Longest wait ``auto`` ever chooses (seconds).
+AUTO_MAX_DELAY = 0.005
+
+
+class PolicyError(ValueError):
+    """An invalid ``batching`` object; ``field`` names the offending part."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch: int
+    max_queue_delay_us: int | None      #: None means "auto"
+    preferred: tuple[int, ...] = ()
+
+    @property
+    def auto(self) -> bool:
+        return self.max_queue_delay_us is None
+
+    @staticmethod
+    def parse(obj, where: str = "batching") -> "BatchPolicy":
+        if not isinstance(obj, dict):
+            raise PolicyError(where, "must be an object {max_batch, max_queue_delay_us, preferred}")
+        unknown = set(obj) - {"max_batch", "max_queue_delay_us", "preferred"}
+        if unknown:
+            raise PolicyError(f"{where}.{sorted(unknown)[0]}", "unknown field")
+        mb = obj.get("max_batch")
+        if isinstance(mb, bool) or not isinstance(mb, int) or not 1 <= mb <= 1024:
+            raise PolicyError(f"{where}.max_batch", "must be an integer from 1 to 1024")
+        delay = obj.get("max_queue_delay_us", 0)
+        if delay == "auto":
+            delay = None
+        elif isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= 10_000_000:
+            raise PolicyError(f"{where}.max_queue_delay_us", "must be 'auto' or microseconds from 0 to 10000000")
+        pref = obj.get("preferred", [])
+        if not isinstance(pref, list) or any(isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= mb
+                                             for p in pref):
+            raise PolicyError(f"{where}.preferred", f"must be a list of batch sizes from 1 to max_batch ({mb})")
+        return BatchPolicy(mb, delay, tuple(sorted(set(pref))))
+
+    def to_json(self) -> dict:
+        return {"max_batch": self.max_batch,
+                "max_queue_delay_us": "auto" if self.auto else self.max_queue_delay_us,
+                "preferred": list(self.preferred)}
+
+
+class DelayController:
+    """How long to wait for more requests before running a batch (see the module note)."""
+
+    ALPHA = 0.2   #: weight of the newest sample in the moving averages
+
+    def __init__(self, policy: BatchPolicy, budget_s: float | None = None):
+        self.policy = policy
+        self.budget_s = budget_s           #: a batch slower than this halves the auto delay
+        self.gap_s: float | None = None    #: EMA of the time between arrivals
+        self.service_s: float | None = None
+        self.last_arrival: float | None = None
+        self.scale = 1.0                   #: halved on a budget miss, recovers slowly
+
+    def arrived(self, now: float) -> None:
+        if self.last_arrival is not None:
+            gap = max(now - self.last_arrival, 0.0)
+            self.gap_s = gap if self.gap_s is None else (1 - self.ALPHA) * self.gap_s + self.ALPHA * gap
+        self.last_arrival = now
+
+    def served(self, batch_size: int, seconds: float) -> None:
+        self.service_s = seconds if self.service_s is None else (1 - self.ALPHA) * self.service_s + self.ALPHA * seconds
+        if self.budget_s is not None and seconds > self.budget_s:
+            self.scale = max(self.scale / 2, 1 / 64)
+        else:
+            self.scale = min(self.scale * 1.05, 1.0)
+
+    def delay(self, queued: int) -> float:
+        """Seconds to wait for more requests when ``queued`` are waiting now."""
+        p = self.policy
+        if queued >= p.max_batch:
+            return 0.0
+        if not p.auto:
+            return p.max_queue_delay_us / 1e6
+        if self.gap_s is None or self.service_s is None or self.gap_s >= self.service_s:
+            return 0.0          # the block keeps up: batching would only add latency
+        expected = min(p.max_batch - queued, max(int(self.service_s / 2 / max(self.gap_s, 1e-6)), 0))
+        return min(expected * self.gap_s, self.service_s / 2, AUTO_MAX_DELAY) * self.scale
+
+
+def batch_key(t: torch.Tensor) -> tuple:
+    """Tensors with equal keys can be concatenated along dimension 0."""
+    if t.dim() == 0:
+        return ("scalar", id(t))    # a 0-d tensor has no batch dimension: it always runs alone
+    return (t.dtype, t.device, tuple(t.shape[1:]))
+
+
+def plan_batches(tensors: list[torch.Tensor], policy: BatchPolicy) -> list[list[int]]:
+    """Group indexes of ``tensors`` into batches, oldest first, each at most ``max_batch`` and, where
+    ``preferred`` sizes are given, cut to the largest preferred size that fits."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(batch_key(t), []).append(i)
+    batches: list[list[int]] = []
+    for idx in groups.values():
+        while idx:
+            n = min(len(idx), policy.max_batch)
+            fitting = [p for p in policy.preferred if p <= n]
+            if fitting:
+                n = fitting[-1]
+            batches.append(idx[:n])
+            idx = idx[n:]
+    batches.sort(key=lambda b: b[0])
+    return batches
+
+
+def concat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
+def split(output: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Views of ``output`` along dimension 0, one per request."""
+    if len(sizes) == 1:
+        return [output]
+    if output.dim() == 0 or output.shape[0] != sum(sizes):
+        raise ValueError(f"the model returned batch dimension {tuple(output.shape)[:1]} for {sum(sizes)} rows: "
+                         "a block with batching must keep dimension 0 as the batch")
+    return list(output.split(sizes, dim=0))
+
+
+def run_batch(model, tensors: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
+    """Run ``tensors`` as one batch; if that fails, run each alone so one bad request fails only itself."""
+    if len(tensors) > 1:
+        try:
+            return split(model(concat(tensors)), [t.shape[0] for t in tensors])
+        except Exception:
+            pass
+    out: list[torch.Tensor | Exception] = []
+    for t in tensors:
+        try:
+            out.append(model(t))
+        except Exception as exc:
+            out.append(exc)
+    return out
