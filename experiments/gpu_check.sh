@@ -18,7 +18,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 STEP_LIMIT=${STEP_LIMIT:-570}
 SITE=${GPU_SITE:-/tmp/blockflow-site}
-ALL_STEPS="tests-ipc tests-pipeline pipeline_latency hop_overhead batch_scaling throughput utilization energy memory_model multi_gpu"
+ALL_STEPS="tests-ipc tests-pipeline pipeline_latency hop_overhead batch_scaling throughput utilization energy memory_model multi_gpu report"
 STEPS=${*:-$ALL_STEPS}
 
 die() { echo "gpu-check: $*" >&2; exit 2; }
@@ -129,6 +129,8 @@ for step in $STEPS; do
       run_step "$step" "$PY" -m experiments.memory_model --device cuda "${OUTARG[@]}" ;;
     multi_gpu)  # needs two GPUs; with one it records the skip and exits 0
       run_step "$step" "$PY" -m experiments.multi_gpu --duration 20 "${OUTARG[@]}" ;;
+    report)  # thesis-vs-here tables of what this machine measured (copied back with the results)
+      run_step "$step" bash -c "'$PY' -m experiments.report '$RES' > '$RES/report.md'" ;;
   esac
 done
 

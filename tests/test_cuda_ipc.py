@@ -489,6 +489,26 @@ def test_hops_between_cpu_and_gpu(shm_dir, ctx):
 
 
 @CUDA
+def test_gpu_to_gpu_hop_across_devices_lands_on_the_consumer_device(shm_dir, ctx):
+    """Thesis Fig. 3.9: the producer allocates the edge's slots on the next hop's GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs two GPUs; {torch.cuda.device_count()} visible (the single-GPU path is tested above)")
+    hop = "ipc:///nonexistent/gpu1.sock"
+    t = Transport(ctx, "p", "tensormq", shm_dir, window=2)
+    c = Consumer(shm_dir)
+    try:
+        t.set_topology([hop], {hop: "cuda:1"})
+        x = torch.randn(3, 4, device="cuda:0")
+        d, _ = t.encode(x, hop)
+        assert d["loc"] == "cuda"
+        r = c.ask({"op": "read", "x": d})
+        assert r["device"] == "cuda:1" and r["values"] == x.cpu().double().flatten().tolist()
+    finally:
+        assert c.close() == 0
+        t.close()
+
+
+@CUDA
 def test_discard_of_ones_own_cuda_slot(shm_dir, ctx):
     """Defect 5: opening one's own IPC handle fails, so discard must go through the header."""
     torch.cuda.set_device(0)
