@@ -269,8 +269,8 @@ class Block:
         try:
             self.transport.release_handle(header.get("x"))
         except WireError as exc:
-            log.warning("block %s: could not release the slot of refused request %s: %s",
-                        self.name, header.get("rid"), exc)
+            log.info("block %s: could not release the slot of refused request %s: %s",
+                     self.name, header.get("rid"), exc)
 
     def receive_control(self) -> None:
         while True:
