@@ -18,7 +18,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 STEP_LIMIT=${STEP_LIMIT:-570}
 SITE=${GPU_SITE:-/tmp/blockflow-site}
-ALL_STEPS="tests-ipc tests-pipeline pipeline_latency hop_overhead batch_scaling throughput utilization energy memory_model multi_gpu report"
+ALL_STEPS="tests-ipc tests-manager tests-pipeline pipeline_latency hop_overhead batch_scaling throughput utilization energy memory_model multi_gpu report"
 STEPS=${*:-$ALL_STEPS}
 
 die() { echo "gpu-check: $*" >&2; exit 2; }
@@ -106,9 +106,12 @@ run_step() {
 OUTARG=(--out "$RES")
 for step in $STEPS; do
   case $step in
-    tests-ipc)  # two-process CUDA IPC tests and the manager path (tests/test_cuda_ipc.py)
+    tests-ipc)  # tests/test_cuda_ipc.py without the manager path: two processes, one GPU
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider \
-        --junitxml="$LOGS/$step.xml" tests/test_cuda_ipc.py ;;
+        --junitxml="$LOGS/$step.xml" -k "not manager_path and not producer_killed" tests/test_cuda_ipc.py ;;
+    tests-manager)  # blockflow serve + POST /system/update with GPU blocks; kill -9 of a GPU producer
+      run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider \
+        --junitxml="$LOGS/$step.xml" -k "manager_path or producer_killed" tests/test_cuda_ipc.py ;;
     tests-pipeline)  # the data-plane promises with every block on the GPU
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
         --junitxml="$LOGS/$step.xml" tests/test_dataplane.py ;;
