@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 REPO   ?= model_repo
 
-.PHONY: demo test install export bench clean
+.PHONY: demo test install export bench clean gpu-check gpu-wheels
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,18 @@ test: $(STAMP)
 
 bench: export
 	$(VENV)/bin/blockflow bench all --quick
+
+# GPU machine only (offline, its own python3 with torch): the cuda tests and the GPU experiments,
+# each step under 10 minutes; STEPS="tests-ipc hop_overhead" runs some of them. Fails with one
+# line where there is no GPU. Results: experiments/results/<machine>/ (see experiments/gpu_check.sh).
+SHARED ?= /work/shared
+gpu-check:
+	bash experiments/gpu_check.sh $(STEPS)
+
+# On a machine with network, before carrying the checkout (and .whl/) to the GPU machine.
+# (.gitignore already ignores .whl/; the script's own .git/info/exclude edit fails in a worktree.)
+gpu-wheels:
+	sed '/info\/exclude/d' $(SHARED)/gpu/wheelhouse.sh | bash -s -- pytest matplotlib
 
 clean:
 	rm -rf $(VENV) $(REPO) .pytest_cache

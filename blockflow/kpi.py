@@ -49,6 +49,9 @@ def summarize_block(run_dir: str, name: str, skip: int = 0) -> dict:
         vals = [r[key] for r in res if key in r]
         if vals:
             resources[key] = statistics.fmean(vals)
+    why = next((r["vram_unavailable"] for r in res if "vram_unavailable" in r), None)
+    if "vram_mb" not in resources and why:  # say why per-process VRAM is missing (PID namespace)
+        resources["vram_unavailable"] = why
     out["resources"] = resources
     out["samples"] = len(res)
     return out
@@ -71,9 +74,12 @@ def format_table(summaries: list[dict]) -> str:
                     + [fmt(lat["total"]["p99"]), fmt(s["queue"]["mean"]),
                        f"{r['cpu_percent']:.0f}" if "cpu_percent" in r else "-",
                        f"{r['rss_mb']:.0f}" if "rss_mb" in r else "-",
-                       f"{r['vram_mb']:.0f}" if "vram_mb" in r else "-"])
+                       f"{r['vram_mb']:.0f}" if "vram_mb" in r else ("n/a" if "vram_unavailable" in r else "-")])
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
     lines.append("(latency columns: mean milliseconds per inference; thesis eq. 4.1)")
+    why = next((s["resources"]["vram_unavailable"] for s in summaries if "vram_unavailable" in s["resources"]), None)
+    if why:
+        lines.append(f"(vram n/a: {why})")
     return "\n".join(lines)

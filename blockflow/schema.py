@@ -76,12 +76,23 @@ def _name(value, where: str) -> str:
     return value
 
 
+def canonical_device(value: str) -> str:
+    """One spelling per device, so that device strings compare: 'cuda' is 'cuda:0' (and what
+    torch.cuda.set_device needs: it refuses a device without an index); 'cuda:01' is 'cuda:1'."""
+    if value == "cuda":
+        return "cuda:0"
+    if value.startswith("cuda:") and value[5:].isdigit():
+        return f"cuda:{int(value[5:])}"
+    return value
+
+
 def _device(value, where: str, gpus: int) -> str:
     _str(value, where)
     if not _DEVICE_RE.fullmatch(value):
         raise UpdateError(where, f"unknown device {value!r:.40}; use 'cpu', 'cuda' or 'cuda:N'")
+    value = canonical_device(value)
     if value.startswith("cuda"):
-        index = int(value.split(":")[1]) if ":" in value else 0
+        index = int(value.split(":")[1])
         if index >= gpus:
             raise UpdateError(where, f"device {value} is not present on this host "
                                      f"({gpus} GPU{'s' if gpus != 1 else ''} visible)")

@@ -53,7 +53,14 @@ class StandalonePipeline:
                          controller=self.controller.endpoint, parent_pid=os.getpid(), tasks=table, window=window)
             self.procs[DISPATCHER] = subprocess.Popen(
                 [sys.executable, "-m", "blockflow.dispatcher.process", "--spec", json.dumps(dspec)], cwd=ROOT, env=env)
-            self.address = self.controller.wait_ready(identity(DISPATCHER, 0), 120)["endpoint"]
+            ready = self.controller.wait_ready(identity(DISPATCHER, 0), 120)
+            self.address = ready["endpoint"]
+            # the device map, as the manager publishes it: GPU blocks hand GPU blocks CUDA
+            # handles; every other hop (the dispatcher's result addresses too) is a CPU hop
+            live = list(self.endpoints.values()) + list(ready.get("results", []))
+            devices = {self.endpoints[n]: device for n in blocks}
+            for name in [*blocks, DISPATCHER]:
+                self.command(name, "update", {"live": live, "devices": devices}, timeout=15)
         except BaseException:
             self.stop()
             raise

@@ -110,15 +110,19 @@ class Block:
             os.sched_setaffinity(0, spec.cpus)
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        self.device = torch.device(spec.device)
+        from blockflow.schema import canonical_device
+        self.device = torch.device(canonical_device(spec.device))  # set_device refuses a bare "cuda"
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
                 raise BootError(f"block {self.name}: device {spec.device} requested but no GPU is visible")
+            if self.device.index >= torch.cuda.device_count():
+                raise BootError(f"block {self.name}: device {spec.device} requested but only "
+                                f"{torch.cuda.device_count()} GPU(s) are visible")
             torch.cuda.set_device(self.device)
         from .repository import BlockFileError, load_block, verify_block
         try:
             entry = verify_block(spec.repo, spec.model)
-            self.model = load_block(spec.repo, spec.model, spec.device)
+            self.model = load_block(spec.repo, spec.model, str(self.device))
         except BlockFileError as exc:
             raise BootError(f"block {self.name}: {exc}") from None
         if spec.warmup and entry and entry.get("input_shape"):
@@ -260,15 +264,13 @@ class Block:
             self.tensors.put((arrival, arrival_wall, header, frames))
 
     def release_unused(self, header: dict) -> None:
-        """A refused request still holds a slot: open the handle only to release it."""
-        x = header.get("x")
-        if isinstance(x, dict) and x.get("loc") == "shm" and self.transport.mapper is not None:
-            try:
-                from blockflow.tensormq.wire import TensorDesc
-                _t, lease = self.transport.mapper.open(TensorDesc.parse(x))
-                lease.release()
-            except WireError:
-                pass
+        """A refused request still holds a slot (shared memory or CUDA): release it through
+        the slot's header, without mapping the tensor."""
+        try:
+            self.transport.release_handle(header.get("x"))
+        except WireError as exc:
+            log.info("block %s: could not release the slot of refused request %s: %s",
+                     self.name, header.get("rid"), exc)
 
     def receive_control(self) -> None:
         while True:

@@ -121,8 +121,11 @@ class Dispatcher:
             self.ctrl.linger = 0
             self.ctrl.identity = identity(DISPATCHER, spec.incarnation)
             self.ctrl.connect(spec.controller)
+        # the dispatcher is a CPU process: its result addresses are CPU hops (no device map
+        # names them), so the last block sends a host copy, and a CUDA handle sent here anyway
+        # is refused rather than making the clients' entry point create a CUDA context
         self.transport = Transport(self.ctx, f"dispatcher-{spec.incarnation}", spec.transport, spec.shm_dir,
-                                   window=spec.window, max_tensor_bytes=spec.max_tensor_bytes)
+                                   window=spec.window, max_tensor_bytes=spec.max_tensor_bytes, cuda_handles=False)
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> int:

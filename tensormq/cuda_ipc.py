@@ -6,164 +6,298 @@ Opening a CUDA IPC handle costs milliseconds and PyTorch synchronises every send
 than 1000 shares are outstanding, so TensorMQ never shares a tensor per message. Instead each
 producer registers a window of GPU buffers per edge *once* (``_share_cuda_``) and each
 consumer opens each buffer *once* (``_new_shared_cuda``, cached); a message then carries only
-the slot's name, generation, offset and the tensor's dtype/shape/stride.
+the slot's name, generation, offset and the tensor's dtype/shape/stride, exactly as a
+shared-memory handle does.
 
-The slot's state and generation live in a small CPU shared-memory header (``tensormq.shm``),
-so the ownership rules of Note [TensorMQ slot ownership] apply unchanged: the producer owns
-and frees the GPU buffer, the consumer releases the slot after its model ran, a stale or
-forged generation is refused, and ``reclaim`` frees the slots of a dead consumer.
+One pool, two kinds of memory. A CUDA slot is a ``tensormq.shm.Slot`` of kind ``cuda``: its
+file in the instance's shared-memory directory holds the usual header (state, generation:
+Note [TensorMQ slot ownership] applies unchanged) and, in its data area, the producer's
+*share record* instead of the tensor::
 
-Ordering: the producer synchronises its stream after copying into the slot and before the
-handle is sent, so the consumer never reads a half-written slot; the consumer synchronises
-after its model ran (its inference time is measured that way) before it releases the slot,
-so the producer never overwrites memory that is still being read.
+    header (64 B, kind = 1) | share record (RECORD_BYTES)
+    record words (u64):  version | device | size | storage offset | ref-counter offset |
+                         handle length | ref-counter name length
+    then the IPC handle (at HANDLE_AT) and the ref-counter file name (at RC_AT)
 
-Blocks on different GPUs of one host: the producer allocates the edge's slots on the next
-hop's device and copies there (thesis Fig. 3.9), so the handle always names memory on the
-device the consumer runs on.
+``CudaSlotPool`` is ``SlotPool`` (whole window on first use, back-off wait, growth, reclaim)
+with ``CudaSlot`` as its memory. The consumer takes the handle, the storage size and offset
+from this record, never from the message, and checks the handle's length and kind and the
+ref-counter name before torch sees them: a forged message cannot make torch open arbitrary
+memory or decrement a counter in an arbitrary /dev/shm file.
+
+How a tensor crosses each kind of hop (the device map, thesis Algorithm 4, says where the next
+hop runs; a hop it does not name -- the dispatcher's return address -- is a CPU hop):
+
+=========  =========  ==================================================================
+tensor     next hop   what travels
+=========  =========  ==================================================================
+CPU        CPU        shared-memory slot (tensormq/shm.py)
+CPU        GPU        shared-memory slot; the consumer moves it to its device (it would
+                      copy host->device anyway, and the producer needs no CUDA context)
+GPU        CPU        shared-memory slot filled by a device->host copy in the producer
+                      (the consumer, e.g. the dispatcher, never initialises CUDA)
+GPU        GPU        CUDA slot allocated *on the next hop's device* (peer copy when the
+                      producer runs on another GPU, thesis Fig. 3.9)
+view of    any        the input's handle is forwarded when its memory suits the next hop
+input                 (a host slot always does; a CUDA slot only towards its own device)
+=========  =========  ==================================================================
+
+Ordering: the producer synchronises the slot device's stream after copying into the slot and
+before the handle is sent, so the consumer never reads a half-written slot; the consumer
+synchronises after its model ran (its inference time is measured that way) before it
+releases the slot, so the producer never overwrites memory that is still being read.
+
+PyTorch's reference count. ``_share_cuda_`` puts the buffer behind a counter (set to 1) in a
+``/dev/shm/torch_<pid>_<n>`` file; when the producer frees a buffer whose counter is still
+above 0, torch keeps the memory in "limbo" until consumers decrement it. BlockFlow's own slot
+header already says when a slot's memory may be reused, so the producer is the authority:
+``CudaSlot.close()`` gives back the count the share took (``_release_ipc_counter``, as torch's
+``rebuild_cuda_tensor`` does for a storage it already holds) before it drops the buffer. The
+memory then returns to the producer's caching allocator at once, whether the consumer is
+alive, dead (``kill -9``: its decrement never comes) or never opened the slot. A consumer
+that still maps a closed slot never reads it again: its handles went stale with the header.
+
+Multi-GPU: handles name devices by index, so every process of an instance must see the same
+``CUDA_VISIBLE_DEVICES`` (the manager passes its environment to every block).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import time
+import re
 from collections import OrderedDict
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .shm import FREE, IN_FLIGHT, HopGone, Slot, _SEG_RE, SlotMapper, release_slot
+from .shm import HEADER, MAX_MAPPINGS, _SEG_RE, Mapped, Slot, SlotMapper, SlotPool, release_slot, KIND_CUDA
 from .wire import TensorDesc, WireError
 
 log = logging.getLogger(__name__)
 
+#: Bytes of a CUDA slot's share record (the data area of its header file).
+RECORD_BYTES = 512
+RECORD_VERSION = 1
+#: Where the IPC handle and the ref-counter file name start inside the record.
+HANDLE_AT, RC_AT = 64, 256
+MAX_HANDLE, MAX_RC = RC_AT - HANDLE_AT, RECORD_BYTES - RC_AT
+#: A versioned torch handle: version byte, type byte, then cudaIpcMemHandle_t (64 bytes).
+CUDA_IPC_HANDLE_SIZE = 64
+#: Type byte of a plain cudaMalloc block (c10's SHAREABLE_CUDA_MALLOC). The other type, 'e'
+#: (expandable segments), makes the consumer fetch file descriptors from the producer's pid:
+#: slots are never allocated that way, and such a handle is refused.
+HANDLE_TYPE_CUDA_MALLOC = ord("c")
+#: Ref-counter files torch creates: "/torch_<pid>_<random>" (CudaIPCTypes.cpp).
+_RC_RE = re.compile(rb"^/torch_[0-9]{1,10}_[0-9]{1,20}$")
+#: Counters per ref-counter file (torch::CUDA_IPC_REF_COUNTER_FILE_SIZE).
+RC_FILE_SLOTS = 10000
+#: Largest CUDA slot a record may describe (a slot is a power of two above the tensor limit).
+MAX_SLOT_BYTES = 1 << 40
 
-def _round(nbytes: int) -> int:
-    cap = 1 << 16
-    while cap < nbytes:
-        cap <<= 1
-    return cap
+
+@dataclass(frozen=True)
+class ShareRecord:
+    """What ``_share_cuda_`` returned for a slot's buffer; written once by the producer."""
+
+    dev: int
+    handle: bytes
+    size: int
+    soff: int
+    rc: bytes
+    rco: int
+
+    @staticmethod
+    def of(buffer: torch.Tensor) -> "ShareRecord":
+        # (device, handle, size, offset, ref_counter_handle, ref_counter_offset, event_handle, event_sync)
+        shared = buffer.untyped_storage()._share_cuda_()
+        return ShareRecord(int(shared[0]), bytes(shared[1]), int(shared[2]), int(shared[3]),
+                           bytes(shared[4]), int(shared[5]))
+
+    def pack(self) -> bytes:
+        if len(self.handle) > MAX_HANDLE or len(self.rc) > MAX_RC:
+            raise ValueError(f"CUDA share record does not fit: handle {len(self.handle)} B, counter name {len(self.rc)} B")
+        out = bytearray(RECORD_BYTES)
+        out[:56] = np.array([RECORD_VERSION, self.dev, self.size, self.soff, self.rco, len(self.handle), len(self.rc)],
+                            dtype="<u8").tobytes()
+        out[HANDLE_AT:HANDLE_AT + len(self.handle)] = self.handle
+        out[RC_AT:RC_AT + len(self.rc)] = self.rc
+        return bytes(out)
+
+    @staticmethod
+    def unpack(raw: bytes, seg: str) -> "ShareRecord":
+        """Parse and check a record read from a slot file; WireError names what is wrong."""
+        if len(raw) != RECORD_BYTES:
+            raise WireError(f"x.seg {seg}: CUDA share record is {len(raw)} bytes, not {RECORD_BYTES}")
+        version, dev, size, soff, rco, hlen, rclen = (int(v) for v in np.frombuffer(raw[:56], dtype="<u8"))
+        if version != RECORD_VERSION:
+            raise WireError(f"x.seg {seg}: CUDA share record version {version} is not {RECORD_VERSION}")
+        if hlen > MAX_HANDLE or rclen > MAX_RC:
+            raise WireError(f"x.seg {seg}: CUDA share record lengths are out of range")
+        rec = ShareRecord(dev, raw[HANDLE_AT:HANDLE_AT + hlen], size, soff, raw[RC_AT:RC_AT + rclen], rco)
+        rec.check(seg)
+        return rec
+
+    def check(self, seg: str) -> None:
+        check_ipc_handle(self.handle, seg)
+        check_ref_counter(self.rc, self.rco, seg)
+        if not 0 <= self.dev < 64:
+            raise WireError(f"x.seg {seg}: CUDA device {self.dev} is out of range")
+        if not 0 < self.size <= MAX_SLOT_BYTES or self.size % 8:
+            raise WireError(f"x.seg {seg}: CUDA slot size {self.size} is not a valid slot size")
+        if not 0 <= self.soff < MAX_SLOT_BYTES:
+            raise WireError(f"x.seg {seg}: CUDA storage offset {self.soff} is out of range")
 
 
-class CudaSlot:
-    """A GPU buffer shared once through CUDA IPC, with its state in a CPU header slot."""
+def check_ipc_handle(handle, seg: str = "?") -> bytes:
+    """The bytes of a torch CUDA IPC handle of a plain cudaMalloc block, or WireError.
+
+    torch's format (CUDACachingAllocator.cpp): one version byte, one type byte, then the
+    64-byte cudaIpcMemHandle_t. A handle of another length or type never reaches torch."""
+    if not isinstance(handle, (bytes, bytearray)):
+        raise WireError(f"x.seg {seg}: CUDA IPC handle must be bytes, got {type(handle).__name__}")
+    if len(handle) != 2 + CUDA_IPC_HANDLE_SIZE:
+        raise WireError(f"x.seg {seg}: CUDA IPC handle is {len(handle)} bytes, not {2 + CUDA_IPC_HANDLE_SIZE}")
+    if not 1 <= handle[0] <= 32:
+        raise WireError(f"x.seg {seg}: CUDA IPC handle version {handle[0]} is not one torch writes")
+    if handle[1] != HANDLE_TYPE_CUDA_MALLOC:
+        raise WireError(f"x.seg {seg}: CUDA IPC handle type {chr(handle[1])!r} is refused; only plain "
+                        f"cudaMalloc blocks ('c') are shared")
+    return bytes(handle)
+
+
+def check_ref_counter(name, offset, seg: str = "?") -> None:
+    """torch decrements ``*(int64*)(file + 8*offset)`` in the named /dev/shm file: only a
+    torch ref-counter file name and an offset inside it are accepted."""
+    if not isinstance(name, (bytes, bytearray)) or not _RC_RE.fullmatch(bytes(name)):
+        raise WireError(f"x.seg {seg}: {name!r:.60} is not a torch ref-counter file name")
+    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < RC_FILE_SLOTS:
+        raise WireError(f"x.seg {seg}: ref-counter offset {offset!r} is outside [0, {RC_FILE_SLOTS})")
+
+
+def release_ipc_counter(rec: ShareRecord) -> None:
+    """Give back the count ``_share_cuda_`` took, so that freeing the buffer frees its memory
+    instead of parking it in torch's limbo (best effort, like torch: never raises)."""
+    try:
+        torch.UntypedStorage._release_ipc_counter(rec.rc, rec.rco, device=torch.device("cuda", rec.dev))
+    except Exception as exc:  # the counter file is gone (torch is shutting down): nothing to free
+        log.debug("could not release the IPC counter %s[%d]: %s", rec.rc, rec.rco, exc)
+
+
+def init_cuda() -> None:
+    """Initialise CUDA before opening a handle: ``_new_shared_cuda`` in a process that never
+    touched CUDA crashes (torch's own rebuild_cuda_tensor calls _lazy_init() first)."""
+    if not torch.cuda.is_initialized():
+        torch.cuda.init()
+
+
+def _expandable_segments_on() -> bool:
+    conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+@contextlib.contextmanager
+def plain_cuda_malloc():
+    """Allocate with expandable segments off: their IPC handles ('e') need the consumer to
+    take file descriptors from the producer (pidfd_getfd), which containers usually forbid.
+    Torch's Note [Expandable Segments] recommends exactly this for memory shared between processes."""
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None or not _expandable_segments_on():
+        yield
+        return
+    setter("expandable_segments:False")
+    try:
+        yield
+    finally:
+        setter("expandable_segments:True")
+
+
+class CudaSlot(Slot):
+    """A GPU buffer shared once through CUDA IPC; its header file holds state and share record."""
+
+    loc = "cuda"
+    kind = KIND_CUDA
 
     def __init__(self, directory: str, name: str, capacity: int, device: torch.device):
-        self.header = Slot(directory, name, 0)
-        self.name = name
-        self.capacity = capacity
-        self.device = device
-        self.buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
-        shared = self.buffer.untyped_storage()._share_cuda_()
-        # (device, handle, size, offset, ref_counter_handle, ref_counter_offset, event_handle, event_sync)
-        self.share = {
-            "dev": int(shared[0]), "handle": bytes(shared[1]).hex(), "size": int(shared[2]),
-            "soff": int(shared[3]), "rc": bytes(shared[4]).hex(), "rco": int(shared[5]),
-        }
+        super().__init__(directory, name, RECORD_BYTES)
+        try:
+            self.device = device
+            with plain_cuda_malloc():
+                buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
+            self.record = ShareRecord.of(buffer)
+            self.record.check(name)  # what the consumer will check; fails here, loudly, first
+            self.capacity = capacity
+            self.data = buffer
+            record = np.frombuffer(self.mm, dtype=np.uint8, count=RECORD_BYTES, offset=HEADER)
+            record[:] = np.frombuffer(self.record.pack(), dtype=np.uint8)
+            del record
+        except BaseException:
+            rec = getattr(self, "record", None)
+            if rec is not None:
+                release_ipc_counter(rec)
+            Slot.close(self)
+            raise
 
-    @property
-    def state(self) -> int:
-        return self.header.state
-
-    @property
-    def generation(self) -> int:
-        return self.header.generation
-
-    def mark_in_flight(self) -> int:
-        return self.header.mark_in_flight()
-
-    def force_free(self) -> None:
-        self.header.force_free()
-
-    def close(self) -> None:
-        self.header.close()
-        self.buffer = None
-
-
-class CudaSlotPool:
-    """Producer side for CUDA tensors: a window of registered GPU slots per edge."""
-
-    def __init__(self, directory: str, owner: str, window: int):
-        self.directory, self.owner, self.window = directory, owner, window
-        self.edges: dict[str, list[CudaSlot]] = {}
-        self._seq = 0
-
-    def _new(self, capacity: int, device: torch.device) -> CudaSlot:
-        self._seq += 1
-        return CudaSlot(self.directory, f"{self.owner}.{os.getpid()}.c{self._seq}", capacity, device)
-
-    def _try_acquire(self, edge: str, nbytes: int, device: torch.device) -> CudaSlot | None:
-        slots = self.edges.setdefault(edge, [])
-        free = [s for s in slots if s.state == FREE]
-        for s in free:
-            if s.capacity >= nbytes and s.device == device:
-                return s
-        if len(slots) < self.window:
-            slots.append(self._new(_round(nbytes), device))
-            return slots[-1]
-        if free:
-            slots.remove(free[0])
-            free[0].close()
-            slots.append(self._new(_round(nbytes), device))
-            return slots[-1]
-        return None
-
-    def put(self, edge: str, tensor: torch.Tensor, device: torch.device, timeout: float, give_up=None) -> TensorDesc:
-        nbytes = tensor.numel() * tensor.element_size()
-        deadline = time.monotonic() + timeout
-        while True:
-            slot = self._try_acquire(edge, nbytes, device)
-            if slot is not None:
-                break
-            if give_up is not None and give_up():
-                raise HopGone(f"{self.owner}: the next hop {edge} was removed while its CUDA slots were full")
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"{self.owner}: all {self.window} CUDA slots towards {edge} are still in "
-                                   f"flight after {timeout:.1f}s; the next block is not keeping up or is gone")
-            time.sleep(1e-4)
-        slot.mark_in_flight()
-        dst = slot.buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
-        dst.copy_(tensor)  # peer copy when the next hop is on another GPU
-        torch.cuda.current_stream(tensor.device).synchronize()
-        return TensorDesc.of(dst, "cuda", seg=slot.name, gen=slot.generation, off=0, nbytes=nbytes, **slot.share)
-
-    def reclaim(self, edge: str) -> int:
-        slots = self.edges.pop(edge, [])
-        for s in slots:
-            s.force_free()
-            s.close()
-        return len(slots)
-
-    def in_flight(self, edge: str | None = None) -> int:
-        edges = [edge] if edge else list(self.edges)
-        return sum(1 for e in edges for s in self.edges.get(e, []) if s.state == IN_FLIGHT)
+    def fill(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
+        dst = self.data[:nbytes].view(tensor.dtype).view(tensor.shape)
+        dst.copy_(tensor)  # device to device; a peer copy when the tensor is on another GPU
+        torch.cuda.current_stream(self.device).synchronize()
+        if tensor.device != self.device and tensor.device.type == "cuda":
+            torch.cuda.current_stream(tensor.device).synchronize()
+        return dst
 
     def close(self) -> None:
-        for edge in list(self.edges):
-            for s in self.edges.pop(edge):
-                s.close()
+        rec, self.record = getattr(self, "record", None), None
+        if rec is not None:
+            release_ipc_counter(rec)  # before the buffer goes: see "PyTorch's reference count" above
+        super().close()
+
+
+class CudaSlotPool(SlotPool):
+    """``SlotPool`` whose slots live on ``device`` (the next hops' GPU), shared by CUDA IPC."""
+
+    def __init__(self, directory: str, owner: str, window: int, device: str | torch.device):
+        super().__init__(directory, owner, window)
+        self.device = torch.device(device)
+        if self.device.type != "cuda" or self.device.index is None:
+            raise ValueError(f"a CUDA slot pool needs a device with an index ('cuda:N'), got {device!r}")
+
+    def _make_slot(self, name: str, capacity: int) -> CudaSlot:
+        return CudaSlot(self.directory, name, capacity, self.device)
+
+
+def read_record(m: Mapped, seg: str) -> ShareRecord:
+    data = m.data
+    if data is None or data.numel() != RECORD_BYTES:
+        raise WireError(f"x.seg {seg} is not a CUDA slot")
+    return ShareRecord.unpack(data.numpy().tobytes(), seg)
 
 
 class CudaMapper:
     """Consumer side: opens each producer slot once and rebuilds tensors in place."""
 
-    def __init__(self, directory: str, max_mappings: int = 256):
+    def __init__(self, directory: str, max_mappings: int = MAX_MAPPINGS):
         self.headers = SlotMapper(directory, max_mappings)
         self.storages: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.max_mappings = max_mappings
 
-    def _storage(self, seg: str, f: dict) -> torch.Tensor:
+    def _storage(self, seg: str, m: Mapped) -> torch.Tensor:
         buf = self.storages.get(seg)
         if buf is not None:
             self.storages.move_to_end(seg)
             return buf
+        rec = read_record(m, seg)
+        init_cuda()
+        if rec.dev >= torch.cuda.device_count():
+            raise WireError(f"x.seg {seg} is on cuda:{rec.dev}, which this process does not see "
+                            f"({torch.cuda.device_count()} visible); every process needs the same CUDA_VISIBLE_DEVICES")
         try:
-            dev = int(f["dev"])
-            storage = torch.UntypedStorage._new_shared_cuda(
-                dev, bytes.fromhex(f["handle"]), int(f["size"]), int(f["soff"]),
-                bytes.fromhex(f["rc"]), int(f["rco"]), b"", False)
-        except (KeyError, ValueError, TypeError, RuntimeError) as exc:
-            raise WireError(f"x: CUDA IPC handle for {seg} cannot be opened ({exc})") from None
-        buf = torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}").set_(storage)
+            storage = torch.UntypedStorage._new_shared_cuda(rec.dev, rec.handle, rec.size, rec.soff,
+                                                            rec.rc, rec.rco, b"", False)
+        except RuntimeError as exc:
+            raise WireError(f"x: CUDA IPC handle of {seg} cannot be opened ({str(exc).strip()[:200]})") from None
+        buf = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", rec.dev)).set_(storage)
         self.storages[seg] = buf
         while len(self.storages) > self.max_mappings:
             self.storages.popitem(last=False)
@@ -171,31 +305,35 @@ class CudaMapper:
 
     def open(self, desc: TensorDesc):
         f = desc.fields
-        seg = f.get("seg")
+        seg, gen, off, nbytes = f.get("seg"), f.get("gen"), f.get("off"), f.get("nbytes")
         if not isinstance(seg, str) or not _SEG_RE.fullmatch(seg):
             raise WireError("x.seg must be a slot name")
-        gen = f.get("gen")
-        if not isinstance(gen, int) or isinstance(gen, bool) or gen < 0:
-            raise WireError("x.gen must be a non-negative integer")
+        for key, val in (("gen", gen), ("off", off), ("nbytes", nbytes)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise WireError(f"x.{key} must be a non-negative integer")
         header = self.headers._open(seg)
+        SlotMapper.check_kind(header, seg, "cuda")
         SlotMapper.check_in_flight(header, seg, gen)
-        buf = self._storage(seg, f)
-        off = f.get("off")
-        if not isinstance(off, int) or off < 0 or off % desc.itemsize or off + desc.span_bytes() > buf.numel():
-            raise WireError(f"x.off/x.shape describe memory outside CUDA slot {seg}")
+        buf = self._storage(seg, header)
+        span = desc.span_bytes()
+        if off % desc.itemsize or off + max(nbytes, span) > buf.numel() or span > nbytes:
+            raise WireError(f"x.off/x.nbytes/x.shape describe memory outside CUDA slot {seg}")
         tensor = torch.as_strided(buf.view(desc.dtype), desc.shape, desc.stride, off // desc.itemsize)
-        return tensor, CudaLease(header, seg, gen, buf, f)
+        return tensor, CudaLease(header, seg, gen, buf)
 
     def close(self) -> None:
-        self.storages.clear()
+        self.storages.clear()  # each storage gives its IPC count back to its producer
         self.headers.close()
 
 
 class CudaLease:
-    __slots__ = ("mapped", "seg", "gen", "buf", "fields", "released")
+    """The right (and duty) to release one in-flight CUDA slot."""
 
-    def __init__(self, mapped, seg, gen, buf, fields):
-        self.mapped, self.seg, self.gen, self.buf, self.fields = mapped, seg, gen, buf, fields
+    __slots__ = ("mapped", "seg", "gen", "buf", "released")
+    loc = "cuda"
+
+    def __init__(self, mapped: Mapped, seg: str, gen: int, buf: torch.Tensor):
+        self.mapped, self.seg, self.gen, self.buf = mapped, seg, gen, buf
         self.released = False
 
     def contains(self, tensor: torch.Tensor) -> bool:
@@ -205,11 +343,11 @@ class CudaLease:
         return base <= ptr and ptr + TensorDesc.of(tensor, "cuda").span_bytes() <= base + self.buf.numel()
 
     def forward_desc(self, tensor: torch.Tensor) -> TensorDesc:
+        """Handle for a view of this slot; the release duty moves to whoever receives it."""
         self.released = True
-        share = {k: self.fields[k] for k in ("dev", "handle", "size", "soff", "rc", "rco")}
+        span = TensorDesc.of(tensor, "cuda").span_bytes()
         return TensorDesc.of(tensor, "cuda", seg=self.seg, gen=self.gen,
-                             off=tensor.data_ptr() - self.buf.data_ptr(),
-                             nbytes=TensorDesc.of(tensor, "cuda").span_bytes(), **share)
+                             off=tensor.data_ptr() - self.buf.data_ptr(), nbytes=span)
 
     def release(self) -> None:
         if self.released:

@@ -5,11 +5,16 @@ Note [TensorMQ slot ownership]
 Every producer (a block or the dispatcher) owns a *pool* of slots per outgoing edge. A slot
 is one file in the instance's private shared-memory directory (``0700``, under /dev/shm)::
 
-    +---------+----------+------------+----------+---- ... padding ----+------------------+
-    | magic   | capacity | generation | released |                     | data (capacity)  |
-    | u64     | u64      | u64        | u64      |                     |                  |
-    +---------+----------+------------+----------+---------------------+------------------+
-    0         8          16           24         32                    64
+    +---------+----------+------------+----------+--------+-- padding --+------------------+
+    | magic   | capacity | generation | released | kind   |             | data (capacity)  |
+    | u64     | u64      | u64        | u64      | u64    |             |                  |
+    +---------+----------+------------+----------+--------+-------------+------------------+
+    0         8          16           24         32       40            64
+
+    kind       0: the data area holds the tensor (host memory, handles with loc "shm");
+               1: the tensor lives on a GPU and the data area holds the producer's CUDA IPC
+               share record (handles with loc "cuda", see Note [CUDA IPC slots]). A mapper
+               refuses a handle whose loc does not match the slot's kind.
 
     FREE       released == generation
     IN_FLIGHT  released <  generation: the producer acquired it (generation += 1) and the
@@ -43,6 +48,10 @@ is one file in the instance's private shared-memory directory (``0700``, under /
   invalidates any handle still queued towards the dead consumer, and frees the slots.
 - If the whole server is killed, the directory is removed by the next ``blockflow serve``
   (see manager/state.py).
+- Error paths: a slot acquired by ``put`` whose copy fails is given back at once (no handle
+  left the process). A message whose handle was never sent, or a request a block refused,
+  releases its slot through the header alone (``release_handle``): neither needs to map the
+  data, which for a CUDA slot would mean opening one's own IPC handle (CUDA refuses that).
 """
 from __future__ import annotations
 
@@ -72,7 +81,10 @@ class HopGone(ConnectionError):
 HEADER = 64
 FREE, IN_FLIGHT = 0, 1
 #: Header words (uint64, little-endian, 8-byte aligned at the start of a page).
-W_MAGIC, W_CAPACITY, W_GENERATION, W_RELEASED = 0, 1, 2, 3
+W_MAGIC, W_CAPACITY, W_GENERATION, W_RELEASED, W_KIND = 0, 1, 2, 3, 4
+#: What a slot's data area holds (header word W_KIND); the handle's ``loc`` must match.
+KIND_HOST, KIND_CUDA = 0, 1
+KIND_OF_LOC = {"shm": KIND_HOST, "cuda": KIND_CUDA}
 _SEG_RE = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
 
 #: Slots a producer keeps in flight per edge before it waits (back-pressure).
@@ -108,6 +120,10 @@ def _map_file(path: str, size: int, create: bool) -> mmap.mmap:
 class Slot:
     """One producer-owned slot: a mapped file and a uint8 tensor over its data area."""
 
+    #: the ``loc`` of the handles this kind of slot travels as
+    loc = "shm"
+    kind = KIND_HOST
+
     def __init__(self, directory: str, name: str, capacity: int):
         self.name = name
         self.path = os.path.join(directory, name)
@@ -115,6 +131,7 @@ class Slot:
         self.mm = _map_file(self.path, HEADER + capacity, create=True)
         self.hdr = _header(self.mm)
         self.hdr[W_CAPACITY] = capacity  # the file is zero-filled: generation == released == 0, FREE
+        self.hdr[W_KIND] = self.kind
         self.hdr[W_MAGIC] = MAGIC  # last: a mapper accepts the slot only once it is complete
         if capacity:
             self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=HEADER, count=capacity)
@@ -131,6 +148,20 @@ class Slot:
         self.generation += 1
         self.hdr[W_GENERATION] = self.generation
         return self.generation
+
+    def give_back(self, gen: int) -> bool:
+        """Free generation ``gen`` of this slot, acquired here and never handed to anyone (the
+        copy into it failed, or the message naming it could not be sent). True if it was."""
+        if self.hdr is None or gen != self.generation or int(self.hdr[W_RELEASED]) == gen:
+            return False
+        self.hdr[W_RELEASED] = gen
+        return True
+
+    def fill(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """Copy ``tensor`` into the data area; returns the view that the handle describes."""
+        dst = self.data[:nbytes].view(tensor.dtype).view(tensor.shape)
+        dst.copy_(tensor)  # a CUDA tensor is copied to the host here (GPU -> CPU hop)
+        return dst
 
     def force_free(self) -> None:
         """Invalidate every outstanding handle (new generation) and free the slot. Only for a
@@ -168,7 +199,11 @@ class SlotPool:
 
     def _new_slot(self, capacity: int) -> Slot:
         self._seq += 1
-        return Slot(self.directory, f"{self.owner}.{os.getpid()}.{self._seq}", capacity)
+        return self._make_slot(f"{self.owner}.{os.getpid()}.{self._seq}", capacity)
+
+    def _make_slot(self, name: str, capacity: int) -> Slot:
+        """The kind of memory this pool hands out; tensormq.cuda_ipc.CudaSlotPool overrides it."""
+        return Slot(self.directory, name, capacity)
 
     def _try_acquire(self, edge: str, nbytes: int) -> Slot | None:
         slots = self.edges.setdefault(edge, [])
@@ -215,11 +250,24 @@ class SlotPool:
 
     def put(self, edge: str, tensor: torch.Tensor, timeout: float, give_up=None) -> TensorDesc:
         """Copy ``tensor`` into a slot on ``edge`` and return the handle that travels."""
+        dtype_name(tensor.dtype)  # refuse what cannot travel before a slot is taken
         nbytes = tensor.numel() * tensor.element_size()
         slot = self.acquire(edge, nbytes, timeout, give_up)
-        dst = slot.data[:nbytes].view(tensor.dtype).view(tensor.shape)
-        dst.copy_(tensor)
-        return TensorDesc.of(dst, "shm", seg=slot.name, gen=slot.generation, off=0, nbytes=nbytes)
+        gen = slot.generation
+        try:
+            dst = slot.fill(tensor, nbytes)
+            return TensorDesc.of(dst, slot.loc, seg=slot.name, gen=gen, off=0, nbytes=nbytes)
+        except BaseException:
+            slot.give_back(gen)  # no handle left this process: the slot is ours to free
+            raise
+
+    def slot_named(self, seg: str) -> Slot | None:
+        """The slot of this pool called ``seg`` (None: not one of ours, or closed)."""
+        for slots in self.edges.values():
+            for s in slots:
+                if s.name == seg:
+                    return s
+        return None
 
     def in_flight(self, edge: str | None = None) -> int:
         edges = [edge] if edge else list(self.edges)
@@ -293,6 +341,30 @@ class SlotMapper:
             old.drop()
         return m
 
+    def release(self, seg, gen) -> bool:
+        """Release generation ``gen`` of slot ``seg`` through its header alone (the data is
+        never mapped as a tensor, whatever its kind). True if the slot was freed."""
+        if not isinstance(seg, str) or not _SEG_RE.fullmatch(seg):
+            raise WireError("x.seg must be a slot name")
+        if not isinstance(gen, int) or isinstance(gen, bool) or gen < 0:
+            raise WireError("x.gen must be a non-negative integer")
+        m = self._open(seg)
+        hdr = _header(m.mm)
+        freed = int(hdr[W_GENERATION]) == gen and int(hdr[W_RELEASED]) != gen
+        del hdr
+        if freed:
+            release_slot(m, gen)
+        return freed
+
+    @staticmethod
+    def check_kind(m: Mapped, seg: str, loc: str) -> None:
+        """Refuse a handle whose loc does not match what the slot's data area holds."""
+        hdr = _header(m.mm)
+        kind = int(hdr[W_KIND])
+        del hdr
+        if kind != KIND_OF_LOC.get(loc):
+            raise WireError(f"x.seg {seg} is not a {loc} slot; handle refused")
+
     @staticmethod
     def check_in_flight(m: Mapped, seg: str, gen: int) -> None:
         """Refuse a handle whose generation is not the one the slot is in flight with."""
@@ -315,6 +387,7 @@ class SlotMapper:
             if not isinstance(val, int) or isinstance(val, bool) or val < 0:
                 raise WireError(f"x.{key} must be a non-negative integer")
         m = self._open(seg)
+        self.check_kind(m, seg, "shm")
         self.check_in_flight(m, seg, gen)
         cap = m.data.numel()
         if off % desc.itemsize or off + max(nbytes, desc.span_bytes()) > cap or desc.span_bytes() > nbytes:

@@ -3,8 +3,9 @@
 ``zeromq``   the thesis baseline: the tensor's bytes travel in frame 1 (``copy=False``); a
              CUDA tensor is copied to the host before sending and back after receiving.
 ``tensormq`` handles instead of bytes to hops on this host: shared-memory slots for CPU
-             tensors (tensormq/shm.py), CUDA IPC slots for GPU tensors (tensormq/cuda_ipc.py).
-             A hop that leaves the host always carries bytes.
+             tensors and for any tensor towards a CPU hop (tensormq/shm.py), CUDA IPC
+             slots for GPU tensors towards GPU hops (tensormq/cuda_ipc.py; its Note [CUDA
+             IPC slots] has the table of hops). A hop that leaves the host carries bytes.
 
 The receiving side does not need to know the sender's mode: the descriptor's ``loc`` says
 how to rebuild the tensor. ``Transport`` is owned by one thread (ZeroMQ sockets are not
@@ -21,6 +22,7 @@ import torch
 import zmq
 
 from .shm import DEFAULT_WINDOW, HopGone, SlotMapper, SlotPool
+from blockflow.schema import canonical_device
 from .wire import MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, is_local
 from blockflow import settings
 
@@ -77,7 +79,7 @@ class Transport:
 
     def __init__(self, ctx: zmq.Context, owner: str, mode: str = "tensormq", shm_dir: str | None = None,
                  window: int = DEFAULT_WINDOW, send_timeout: float = DEFAULT_SEND_TIMEOUT,
-                 max_tensor_bytes: int = MAX_TENSOR_BYTES):
+                 max_tensor_bytes: int = MAX_TENSOR_BYTES, cuda_handles: bool = True):
         if mode not in MODES:
             raise ValueError(f"transport must be one of {MODES}, got {mode!r}")
         if mode == "tensormq" and not shm_dir:
@@ -90,8 +92,11 @@ class Transport:
         self.devices: dict[str, str] = {}  # next hop address -> device it runs on (Algorithm 4)
         self.pool = SlotPool(shm_dir, owner, window) if shm_dir else None
         self.mapper = SlotMapper(shm_dir) if shm_dir else None
-        self._cuda_pool = None
+        self._cuda_pools: dict[str, SlotPool] = {}  # device of the next hops -> CUDA slots there
         self._cuda_mapper = None
+        #: False in processes that never run a model on a GPU (the dispatcher): a CUDA handle
+        #: sent to them is refused instead of costing them a CUDA context
+        self.cuda_handles = cuda_handles
         #: hops a topology update removed, set by whichever thread hears of it first (mark_live)
         #: so that a wait for a dead consumer's slots or socket ends at once; see abandoned()
         self._gone: frozenset[str] = frozenset()
@@ -116,6 +121,8 @@ class Transport:
 
     def cuda_mapper(self):
         if self._cuda_mapper is None:
+            if not self.cuda_handles:
+                raise WireError(f"x.loc is cuda but {self.owner} runs on the CPU; CUDA handles are refused")
             if not torch.cuda.is_available():
                 raise WireError("x.loc is cuda but this process has no GPU")
             from .cuda_ipc import CudaMapper
@@ -134,18 +141,32 @@ class Transport:
                 tensor = tensor.clone()  # ZeroMQ reads the bytes later; the slot is released now
             desc, payload = encode_bytes(tensor)
             return desc.to_json(), payload
-        if lease is not None and lease.contains(tensor):
+        target = self.hop_device(address)
+        if lease is not None and lease.contains(tensor) and (getattr(lease, "loc", "shm") == "shm"
+                                                             or target == str(tensor.device)):
             return lease.forward_desc(tensor).to_json(), None
         timeout = self.send_timeout if timeout is None else timeout
-        target = self.devices.get(address, str(tensor.device))
-        if tensor.device.type == "cuda" or target.startswith("cuda"):
-            if self._cuda_pool is None:
-                from .cuda_ipc import CudaSlotPool
-                self._cuda_pool = CudaSlotPool(self.shm_dir, self.owner, self.window)
-            dev = torch.device(target if target.startswith("cuda") else tensor.device)
-            return self._cuda_pool.put(address, tensor.detach(), dev, timeout,
-                                       lambda: self.abandoned(address)).to_json(), None
-        return self.pool.put(address, tensor.detach(), timeout, lambda: self.abandoned(address)).to_json(), None
+        give_up = lambda: self.abandoned(address)  # noqa: E731
+        if tensor.device.type == "cuda" and target.startswith("cuda"):
+            return self.cuda_pool(target).put(address, tensor.detach(), timeout, give_up).to_json(), None
+        # a CPU tensor to any hop (a GPU consumer moves it), or a GPU tensor to a CPU hop (copied to the host)
+        return self.pool.put(address, tensor.detach(), timeout, give_up).to_json(), None
+
+    def hop_device(self, address: str) -> str:
+        """The device the next hop runs on, from the device map; a hop the map does not name
+        (the dispatcher's return address, any hop before the first update) is a CPU hop:
+        shared memory works for every consumer, a CUDA handle only for one on a GPU."""
+        return self.devices.get(address, "cpu")
+
+    def cuda_pool(self, device: str) -> SlotPool:
+        pool = self._cuda_pools.get(device)
+        if pool is None:
+            from .cuda_ipc import CudaSlotPool
+            pool = self._cuda_pools[device] = CudaSlotPool(self.shm_dir, self.owner, self.window, device)
+        return pool
+
+    def pools(self) -> list[SlotPool]:
+        return [p for p in (self.pool, *self._cuda_pools.values()) if p is not None]
 
     def socket(self, address: str) -> zmq.Socket:
         """The PUSH socket to ``address``, opened on first use (thesis Algorithm 3)."""
@@ -190,11 +211,22 @@ class Transport:
         """Give back the slot that the descriptor of a message never sent names: one of ours,
         or the input's when its handle was being forwarded. Nobody else holds it."""
         try:
-            if isinstance(x, dict) and x.get("loc") in ("shm", "cuda"):
-                _t, lease = self.decode(x, [None])
-                lease.release()
+            self.release_handle(x)
         except WireError as exc:
             log.warning("%s: could not give back the slot of an unsent message: %s", self.owner, exc)
+
+    def release_handle(self, x) -> bool:
+        """Release the slot a handle names through the slot's header alone, never mapping its
+        memory: the handle of a message never sent (our own slot: opening one's own CUDA IPC
+        handle fails) or of a request refused unread. True if a slot was freed."""
+        if not isinstance(x, dict) or x.get("loc") not in ("shm", "cuda") or self.mapper is None:
+            return False
+        seg, gen = x.get("seg"), x.get("gen")
+        for pool in self.pools():
+            slot = pool.slot_named(seg) if isinstance(seg, str) else None
+            if slot is not None:
+                return isinstance(gen, int) and not isinstance(gen, bool) and slot.give_back(gen)
+        return self.mapper.release(seg, gen)
 
     def _limit_unlisted(self, address: str) -> None:
         unlisted = [a for a in self.pushers if self.listed is None or a not in self.listed]
@@ -210,10 +242,8 @@ class Transport:
         sock = self.pushers.pop(address, None)
         if sock is not None:
             sock.close(linger=0)
-        if self.pool is not None:
-            self.pool.reclaim(address)
-        if self._cuda_pool is not None:
-            self._cuda_pool.reclaim(address)
+        for pool in self.pools():
+            pool.reclaim(address)
 
     # -- topology ----------------------------------------------------------------------------
     def abandoned(self, address: str) -> bool:
@@ -225,8 +255,7 @@ class Transport:
         live_set = set(live)
         for _ in range(10):  # the owning thread may add an edge while we look
             try:
-                known = set(self.pushers) | set(self.pool.edges if self.pool else ())
-                known |= set(self._cuda_pool.edges if self._cuda_pool else ())
+                known = set(self.pushers).union(*(p.edges for p in self.pools()))
                 break
             except RuntimeError:
                 continue
@@ -240,23 +269,21 @@ class Transport:
         live_set = set(live)
         self.listed = frozenset(live_set)
         self._gone = frozenset(a for a in self._gone if a not in live_set)
-        if devices is not None:
-            self.devices = dict(devices)
-        known = set(self.pushers) | set(self.pool.edges if self.pool else ())
-        known |= set(self._cuda_pool.edges if self._cuda_pool else ())
+        if devices is not None:  # one spelling per device ('cuda' is 'cuda:0'), so that they compare
+            self.devices = {addr: canonical_device(dev) for addr, dev in devices.items()}
+        known = set(self.pushers).union(*(p.edges for p in self.pools()))
         gone = [a for a in known if a not in live_set]
         for addr in gone:
             self.drop_hop(addr)
         return gone
 
     def in_flight(self) -> int:
-        n = self.pool.in_flight() if self.pool else 0
-        return n + (self._cuda_pool.in_flight() if self._cuda_pool else 0)
+        return sum(p.in_flight() for p in self.pools())
 
     def close(self) -> None:
         for sock in self.pushers.values():
             sock.close(linger=0)
         self.pushers.clear()
-        for part in (self.pool, self._cuda_pool, self.mapper, self._cuda_mapper):
+        for part in (*self.pools(), self.mapper, self._cuda_mapper):
             if part is not None:
                 part.close()
