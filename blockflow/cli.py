@@ -25,12 +25,30 @@ def _export(args) -> int:
     return 0
 
 
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _serve(args) -> int:
     from .server import serve
     token = args.token or settings.TOKEN
+    exposed = [f"--{opt} {host}" for opt, host in (("host", args.host), ("dispatcher-host", args.dispatcher_host))
+               if not is_loopback(host)]
+    if exposed and not token and not args.insecure_no_token:
+        print(f"blockflow serve: refusing to listen on {' and '.join(exposed)} without a token: anyone who can reach "
+              "it could deploy models and send requests. Give --token (or BLOCKFLOW_TOKEN), or pass "
+              "--insecure-no-token if the network is trusted.", file=sys.stderr)
+        return 2
+    if exposed and not token:
+        logging.getLogger("blockflow.server").warning(
+            "serving WITHOUT a token on %s (--insecure-no-token)", " and ".join(exposed))
     serve(host=args.host, port=args.port, dispatcher_host=args.dispatcher_host, dispatcher_port=args.dispatcher_port,
           repo=args.repo, state_dir=args.state_dir, token=token, ready_file=args.ready_file, window=args.window,
-          quiet=args.quiet)
+          quiet=args.quiet, restore=not args.fresh)
     return 0
 
 
@@ -47,8 +65,12 @@ def _update(args) -> int:
 
 
 def _status(args) -> int:
-    from .restclient import call
-    print(json.dumps(call("GET", f"{args.url}/system"), indent=2))
+    from .restclient import RestError, call
+    try:
+        print(json.dumps(call("GET", f"{args.url}/system", token=args.token), indent=2))
+    except RestError as exc:
+        print(json.dumps(exc.body, indent=2), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -63,13 +85,18 @@ def _load(args) -> int:
 
 
 def _kpi(args) -> int:
-    from .kpi import blocks_in, format_table, summarize_block
+    from .kpi import blocks_in, format_table, summarize_block, without_records
     names = blocks_in(args.run_dir)
     if not names:
         print(f"no KPI logs (*.latency.jsonl) in {args.run_dir}", file=sys.stderr)
         return 1
     summaries = [summarize_block(args.run_dir, n, skip=args.skip) for n in names]
     print(json.dumps(summaries, indent=2) if args.json else format_table(summaries))
+    empty = without_records(summaries)
+    if empty:
+        print(f"no records yet from block(s) {', '.join(empty)}: they have served no request, or served "
+              f"them less than {settings.KPI_FLUSH_INTERVAL:g} s ago (records are written at least that often)",
+              file=sys.stderr)
     return 0
 
 
@@ -141,8 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repo", default="model_repo", help="model repository (default: model_repo)")
     s.add_argument("--state-dir", help="sockets, state and KPI runs (default: a private dir under "
                                        "$XDG_RUNTIME_DIR or the temp dir)")
-    s.add_argument("--token", help="require this bearer token for mutating REST calls and from clients "
-                                   "(or set BLOCKFLOW_TOKEN)")
+    s.add_argument("--token", help="require this bearer token for every REST call but /health/live and "
+                                   "/health/ready, and from clients (or set BLOCKFLOW_TOKEN)")
+    s.add_argument("--insecure-no-token", action="store_true",
+                   help="allow --host/--dispatcher-host other than loopback without a token (trusted networks only)")
+    s.add_argument("--fresh", action="store_true",
+                   help="start with no blocks; by default the last update recorded in the state dir's state.json "
+                        "is applied again (after a crash or a restart)")
     s.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
     s.add_argument("--window", type=int, default=8, help="TensorMQ slots in flight per edge (default 8)")
     s.add_argument("--quiet", action="store_true", help="no CherryPy access log on screen")
@@ -156,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="print GET /system of a running server")
     st.add_argument("--url", default="http://127.0.0.1:8080")
+    st.add_argument("--token", default=settings.TOKEN, help="the server's token (or BLOCKFLOW_TOKEN)")
     st.set_defaults(fn=_status)
 
     ld = sub.add_parser("load", help="generate load for a task (synchronous clients or Poisson arrivals)")

@@ -86,7 +86,7 @@ def run_demo(repo: str = "model_repo", config: str | None = None, requests: int 
         names = [b["name"] for b in system["blocks"]]
         summaries = []
         for n in names:
-            summaries.append(call("GET", f"{info['rest']}/blocks/{n}/kpi"))
+            summaries.append(call("POST", f"{info['rest']}/blocks/{n}/kpi"))
         print(format_table(summaries))
         print(f"KPI logs: {system['run_dir']} (read them again with `blockflow kpi {system['run_dir']}`)")
     finally:

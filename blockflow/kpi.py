@@ -57,6 +57,11 @@ def summarize_block(run_dir: str, name: str, skip: int = 0) -> dict:
     return out
 
 
+def without_records(summaries: list[dict]) -> list[str]:
+    """Blocks whose log exists (they started) but holds no inference yet."""
+    return [s["name"] for s in summaries if not s["count"]]
+
+
 def blocks_in(run_dir: str) -> list[str]:
     names = {os.path.basename(p).split(".")[0] for p in glob.glob(os.path.join(run_dir, "*.jsonl"))}
     return sorted(names)

@@ -50,6 +50,7 @@ class ErrorCode(str, enum.Enum):
     UNAVAILABLE = "unavailable"        #: the system cannot serve now (e.g. restarting)
     SHUTDOWN = "shutdown"              #: the server is stopping
     DISCONNECTED = "disconnected"      #: the client lost its connection; the request may have run
+    NO_SHARED_MEMORY = "no_shared_memory"  #: slot memory could not be reserved (shared memory is full)
 
     def __str__(self) -> str:
         return self.value

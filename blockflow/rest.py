@@ -7,12 +7,14 @@
     GET    /blocks/{name}             one block
     DELETE /blocks/{name}             stop a block no task uses (409 otherwise)
     GET    /blocks/{name}/ping        round trip through the control channel
-    GET    /blocks/{name}/kpi         latency components and resource means from its KPI logs
+    POST   /blocks/{name}/kpi         write out its KPI logs, then their latency components and
+                                      resource means (a POST: it changes files; GET answers 405)
     POST   /blocks/{name}/monitor     {"enabled": true|false}
     GET    /health/live               the server answers
     GET    /health/ready              the dispatcher and every block are ready (503 otherwise)
 
-With a token configured, every POST and DELETE needs ``Authorization: Bearer <token>``.
+With a token configured, every call but ``GET /health/live`` and ``GET /health/ready`` needs
+``Authorization: Bearer <token>``: reads too, since they show pids, paths and the state dir.
 """
 from __future__ import annotations
 
@@ -87,9 +89,17 @@ def no_params(params: dict) -> None:
         fail(400, f"unexpected query parameter(s): {', '.join(sorted(params))}", field=sorted(params)[0])
 
 
+#: What a load balancer or orchestrator probes without a token; they reveal only up/ready.
+OPEN_PATHS = ("/health/live", "/health/ready")
+
+
+def token_required() -> bool:
+    return bool(cherrypy.request.app.config.get("blockflow", {}).get("token"))
+
+
 def check_token():
     token = cherrypy.request.app.config.get("blockflow", {}).get("token")
-    if token and cherrypy.request.method in ("POST", "PUT", "PATCH", "DELETE"):
+    if token and cherrypy.request.path_info.rstrip("/") not in OPEN_PATHS:
         auth = cherrypy.request.headers.get("Authorization", "")
         # compared as bytes: compare_digest raises TypeError (a 500) on a non-ASCII header value
         if not auth.startswith("Bearer ") or not hmac.compare_digest(auth[7:].strip().encode(), token.encode()):
@@ -155,13 +165,13 @@ class BlockAction:
         name = block_name()
         no_params(params)
         self._child(name)
+        if self.action == "kpi":
+            cherrypy.response.headers["Allow"] = "POST"
+            fail(405, f"GET is not allowed on /blocks/{name}/kpi: it writes the block's KPI logs out, so it is "
+                      f"a POST (no body): POST /blocks/{name}/kpi", allow="POST")
         try:
             if self.action == "ping":
                 return self.manager.ping(name)
-            if self.action == "kpi":
-                from blockflow.kpi import summarize_block
-                self.manager.command(name, "store")
-                return summarize_block(self.manager.state.run_dir, name)
         except Conflict as exc:
             fail(409, str(exc))
         except TimeoutError as exc:
@@ -173,6 +183,15 @@ class BlockAction:
         name = block_name()
         no_params(params)
         self._child(name)
+        if self.action == "kpi":
+            from blockflow.kpi import summarize_block
+            try:
+                self.manager.command(name, "store")
+            except Conflict as exc:
+                fail(409, str(exc))
+            except TimeoutError as exc:
+                fail(504, str(exc))
+            return summarize_block(self.manager.state.run_dir, name)
         if self.action != "monitor":
             fail(405, f"POST is not allowed on /blocks/{name}/{self.action}")
         body = read_json()
@@ -247,7 +266,9 @@ class Health:
         no_params(params)
         what = getattr(cherrypy.request, "blockflow_health", "live")
         if what == "ready" and not self.manager.ready():
-            fail(503, "not ready: the dispatcher or a block is not running", system=self.manager.snapshot())
+            # open without a token: the details (pids, paths) only where no token guards them
+            details = {} if token_required() else {"system": self.manager.snapshot()}
+            fail(503, "not ready: the dispatcher or a block is not running", **details)
         return {"status": "ok", "version": self.manager.version}
 
 

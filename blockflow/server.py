@@ -3,6 +3,10 @@
 CherryPy's engine bus drives the life-cycle: ``ManagerPlugin.start`` runs before the HTTP
 server accepts requests, ``stop`` after it stopped accepting them. SIGTERM and Ctrl-C go
 through the bus too, so both shut everything down in the manager's documented order.
+
+A server started on a state directory whose state.json records an update (its predecessor
+crashed, was killed or was restarted) applies that update again before it accepts requests,
+so clients are served without the optimiser posting it again; ``--fresh`` starts empty.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import os
 import cherrypy
 from cherrypy.process import plugins
 
-from blockflow.manager.manager import Manager
+from blockflow.manager.manager import Manager, UpdateFailed
+from blockflow.schema import UpdateError
 from blockflow.manager.state import StateDir
 
 from .rest import Root, app_config
@@ -24,13 +29,29 @@ log = logging.getLogger("blockflow.server")
 class ManagerPlugin(plugins.SimplePlugin):
     """Owns the manager on CherryPy's engine bus."""
 
-    def __init__(self, bus, manager: Manager, ready_file: str | None, rest_url: str):
+    def __init__(self, bus, manager: Manager, ready_file: str | None, rest_url: str, restore: bool = True):
         super().__init__(bus)
         self.manager, self.ready_file, self.rest_url = manager, ready_file, rest_url
+        self.restore = restore
 
     def start(self):
         self.bus.log("starting the BlockFlow manager")
+        previous = self.manager.state.load() if self.restore else {}  # read before start() rewrites it
         self.manager.start()
+        if previous.get("update"):
+            self.restore_update(previous)
+
+    def restore_update(self, previous: dict) -> None:
+        """Apply the update the previous server on this state directory was serving."""
+        log.info("re-applying the last update (version %s) recorded in %s; start with --fresh to start empty",
+                 previous.get("version"), self.manager.state.state_file)
+        try:
+            result = self.manager.apply(previous["update"])
+        except (UpdateError, UpdateFailed) as exc:
+            log.error("could not re-apply the recorded update (%s); serving with no blocks until an update "
+                      "is posted", exc)
+            return
+        log.info("re-applied the recorded update: blocks %s", ", ".join(result["diff"]["spawned"]) or "none")
 
     start.priority = 40  # before the HTTP server (75): nobody can POST to a manager that is not up
 
@@ -46,7 +67,8 @@ class ManagerPlugin(plugins.SimplePlugin):
 
 def serve(host: str = "127.0.0.1", port: int = 8080, dispatcher_host: str = "127.0.0.1",
           dispatcher_port: int = 5580, repo: str = "model_repo", state_dir: str | None = None,
-          token: str | None = None, ready_file: str | None = None, window: int = 8, quiet: bool = False) -> None:
+          token: str | None = None, ready_file: str | None = None, window: int = 8, quiet: bool = False,
+          restore: bool = True) -> None:
     state = StateDir(state_dir)
     manager = Manager(repo, state, f"tcp://{dispatcher_host}:{dispatcher_port}", token=token, window=window)
     cherrypy.config.update({
@@ -68,7 +90,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, dispatcher_host: str = "127
     for logs in (cherrypy.log, app.log):
         logs.error_log.setLevel(root_level)
         logs.access_log.setLevel(max(root_level, logging.WARNING) if quiet else root_level)
-    plugin = ManagerPlugin(cherrypy.engine, manager, ready_file, "")
+    plugin = ManagerPlugin(cherrypy.engine, manager, ready_file, "", restore=restore)
     plugin.subscribe()
     if hasattr(cherrypy.engine, "signal_handler"):
         cherrypy.engine.signal_handler.subscribe()

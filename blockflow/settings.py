@@ -65,6 +65,9 @@ MAX_HEADER_BYTES: int = _read("BLOCKFLOW_MAX_HEADER_BYTES", 64 * 1024, _positive
                               "largest message header, in bytes", "64 KiB")
 WINDOW: int = _read("BLOCKFLOW_WINDOW", 8, _positive_int,
                     "TensorMQ slots in flight per edge (back-pressure); also `serve --window`")
+SHM_DIR: str = _read("BLOCKFLOW_SHM_DIR", "/dev/shm", str,
+                     "tmpfs directory that holds the TensorMQ slots (a private subdirectory per server); "
+                     "point it at a larger tmpfs when /dev/shm is small")
 SEND_TIMEOUT: float = _read("BLOCKFLOW_SEND_TIMEOUT", 10.0, _seconds,
                             "seconds a block waits for a free slot or a full socket before the request fails",
                             "10 s")
@@ -100,6 +103,9 @@ MONITOR_INTERVAL: float = _read("BLOCKFLOW_MONITOR_INTERVAL", 0.25, _seconds,
                                 "period of the per-block resource sampler (psutil, pynvml)", "0.25 s")
 KPI_FLUSH_EVERY: int = _read("BLOCKFLOW_KPI_FLUSH_EVERY", 2000, _positive_int,
                              "KPI records a block buffers before writing them out")
+KPI_FLUSH_INTERVAL: float = _read("BLOCKFLOW_KPI_FLUSH_INTERVAL", 1.0, _seconds,
+                                  "longest time a KPI record stays in a block's memory before it is written "
+                                  "(what a `kill -9` of a block can lose)", "1 s")
 LOG_LEVEL: str = _read("BLOCKFLOW_LOG", "INFO", str.upper, "log level of every process (DEBUG, INFO, WARNING, ...)")
 
 # -- security -------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import zmq
 
 from blockflow.protocol import (EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP,
                                 identity)
-from blockflow.tensormq.shm import HopGone
+from blockflow.tensormq.shm import HopGone, ShmExhausted
 from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, Transport, receive_limit
 from blockflow.tensormq.wire import WireError, check_path, dumps, loads_header
 
@@ -401,8 +401,8 @@ class Block:
             msg = f"block {self.name}: {type(exc).__name__}: {exc}"
             log.warning("%s (request %s)", msg, rid)
             err = {"t": "error", "rid": rid, "block": self.name, "err": msg}
-            if isinstance(exc, HopGone):
-                err["code"] = exc.code  # block_failed: the next hop was removed under this request
+            if isinstance(exc, (HopGone, ShmExhausted)):
+                err["code"] = exc.code  # block_failed: the next hop was removed; no_shared_memory
             self.post("data", err, ret)
             return
         self.kpi.add("latency", {"ts": arrival_wall, "rid": rid, "task": header.get("task"),

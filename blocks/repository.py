@@ -22,6 +22,11 @@ fresh interpreter with ``PYTHONHASHSEED=0`` removes both sources of variation,
 so the same ``(model, seed, method, ...)`` always gives the same bytes and the
 same sha256, whatever the calling process did earlier.
 
+Files that resolve outside the repository (a symlink in it, or a symlinked
+model directory) are served only when the manifest of their directory -- itself
+inside the repository -- lists them with their sha256: a link must not let an
+update load, or probe, an arbitrary host file unchecked.
+
 Only ``torch.jit.load`` is used to read files; nothing here unpickles
 arbitrary Python objects (no ``torch.load``).
 """
@@ -465,7 +470,8 @@ def _read_manifest(path: Path) -> dict:
 def _resolve(repo: str | os.PathLike, relpath: str | os.PathLike) -> Path:
     """``repo/relpath``, refusing absolute paths and ``..`` escapes (block
     paths come from configs/REST requests, so they must stay inside the repo).
-    The check is lexical so a repo may still contain symlinked files."""
+    The check is lexical, so a repo may still contain symlinked files:
+    :func:`verify_block` decides whether one that leads outside is served."""
     rel = os.fspath(relpath)
     root = Path(repo).resolve()
     if not rel or os.path.isabs(rel) or Path(rel).anchor:
@@ -499,14 +505,23 @@ def verify_block(repo: str | os.PathLike, relpath: str) -> dict | None:
         raise BlockFileError(
             f"block file {path} not found: run `blockflow export --model {model}` "
             f"to create it, or fix the path {relpath!r}", path)
+    root = Path(repo).resolve()
+    real = path.resolve()
+    outside = not real.is_relative_to(root)
     manifest_path = path.parent / MANIFEST
-    if not manifest_path.exists():
-        return None
-    entry = _read_manifest(manifest_path).get("blocks", {}).get(path.name)
+    entry = None
+    if manifest_path.exists() and manifest_path.resolve().is_relative_to(root):
+        entry = _read_manifest(manifest_path).get("blocks", {}).get(path.name)
+    if outside and not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)):
+        raise BlockFileError(
+            f"block file {relpath!r} resolves to {real}, outside the repository {root}; "
+            f"such a file is served only when {root / os.path.dirname(os.path.normpath(relpath)) / MANIFEST} "
+            f"(inside the repository) lists {path.name!r} with its sha256 -- add it there, "
+            "or copy the file into the repository", path)
     if entry is None:
         return None
     expected = str(entry.get("sha256", ""))
-    actual = sha256_file(path)
+    actual = sha256_file(real)
     if actual != expected:
         raise BlockFileError(
             f"block file {path} does not match {manifest_path}: sha256 "
@@ -523,7 +538,7 @@ def load_block(repo: str | os.PathLike, relpath: str,
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"cannot load {relpath} on {device}: CUDA is not available")
     entry = verify_block(repo, relpath)
-    path = _resolve(repo, relpath)
+    path = _resolve(repo, relpath).resolve()  # the file that was checked, not a link that may move
     try:
         mod = torch.jit.load(str(path), map_location=dev)
     except Exception as exc:  # the loader raises RuntimeError/ValueError/...

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 import zmq
 
 from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP, identity
+from blockflow.tensormq.shm import ShmExhausted
 from blockflow.tensormq.transport import Transport, decode_bytes, receive_limit
 from blockflow.tensormq.wire import MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, loads_header
 from blockflow import settings
@@ -286,6 +287,9 @@ class Dispatcher:
             x, payload = self.transport.encode(req.tensor, first, timeout=0)
         except TimeoutError:
             return False
+        except ShmExhausted as exc:  # this request fails; the others (and the dispatcher) go on
+            self.reply(req.client, req.cid, "error", code=exc.code, error=f"task {req.task}: {exc}")
+            return True
         header = {"v": 1, "t": "data", "rid": rid, "task": req.task,
                   "path": [list(h) for h in path[1:]] + [[RETURN_HOP, ret]], "x": x, "hops": []}
         try:

@@ -334,8 +334,8 @@ class Server:
         return d["pid"] if d else None
 
     def kpi(self, name: str) -> dict:
-        """GET /blocks/{name}/kpi (also flushes the block's KPI logs into run_dir)."""
-        return self.call("GET", f"/blocks/{name}/kpi")
+        """POST /blocks/{name}/kpi (also flushes the block's KPI logs into run_dir)."""
+        return self.call("POST", f"/blocks/{name}/kpi")
 
     def flush_kpi(self) -> None:
         for name in self.block_pids():

@@ -30,7 +30,7 @@ from blockflow.blocks.process import BlockSpec, serve_block
 from blockflow.dispatcher.process import DispatcherSpec, serve_dispatcher
 
 from .controller import ControlError, Controller
-from .state import StateDir, process_record
+from .state import StateDir, process_record, slot_budget
 from blockflow import settings
 
 log = logging.getLogger("blockflow.manager")
@@ -253,6 +253,7 @@ class Manager:
             if self._stopping.is_set():
                 raise UpdateFailed("the server is shutting down")
             upd: Update = validate_update(body, self.repo, gpus=self.gpus)
+            self.shm_budget = slot_budget(upd, self.window, self.state.shm)
             current = self.blocks
             kept = [n for n, d in upd.blocks.items() if n in current and current[n].decl == d
                     and current[n].status != "failed"]
@@ -282,7 +283,7 @@ class Manager:
                               "changed": sorted(t for t in upd.tasks if t in old_tasks and old_tasks[t] != upd.tasks[t])}}
             took = time.monotonic() - started
             log.info("applied update version %d in %.2fs: %s", self.version, took, diff)
-            return {"version": self.version, "diff": diff, "seconds": round(took, 3)}
+            return {"version": self.version, "diff": diff, "seconds": round(took, 3), "shm": self.shm_budget}
 
     def task_table(self) -> dict:
         table = {}
@@ -362,6 +363,9 @@ class Manager:
                                "post an update that removes those tasks first")
             child = self.blocks.pop(name)
             self.retire([child])
+            if self.update_body:  # what a restarted server re-applies (blockflow/server.py) no longer has it
+                self.update_body = {**self.update_body, "blocks": [b for b in self.update_body.get("blocks", [])
+                                                                   if b.get("name") != name]}
             self.version += 1
             self._persist()
             return {"removed": name, "version": self.version}
@@ -369,7 +373,7 @@ class Manager:
     def delete_all(self) -> dict:
         with self.lock:
             children = list(self.blocks.values())
-            self.blocks, self.tasks = {}, {}
+            self.blocks, self.tasks, self.update_body = {}, {}, None
             self.version += 1
             self.publish(draining=children)
             self.retire(children)
@@ -400,7 +404,8 @@ class Manager:
                     "blocks": [c.describe() for c in self.blocks.values()],
                     "tasks": [{"id": t, "path": p} for t, p in self.tasks.items()],
                     "dispatcher": self.dispatcher.describe() if self.dispatcher else None,
-                    "state_dir": self.state.root, "run_dir": self.state.run_dir}
+                    "state_dir": self.state.root, "run_dir": self.state.run_dir,
+                    "shm": getattr(self, "shm_budget", None)}
 
     def ready(self) -> bool:
         with self.lock:

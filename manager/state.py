@@ -5,29 +5,43 @@ Layout (every directory 0700)::
     <state-dir>/state.json     what runs now (the thesis's active_blocks_info file)
     <state-dir>/sock/          ipc socket files of blocks, dispatcher and controller
     <state-dir>/runs/<stamp>/  KPI logs of one server run
-    /dev/shm/blockflow-<uid>-<hash of state-dir>/   TensorMQ slots (tensormq/shm.py)
+    /dev/shm/blockflow-<uid>-<12 random hex>/       TensorMQ slots (tensormq/shm.py)
 
-The shared-memory directory is derived from the state directory, so a server started after a
-``kill -9`` of its predecessor finds, and removes, what the predecessor left: processes still
-listed in state.json (matched by pid *and* start time, so a recycled pid is never killed),
-socket files and slot files. A run killed with its state directory (a temporary one, as
+Note [Nothing planted in /tmp or /dev/shm is followed]
+Both may be world-writable, and the server often runs as root. So every directory is made
+with ``mkdir`` (which never follows a link) and then opened with ``O_NOFOLLOW|O_DIRECTORY``
+and checked through the descriptor (``fstat``: a directory, ours, no access for others); a
+mode is tightened with ``fchmod`` on that descriptor, never through a path. The slot
+directory gets a fresh random name at every start, so nobody can plant a link where it will
+be; its ``.owner`` record is created ``O_EXCL|O_NOFOLLOW``. Something that is not ours where
+we would create stops the server with a message naming the path; a leftover that is not a
+plain directory of ours is left alone, never emptied or removed through a link.
+
+state.json records the slot directory, so a server started after a ``kill -9`` of its
+predecessor finds, and removes, what the predecessor left: processes still listed in
+state.json (matched by pid *and* start time, so a recycled pid is never killed), socket
+files and slot files. A run killed with its state directory (a temporary one, as
 tests and experiments use) cannot be found that way, so every server also sweeps the slot
 directories of this user whose server is gone and whose slot files all name dead processes
 (``sweep_orphans``); each records its owner beside it, in ``<directory>.owner``.
 """
 from __future__ import annotations
 
-import hashlib
+import errno
 import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
+import stat
 import tempfile
 import time
 
 import psutil
+
+from blockflow import settings
 
 log = logging.getLogger("blockflow.state")
 
@@ -47,14 +61,81 @@ def default_state_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"blockflow-{os.getuid()}")
 
 
-def _private_dir(path: str) -> str:
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
+class UnsafePath(PermissionError):
+    """Something that is not ours sits where BlockFlow would create or use a directory."""
+
+
+_DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
+
+def _open_own_dir(path: str, dir_fd: int | None = None) -> int:
+    """A descriptor on ``path``, which must be a real directory (not a link) owned by us."""
+    try:
+        fd = os.open(path, _DIR_NOFOLLOW, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UnsafePath(f"{path} is a symbolic link or not a directory; BlockFlow never follows links "
+                             "where it keeps its files: remove it, or choose another --state-dir") from None
+        raise
+    st = os.fstat(fd)
     if st.st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to you; choose another --state-dir")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+        os.close(fd)
+        raise UnsafePath(f"{path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); something not "
+                         "ours sits where BlockFlow keeps its files: remove it, or choose another --state-dir")
+    return fd
+
+
+def _private_dir(path: str, dir_fd: int | None = None) -> str:
+    """Make (or reuse) ``path`` as a 0700 directory of ours, checked through its descriptor."""
+    if dir_fd is None:
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700, dir_fd=dir_fd)
+    except FileExistsError:
+        pass
+    fd = _open_own_dir(path, dir_fd)
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o700)  # ours (checked above): tighten it through the descriptor
+    finally:
+        os.close(fd)
     return path
+
+
+def _clear_dir(path: str, remove: bool) -> int:
+    """Unlink every file in ``path`` (and the directory itself if ``remove``), through a
+    descriptor: a ``path`` that is a link or not ours is left alone. Returns files removed."""
+    try:
+        fd = _open_own_dir(path)
+    except FileNotFoundError:
+        return 0
+    except UnsafePath as exc:
+        log.warning("left %s alone: %s", path, exc)
+        return 0
+    removed = 0
+    try:
+        for name in os.listdir(fd):
+            try:
+                os.unlink(name, dir_fd=fd)  # unlink never follows a link: a planted one goes, its target stays
+                removed += 1
+            except (FileNotFoundError, IsADirectoryError, PermissionError):
+                pass
+    finally:
+        os.close(fd)
+    if remove:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+    return removed
+
+
+def _shm_parent() -> str | None:
+    """BLOCKFLOW_SHM_DIR (default /dev/shm) when it is a writable directory."""
+    path = os.path.abspath(settings.SHM_DIR)
+    return path if os.path.isdir(path) and os.access(path, os.W_OK) else None
 
 
 class StateDir:
@@ -63,18 +144,57 @@ class StateDir:
         self.sock = os.path.join(self.root, "sock")
         self.runs = os.path.join(self.root, "runs")
         self.state_file = os.path.join(self.root, "state.json")
-        digest = hashlib.sha1(self.root.encode()).hexdigest()[:12]
-        shm_root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else self.root
-        self.shm = os.path.join(shm_root, f"blockflow-{os.getuid()}-{digest}")
+        self.shm_parent = _shm_parent() or self.root
+        self._shm: str | None = None       # made by prepare(); see Note [Nothing planted ...]
+        self._previous_shm: str | None = None
         self.run_dir: str | None = None
 
+    @property
+    def shm(self) -> str | None:
+        """This server's slot directory; before prepare(), the one state.json records (the
+        running or last server's), so tools and tests can find it; None if there is none."""
+        return self._shm or self.recorded_shm()
+
+    def recorded_shm(self) -> str | None:
+        path = self.load().get("shm_dir")
+        if not isinstance(path, str):
+            return None
+        name = _SERVER_SHM.fullmatch(os.path.basename(path))
+        if os.path.dirname(path) != self.shm_parent or not name or int(name.group(1)) != os.getuid():
+            return None  # not a name we make: never act on it
+        return path
+
     def prepare(self) -> None:
-        for path in (self.root, self.sock, self.runs, self.shm):
+        for path in (self.root, self.sock, self.runs):
             _private_dir(path)
-        fd = os.open(self.shm + OWNER_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"root": self.root, "server": process_record(os.getpid())}, f)
+        self._previous_shm = self.recorded_shm()
+        self._shm = self._make_shm_dir()
         self.run_dir = _private_dir(os.path.join(self.runs, time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"))
+
+    def _make_shm_dir(self) -> str:
+        """A slot directory under a fresh random name, and its owner record beside it."""
+        parent_fd = os.open(self.shm_parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            name = f"blockflow-{os.getuid()}-{secrets.token_hex(6)}"
+            path = os.path.join(self.shm_parent, name)
+            try:
+                os.mkdir(name, 0o700, dir_fd=parent_fd)
+            except FileExistsError:
+                raise UnsafePath(f"{path} already exists although its name was just drawn at random; something "
+                                 "is planting entries in shared memory: not starting") from None
+            _private_dir(name, dir_fd=parent_fd)
+            try:
+                fd = os.open(name + OWNER_SUFFIX, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                             dir_fd=parent_fd)
+            except FileExistsError:
+                os.rmdir(name, dir_fd=parent_fd)
+                raise UnsafePath(f"{path}{OWNER_SUFFIX} already exists and is not ours to overwrite; "
+                                 "not starting") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump({"root": self.root, "server": process_record(os.getpid())}, f)
+            return path
+        finally:
+            os.close(parent_fd)
 
     def save(self, state: dict) -> None:
         tmp = self.state_file + ".tmp"
@@ -98,6 +218,7 @@ class StateDir:
             procs.append(old["dispatcher"])
         server = old.get("server")
         if server and server.get("pid") != os.getpid() and _same_process(server):
+            self.remove_runtime(sockets=False)  # our fresh slot directory; the other server's stays
             raise RuntimeError(f"another BlockFlow server (pid {server['pid']}) is using {self.root}; "
                                "stop it or choose another --state-dir")
         for rec in procs:
@@ -107,15 +228,11 @@ class StateDir:
                     killed.append(rec["pid"])
                 except ProcessLookupError:
                     pass
-        removed = 0
-        for d in (self.sock, self.shm):
-            if os.path.isdir(d):
-                for name in os.listdir(d):
-                    try:
-                        os.unlink(os.path.join(d, name))
-                        removed += 1
-                    except (FileNotFoundError, IsADirectoryError):
-                        pass
+        removed = _clear_dir(self.sock, remove=False)
+        previous = self._previous_shm
+        if previous and previous != self._shm:
+            removed += _clear_dir(previous, remove=True)
+            _unlink(previous + OWNER_SUFFIX)
         if killed or removed:
             log.warning("cleaned up after a previous server: killed pids %s, removed %d socket/slot files",
                         killed, removed)
@@ -125,7 +242,7 @@ class StateDir:
         """Remove this user's slot directories that no live process can still use: their
         server is gone (or, for a standalone pipeline, its creator) and every slot file in
         them names a dead producer. Returns the directories removed."""
-        parent = os.path.dirname(self.shm)
+        parent = self.shm_parent
         try:
             names = os.listdir(parent)
         except FileNotFoundError:
@@ -168,16 +285,13 @@ class StateDir:
                     pass
         return removed
 
-    def remove_runtime(self) -> None:
+    def remove_runtime(self, sockets: bool = True) -> None:
         """At clean shutdown: sockets and slots go; KPI runs and state.json stay."""
-        shutil.rmtree(self.shm, ignore_errors=True)
-        _unlink(self.shm + OWNER_SUFFIX)
-        if os.path.isdir(self.sock):
-            for name in os.listdir(self.sock):
-                try:
-                    os.unlink(os.path.join(self.sock, name))
-                except OSError:
-                    pass
+        if self._shm:
+            _clear_dir(self._shm, remove=True)
+            _unlink(self._shm + OWNER_SUFFIX)
+        if sockets:
+            _clear_dir(self.sock, remove=False)
 
 
 def _orphaned(path: str, name: str) -> bool:
@@ -185,7 +299,9 @@ def _orphaned(path: str, name: str) -> bool:
     if not (server or standalone):
         return False
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            return False  # a link or a file: never ours, never followed
         files = os.listdir(path)
     except OSError:
         return False
@@ -207,7 +323,7 @@ def _orphaned(path: str, name: str) -> bool:
 def _owner_alive(owner_file: str) -> bool | None:
     """Whether the server an owner record names still runs; None without a readable record."""
     try:
-        with open(owner_file) as f:
+        with os.fdopen(os.open(owner_file, os.O_RDONLY | os.O_NOFOLLOW)) as f:
             return _same_process(json.load(f)["server"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -233,3 +349,52 @@ def process_record(pid: int) -> dict:
         return {"pid": pid, "create_time": psutil.Process(pid).create_time()}
     except psutil.NoSuchProcess:
         return {"pid": pid, "create_time": 0}
+
+
+def slot_budget(upd, window: int, shm_dir: str | None) -> dict:
+    """Shared memory an update's TensorMQ slots take at batch 1, against what the slot
+    directory's filesystem holds; logs a warning when it does not fit.
+
+    Every CPU producer keeps ``window`` slots per next hop (tensormq/shm.py), each sized for the
+    tensor it carries rounded up to a power of two; the sizes come from the manifests (a file
+    no manifest lists counts as unknown). Larger batches need proportionally more."""
+    from blockflow.tensormq.shm import HEADER, _round_capacity, shm_space
+    from blockflow.protocol import DISPATCHER
+
+    def nbytes(shape) -> int | None:
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d > 0 for d in shape):
+            return None
+        n = 4  # float32, what the manifests declare
+        for d in shape:
+            n *= d
+        return n
+
+    edges: dict[tuple[str, str], int | None] = {}
+    for path in upd.tasks.values():
+        hops = [DISPATCHER, *path, DISPATCHER]
+        for producer, consumer in zip(hops, hops[1:]):
+            decl = upd.blocks.get(producer)
+            if decl is not None and (decl.transport != "tensormq" or decl.device != "cpu"):
+                continue  # bytes on the socket, or a CUDA slot (its data is on the GPU)
+            if decl is None and upd.transport != "tensormq":
+                continue
+            entry = upd.manifests.get((decl or upd.blocks[consumer]).model) or {}
+            edges[(producer, consumer)] = nbytes(entry.get("output_shape" if decl else "input_shape"))
+    known = [n for n in edges.values() if n is not None]
+    needed = sum(window * (HEADER + _round_capacity(n)) for n in known)
+    out = {"dir": shm_dir, "window": window, "edges": len(edges), "edges_unknown_size": len(edges) - len(known),
+           "needed_bytes_batch1": needed, "size_bytes": None, "free_bytes": None, "fits": None}
+    if shm_dir:
+        try:
+            out["size_bytes"], out["free_bytes"] = shm_space(shm_dir)
+        except OSError:
+            return out
+        out["fits"] = needed <= out["free_bytes"]
+        if not out["fits"]:
+            log.warning("this update's TensorMQ slots need %.1f MiB of shared memory at batch 1 (%d edges x %d "
+                        "slots) but %s has %.1f MiB free of %.1f MiB: requests that do not fit fail with "
+                        "no_shared_memory. Give it more room (docker --shm-size), lower BLOCKFLOW_WINDOW / "
+                        "serve --window, or set BLOCKFLOW_SHM_DIR to a larger tmpfs", needed / 2**20,
+                        len(edges), window, os.path.dirname(shm_dir), out["free_bytes"] / 2**20,
+                        out["size_bytes"] / 2**20)
+    return out

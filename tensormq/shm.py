@@ -52,13 +52,22 @@ is one file in the instance's private shared-memory directory (``0700``, under /
   left the process). A message whose handle was never sent, or a request a block refused,
   releases its slot through the header alone (``release_handle``): neither needs to map the
   data, which for a CUDA slot would mean opening one's own IPC handle (CUDA refuses that).
+- A slot's memory is reserved when its file is made (``posix_fallocate``), never on a first
+  touch: a shared-memory filesystem that is too small then fails that reservation with
+  ``ShmExhausted`` (one request gets a ``no_shared_memory`` error naming the directory, its
+  size and the settings to change) instead of killing the process with SIGBUS on a write.
+- Slot files are created ``O_EXCL|O_NOFOLLOW`` and opened ``O_NOFOLLOW``, and a mapper maps
+  only a regular file of this user: see Note [Nothing planted in /tmp or /dev/shm is
+  followed] in manager/state.py.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
 import re
+import stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -78,6 +87,32 @@ class HopGone(ConnectionError):
     """The next hop was removed (or this process is stopping) while we waited to send to it."""
 
     code = "block_failed"
+
+
+class ShmExhausted(MemoryError):
+    """The shared-memory filesystem cannot hold a new slot: one request fails, the process lives."""
+
+    code = "no_shared_memory"
+
+
+def shm_space(directory: str) -> tuple[int, int]:
+    """(size, free) of the filesystem holding ``directory``, in bytes."""
+    st = os.statvfs(directory)
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _exhausted(directory: str, nbytes: int, exc: OSError) -> ShmExhausted:
+    try:
+        size, free = shm_space(directory)
+        room = f"{size / 2**20:.0f} MiB in all, {free / 2**20:.1f} MiB free"
+    except OSError:
+        room = "size unknown"
+    return ShmExhausted(
+        f"shared memory is full: a {nbytes / 2**20:.1f} MiB TensorMQ slot does not fit in {directory} ({room}; "
+        f"{exc.strerror}). Give the container a larger /dev/shm (docker --shm-size), point BLOCKFLOW_SHM_DIR "
+        "at a larger tmpfs, or lower BLOCKFLOW_WINDOW (serve --window) or the batch size")
+
+
 HEADER = 64
 FREE, IN_FLIGHT = 0, 1
 #: Header words (uint64, little-endian, 8-byte aligned at the start of a page).
@@ -106,15 +141,34 @@ def _header(mm: mmap.mmap) -> np.ndarray:
     return np.frombuffer(mm, dtype="<u8", count=HEADER // 8)
 
 
-def _map_file(path: str, size: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+def _map_file(path: str, size: int | None, create: bool) -> mmap.mmap:
+    """Map a slot file; ``create``: make it (never through a link) and reserve its memory.
+    ``size`` None: map the whole existing file."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise WireError(f"{os.path.basename(path)} is not a slot file of this user")
         if create:
-            os.ftruncate(fd, size)
+            try:
+                # blocks are reserved now: a full filesystem is an error here, not a SIGBUS later
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                    raise
+                os.close(fd)
+                fd = -1
+                os.unlink(path)
+                raise _exhausted(os.path.dirname(path), size, exc) from None
+        else:
+            size = st.st_size if size is None else size
+            if size < HEADER:
+                raise WireError(f"{os.path.basename(path)} is not a TensorMQ slot")
         return mmap.mmap(fd, size)
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 class Slot:
@@ -199,7 +253,10 @@ class SlotPool:
 
     def _new_slot(self, capacity: int) -> Slot:
         self._seq += 1
-        return self._make_slot(f"{self.owner}.{os.getpid()}.{self._seq}", capacity)
+        try:
+            return self._make_slot(f"{self.owner}.{os.getpid()}.{self._seq}", capacity)
+        except ShmExhausted as exc:
+            raise ShmExhausted(f"{self.owner}: {exc}; each edge keeps a window of {self.window} slots") from None
 
     def _make_slot(self, name: str, capacity: int) -> Slot:
         """The kind of memory this pool hands out; tensormq.cuda_ipc.CudaSlotPool overrides it."""
@@ -213,13 +270,21 @@ class SlotPool:
                 return s
         if len(slots) < self.window:  # the edge's first use: its whole window at once
             cap = _round_capacity(nbytes)
-            fresh = [self._new_slot(cap) for _ in range(self.window - len(slots))]
+            fresh = []
+            try:
+                for _ in range(self.window - len(slots)):
+                    fresh.append(self._new_slot(cap))
+            except ShmExhausted:
+                if not fresh:
+                    raise
+                log.warning("%s: shared memory holds only %d of %d slots of %d KiB towards %s", self.owner,
+                            len(fresh), self.window - len(slots), cap >> 10, edge)
             slots.extend(fresh)
             return fresh[0]
         if free:  # every free slot is too small: grow one (a new file, so old handles stay invalid)
             old = free[0]
             slots.remove(old)
-            old.close()
+            old.close()  # first: its memory may be what the larger one needs
             slot = self._new_slot(_round_capacity(nbytes))
             slots.append(slot)
             return slot
@@ -319,12 +384,12 @@ class SlotMapper:
             return m
         path = os.path.join(self.directory, seg)
         try:
-            size = os.stat(path).st_size
-            if size < HEADER:
-                raise WireError(f"x.seg {seg} is not a TensorMQ slot")
-            mm = _map_file(path, size, create=False)
+            mm = _map_file(path, None, create=False)
+        except WireError as exc:
+            raise WireError(f"x.seg {seg}: {exc}") from None
         except OSError as exc:
             raise WireError(f"x.seg {seg} cannot be opened ({exc.strerror}); stale or forged handle") from None
+        size = len(mm)
         hdr = _header(mm)
         magic, cap = int(hdr[W_MAGIC]), int(hdr[W_CAPACITY])
         if magic != MAGIC or cap + HEADER > size:

@@ -507,7 +507,8 @@ def test_block_endpoints_health_and_json_errors(server_factory, identity_repo):
     with Client(srv.dispatcher, timeout=CLIENT_TIMEOUT) as c:
         for i in range(n):
             assert torch.equal(c.infer("t", torch.full((8,), float(i))), torch.full((8,), 2.0 * i))
-    kpi = srv.call("GET", "/blocks/d/kpi")
+    assert rest_error(srv, "GET", "/blocks/d/kpi").status == 405  # it writes logs out: a POST
+    kpi = srv.call("POST", "/blocks/d/kpi")
     assert kpi["name"] == "d" and kpi["count"] >= n
     assert kpi["latency_ms"]["inf"]["mean"] > 0 and kpi["latency_ms"]["total"]["mean"] >= kpi["latency_ms"]["inf"]["mean"]
 
@@ -520,7 +521,7 @@ def test_block_endpoints_health_and_json_errors(server_factory, identity_repo):
     assert rest_error(srv, "POST", "/blocks/d/monitor", {"enabled": True}, content_type="text/plain").status == 415
     assert rest_error(srv, "POST", "/blocks/nope/monitor", {"enabled": True}).status == 404
     assert rest_error(srv, "GET", "/blocks/nope/ping").status == 404
-    assert rest_error(srv, "GET", "/blocks/nope/kpi").status == 404
+    assert rest_error(srv, "POST", "/blocks/nope/kpi").status == 404
     assert rest_error(srv, "GET", "/blocks/nope").status == 404
     assert rest_error(srv, "POST", "/blocks/d/ping", {}).status == 405
 
@@ -557,7 +558,9 @@ def test_token_guards_mutations_and_clients(server_factory, identity_repo, monke
     err = rest_error(srv, "POST", "/system/update", SIMPLE)
     assert err.status == 401
     assert rest_error(srv, "POST", "/system/update", SIMPLE, token="wrong").status == 401
-    assert srv.call("GET", "/system")["version"] == 0  # reads are open, nothing was applied
+    assert rest_error(srv, "GET", "/system").status == 401  # reads show pids and paths: guarded too
+    assert srv.call("GET", "/system", token="s3cret")["version"] == 0  # nothing was applied
+    assert srv.call("GET", "/health/live")["status"] == "ok"  # probes stay open
     res = srv.call("POST", "/system/update", SIMPLE, token="s3cret", timeout=60)
     assert res["version"] == 1
     assert rest_error(srv, "DELETE", "/blocks/a").status == 401

@@ -84,7 +84,7 @@ class Http:
 
 
 def fingerprint(srv: Http) -> dict:
-    status, system = srv.request("GET", "/system")
+    status, system = srv.request("GET", "/system", headers=AUTH)
     assert status == 200, system
     return {"version": system["version"], "tasks": system["tasks"],
             "blocks": sorted((b["name"], b["pid"], b["incarnation"], b["status"], b["model"]) for b in system["blocks"])}
@@ -250,12 +250,15 @@ def test_oversized_body_is_413(server):
                       st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0xff, blacklist_characters="\x7f"),
                               max_size=20).map(lambda s: "Bearer " + s)),
        call=st.sampled_from([("POST", "/system/update"), ("DELETE", "/system"), ("DELETE", "/blocks/a"),
-                             ("POST", "/blocks/a/monitor")]))
+                             ("POST", "/blocks/a/monitor"), ("GET", "/system"), ("GET", "/blocks"),
+                             ("GET", "/blocks/a"), ("GET", "/blocks/a/ping"), ("POST", "/blocks/a/kpi"),
+                             ("GET", "/")]))
 def test_wrong_token_is_401(server, auth, call):
     if auth is not None and auth.strip() in (f"Bearer {TOKEN}",):
         return
     headers = {} if auth is None else {"Authorization": auth}
-    status, reply = server.request(call[0], call[1], json.dumps({"enabled": False}).encode(), headers=headers)
+    body = json.dumps({"enabled": False}).encode() if call[0] == "POST" else None
+    status, reply = server.request(call[0], call[1], body, headers=headers)
     assert_refused(server, status, reply, expect=(401,))
 
 
@@ -274,7 +277,7 @@ def test_unknown_or_unicode_block_names_get_json_errors(server, name, action, me
 @given(params=st.dictionaries(st.text(min_size=1, max_size=10), st.text(max_size=10), min_size=1, max_size=3),
        path=st.sampled_from(["/blocks", "/blocks/a", "/blocks/a/ping", "/health/live"]))
 def test_unknown_query_parameters_are_400(server, params, path):
-    status, reply = server.request("GET", path + "?" + urllib.parse.urlencode(params))
+    status, reply = server.request("GET", path + "?" + urllib.parse.urlencode(params), headers=AUTH)
     assert_refused(server, status, reply, expect=(400,))
 
 

@@ -160,7 +160,9 @@ def listening(pids) -> list[tuple[str, int]]:
 
 
 def test_loopback_private_dirs_and_env_token(server_factory, identity_repo, monkeypatch):
+    from blockflow import settings
     monkeypatch.setenv("BLOCKFLOW_TOKEN", "env-t0ken")
+    monkeypatch.setattr(settings, "TOKEN", "env-t0ken")  # settings were read at import, before the setenv
     srv = server_factory(identity_repo, env={"BLOCKFLOW_TOKEN": "env-t0ken"})
     from blockflow.restclient import RestError
     with pytest.raises(RestError) as info:
@@ -183,11 +185,11 @@ def test_loopback_private_dirs_and_env_token(server_factory, identity_repo, monk
     assert rest_port in ports and disp_port in ports
     assert len(socks) >= 4, socks  # REST, dispatcher front + results, block a (tcp)
     assert all(ip in ("127.0.0.1", "::1") for ip, _ in socks), socks
-    assert srv.call("GET", "/blocks/a")["endpoint"].startswith("tcp://127.0.0.1:")
+    assert srv.call("GET", "/blocks/a", token="env-t0ken")["endpoint"].startswith("tcp://127.0.0.1:")
 
     # sockets and slots live in directories only the owner can enter
     state = StateDir(srv.state_dir)
-    system = srv.call("GET", "/system")
+    system = srv.call("GET", "/system", token="env-t0ken")
     for path in (state.root, state.sock, state.runs, state.shm, system["run_dir"]):
         assert mode(path) == 0o700, (path, oct(mode(path)))
     sock_files = os.listdir(state.sock)
@@ -204,13 +206,13 @@ def test_loopback_private_dirs_and_env_token(server_factory, identity_repo, monk
 
 # -- 3. after kill -9 of the whole server, the next serve removes what it left -------------------
 
-def start_detached(repo: str, state_dir: str, timeout: float = 120.0):
+def start_detached(repo: str, state_dir: str, timeout: float = 120.0, extra: list[str] | None = None):
     """``blockflow serve`` in a session of its own, so its process group can be killed whole."""
     ready = os.path.join(state_dir, "ready.json")
     if os.path.exists(ready):
         os.unlink(ready)
     cmd = [sys.executable, "-m", "blockflow.cli", "serve", "--port", "0", "--dispatcher-port", "0",
-           "--repo", repo, "--state-dir", state_dir, "--ready-file", ready, "--quiet"]
+           "--repo", repo, "--state-dir", state_dir, "--ready-file", ready, "--quiet", *(extra or [])]
     proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, BLOCKFLOW_LOG="WARNING"))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -238,7 +240,7 @@ def test_slot_directories_of_dead_runs_are_swept(short_tmp):
     import shutil
     from blockflow.manager.state import OWNER_SUFFIX, process_record
     me = StateDir(os.path.join(short_tmp, "me"))
-    parent = os.path.dirname(me.shm)
+    parent = me.shm_parent
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     dead, alive, uid = ended.pid, os.getpid(), os.getuid()
@@ -301,10 +303,12 @@ def test_kill_9_leftovers_are_removed_by_the_next_serve(identity_repo, short_tmp
         assert {"d-0.sock", "controller.sock"} <= left_socks, left_socks  # what a kill -9 leaves behind
         assert left_slots, "a kill -9 leaves its shared-memory slots"
 
-        # server 2 on the same state dir: the old sockets and slots are gone
-        proc, info = start_detached(identity_repo, state_dir)
+        # server 2 on the same state dir (--fresh: nothing re-applied): the old sockets and slots are gone
+        old_shm = state.shm
+        proc, info = start_detached(identity_repo, state_dir, extra=["--fresh"])
         procs.append(proc)
         assert "d-0.sock" not in os.listdir(state.sock)  # (block a listens on tcp)
+        assert state.shm != old_shm and not os.path.exists(old_shm)  # a fresh random name every start
         assert not (left_slots & set(os.listdir(state.shm)))
 
         # a block that cannot notice its manager died (stopped) survives a kill -9 of the
@@ -321,7 +325,7 @@ def test_kill_9_leftovers_are_removed_by_the_next_serve(identity_repo, short_tmp
         time.sleep(1.5)  # longer than a block's parent check: the others exit by themselves
         assert not gone(hung), "the stopped block should still be there for the next serve to find"
 
-        proc, info = start_detached(identity_repo, state_dir)
+        proc, info = start_detached(identity_repo, state_dir, extra=["--fresh"])
         procs.append(proc)
         wait_for(lambda: gone(hung), 10, "the next serve kills the stopped block of its predecessor")
         wait_for(lambda: all(gone(p) for p in old), 10, "every process of the killed server is gone")
