@@ -11,6 +11,7 @@
     POST   /blocks/{name}/monitor     {"enabled": true|false}
     GET    /health/live               the server answers
     GET    /health/ready              the dispatcher and every block are ready (503 otherwise)
+    GET    /metrics                   Prometheus text format (blockflow/metrics.py)
 
 With a token configured, every POST and DELETE needs ``Authorization: Bearer <token>``.
 """
@@ -252,6 +253,21 @@ class Health:
 
 
 @cherrypy.expose
+class MetricsPage:
+    """/metrics: Prometheus text format (blockflow/metrics.py)."""
+
+    def __init__(self, manager: Manager):
+        from blockflow.metrics import Metrics
+        self.metrics = Metrics(manager)
+
+    def GET(self, **params):
+        no_params(params)
+        from prometheus_client import CONTENT_TYPE_LATEST
+        cherrypy.response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return self.metrics.render()
+
+
+@cherrypy.expose
 class Root:
     """/blocks/... is routed here by _cp_dispatch, never by attribute lookup: CherryPy looks a
     path segment up with getattr() first, so a block named like an attribute of a handler
@@ -260,6 +276,7 @@ class Root:
     def __init__(self, manager: Manager):
         self.system = System(manager)
         self.health = Health(manager)
+        self.metrics = MetricsPage(manager)
         self._block_list = BlockList(manager)
         self._block = Block(manager)
         self._actions = {a: BlockAction(manager, a) for a in ("ping", "kpi", "monitor")}
@@ -284,7 +301,7 @@ class Root:
     @cherrypy.tools.json_out()
     def GET(self):
         return {"service": "blockflow", "endpoints": ["/system", "/system/update", "/blocks", "/health/live",
-                                                      "/health/ready"]}
+                                                      "/health/ready", "/metrics"]}
 
 
 def app_config(token: str | None) -> dict:
