@@ -12,6 +12,7 @@
     GET    /health/live               the server answers
     GET    /health/ready              the dispatcher and every block are ready (503 otherwise)
     GET    /metrics                   Prometheus text format (blockflow/metrics.py)
+    /v2/...                           the Open Inference Protocol, KServe v2 (blockflow/openinference.py)
 
 With a token configured, every POST and DELETE needs ``Authorization: Bearer <token>``.
 """
@@ -277,6 +278,8 @@ class Root:
         self.system = System(manager)
         self.health = Health(manager)
         self.metrics = MetricsPage(manager)
+        from blockflow.openinference import V2
+        self.v2 = V2(manager)  # the Open Inference Protocol (KServe v2)
         self._block_list = BlockList(manager)
         self._block = Block(manager)
         self._actions = {a: BlockAction(manager, a) for a in ("ping", "kpi", "monitor")}
@@ -301,7 +304,7 @@ class Root:
     @cherrypy.tools.json_out()
     def GET(self):
         return {"service": "blockflow", "endpoints": ["/system", "/system/update", "/blocks", "/health/live",
-                                                      "/health/ready", "/metrics"]}
+                                                      "/health/ready", "/metrics", "/v2"]}
 
 
 def app_config(token: str | None) -> dict:
