@@ -11,6 +11,10 @@ import warnings
 from blockflow import settings
 
 
+#: The block format `blockflow export` writes unless told: see README "Block formats" for the figures.
+DEFAULT_FORMAT = "torchscript"
+
+
 def _export(args) -> int:
     from blockflow.blocks.repository import export_model
     variants = {}
@@ -20,8 +24,9 @@ def _export(args) -> int:
             return 2
         variants[args.variant] = [b.strip() for b in args.variant_blocks.split(",") if b.strip()]
     path = export_model(args.model, args.out, blocks=args.blocks, method=args.method, variants=variants or None,
-                        seed=args.seed)
-    print(f"exported {args.model} ({args.method}, {args.blocks} blocks) -> {path}")
+                        seed=args.seed, fmt=args.format)
+    kind = f"TorchScript, {args.method}" if args.format == "torchscript" else "torch.export programs, .pt2"
+    print(f"exported {args.model} ({kind}, {args.blocks} blocks) -> {path}")
     return 0
 
 
@@ -126,7 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="split a torchvision model into TorchScript blocks (seeded weights)")
     e.add_argument("--model", default="resnet50", choices=["resnet18", "resnet50", "resnet152"])
     e.add_argument("--blocks", type=int, default=4, choices=[1, 2, 4], help="4: block1..block4+head; 2: fused")
-    e.add_argument("--method", default="script", choices=["script", "trace"])
+    e.add_argument("--format", default=DEFAULT_FORMAT, choices=["torchscript", "export"],
+                   help="torchscript: .pt files (torch.jit, deprecated by PyTorch); export: torch.export "
+                        f"programs, .pt2 files (default: {DEFAULT_FORMAT}, see README 'Block formats')")
+    e.add_argument("--method", default="script", choices=["script", "trace"],
+                   help="how TorchScript compiles a block (--format torchscript only; default script)")
     e.add_argument("--out", default="model_repo", help="model repository directory (default: model_repo)")
     e.add_argument("--variant", help="also export task-specialised copies under this name (another seed)")
     e.add_argument("--variant-blocks", help="comma-separated blocks to specialise, e.g. block4,head")

@@ -305,6 +305,16 @@ def traced_repo(repo: str = DEFAULT_REPO, model: str = "resnet50") -> str:
     return path
 
 
+def exported_repo(repo: str = DEFAULT_REPO, model: str = "resnet50") -> str:
+    """A repository with torch.export programs (``.pt2``), kept in ``<repo>/_export``."""
+    from blockflow.blocks.repository import export_model
+    path = os.path.join(repo, "_export")
+    if not os.path.exists(os.path.join(path, model, "manifest.json")):
+        log.info("exporting %s as torch.export programs into %s (once)", model, path)
+        export_model(model, path, blocks=4, fmt="export")
+    return path
+
+
 def manifest_entries(repo: str, model: str = "resnet50") -> dict:
     from blockflow.blocks.repository import load_manifest
     return load_manifest(repo, model)["blocks"]

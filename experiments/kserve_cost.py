@@ -79,10 +79,9 @@ def main(argv=None) -> int:
         summary[k]["extra_ms_p50"] = summary[k]["p50"] - base
         print(f"{k:10s} median {summary[k]['p50']:8.2f} ms  (+{summary[k]['extra_ms_p50']:.2f} ms vs ZeroMQ client)")
     out = args.out or common.results_dir()
-    path = common.write_json(out, "kserve_cost", {"experiment": "kserve_cost", "env": common.env_info(),
+    common.write_json(out, "kserve_cost", {"experiment": "kserve_cost", "env": common.env_info(),
                                                   "settings": {"n": n, "quick": args.quick, "model": "resnet18"},
                                                   "rtt_ms": summary})
-    print(f"wrote {path}")
     return 0
 
 
