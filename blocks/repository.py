@@ -229,11 +229,24 @@ def export_model(
     env = dict(os.environ, PYTHONHASHSEED="0")
     log.info("exporting %s (blocks=%d, method=%s, variants=%s, seed=%d) to %s",
              model, blocks, method, variants or "none", seed, out_dir / model)
-    proc = subprocess.run(
+    total = 1 + len(BLOCK_NAMES[blocks]) + sum(len(v) for v in variants.values())
+    bar = _progress(total, f"export {model} ({fmt})")
+    proc = subprocess.Popen(
         [sys.executable, "-P", "-c", code, json.dumps(args)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    raw = _relay_child_logs(proc.stderr)
+    lines = []
+    for line in proc.stderr:  # the worker's log records as they come: one progress record per file
+        if line.startswith('{"blockflow_progress"'):
+            bar.update()
+        else:
+            lines.append(line)
+    stdout = proc.stdout.read()
+    proc.wait()
+    bar.close()
+    proc.stdout.close()
+    proc.stderr.close()
+    raw = _relay_child_logs("".join(lines))
     if proc.returncode != 0:
         tail = "\n".join(raw[-20:]) or "(no output)"
         raise RuntimeError(
@@ -241,11 +254,11 @@ def export_model(
             f"worker (exit {proc.returncode}):\n{tail}"
         )
     try:
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = json.loads(stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError) as exc:
         raise RuntimeError(
             f"export worker for {model} returned no result ({exc}); "
-            f"stdout: {proc.stdout[-500:]!r}"
+            f"stdout: {stdout[-500:]!r}"
         ) from None
     return Path(result["manifest"])
 
@@ -365,7 +378,6 @@ def _export_in_process(model: str, out: str, blocks: int, method: str,
         jobs.extend((b, vname, vseed, vparts[b]) for b in vblocks)
 
     entries = {}
-    progress = _progress(len(jobs), f"export {model} ({fmt})")
     for name, variant, bseed, mod in jobs:
         stem = name if variant is None else f"{name}-{variant}"
         fname = stem + SUFFIX[fmt]
@@ -373,7 +385,8 @@ def _export_in_process(model: str, out: str, blocks: int, method: str,
             data = _export_program_bytes(mod, inputs[name])
         else:
             data = _compile_to_bytes(mod, method, inputs[name])
-        progress.update()
+        sys.stderr.write(json.dumps({"blockflow_progress": fname}) + "\n")  # export_model's bar
+        sys.stderr.flush()
         digest = hashlib.sha256(data).hexdigest()
         _atomic_write(model_dir / fname, data)
         n_params = sum(p.numel() for p in mod.parameters())
@@ -394,7 +407,6 @@ def _export_in_process(model: str, out: str, blocks: int, method: str,
             "seed": bseed,
         }
         log.info("wrote %s (%.1f MB, sha256 %s)", model_dir / fname, len(data) / 1e6, digest[:12])
-    progress.close()
 
     # Merge, so exporting variants (or another split) later keeps earlier files listed.
     manifest_path = model_dir / MANIFEST
@@ -442,7 +454,7 @@ def _export_program_bytes(mod: nn.Module, example: torch.Tensor) -> bytes:
 
 
 def _progress(total: int, label: str):
-    """A tqdm bar on stderr when stderr is a terminal (exports take minutes); silent otherwise."""
+    """A tqdm bar of files written, on stderr when it is a terminal (exports take minutes)."""
     from tqdm import tqdm
     return tqdm(total=total, desc=label, unit="file", disable=not sys.stderr.isatty(), leave=False)
 
