@@ -97,9 +97,13 @@ def _export(args) -> int:
     variants = {}
     if args.variant:
         if not args.variant_blocks:
-            print("--variant needs --variant-blocks (e.g. block4,head)", file=sys.stderr)
-            return 2
+            raise UserError("--variant needs --variant-blocks (e.g. block4,head)", Exit.USAGE)
         variants[args.variant] = [b.strip() for b in args.variant_blocks.split(",") if b.strip()]
+    try:
+        os.makedirs(os.path.join(args.out, args.model), exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--out {args.out}: cannot create {os.path.join(args.out, args.model)} ({exc.strerror}); "
+                        "choose a directory you can write to", Exit.NO_FILE) from None
     path = export_model(args.model, args.out, blocks=args.blocks, method=args.method, variants=variants or None,
                         seed=args.seed, fmt=args.format)
     kind = f"TorchScript, {args.method}" if args.format == "torchscript" else "torch.export programs, .pt2"

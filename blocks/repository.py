@@ -227,8 +227,8 @@ def export_model(
         "m._export_worker(sys.argv[1])\n"
     )
     env = dict(os.environ, PYTHONHASHSEED="0")
-    log.info("exporting %s (blocks=%d, method=%s, variants=%s, seed=%d) to %s",
-             model, blocks, method, variants or "none", seed, out_dir / model)
+    log.info("exporting %s (blocks=%d, %s, variants=%s, seed=%d) to %s", model, blocks,
+             f"method={method}" if fmt == "torchscript" else "torch.export", variants or "none", seed, out_dir / model)
     total = 1 + len(BLOCK_NAMES[blocks]) + sum(len(v) for v in variants.values())
     bar = _progress(total, f"export {model} ({fmt})")
     proc = subprocess.Popen(

@@ -66,6 +66,10 @@ def test_no_server_missing_file_bad_json(tmp_path):
     user_error(blockflow("kpi", str(tmp_path / "nodir")), Exit.NO_FILE, "no such directory")
     user_error(blockflow("kpi", str(tmp_path)), Exit.NO_FILE, "no KPI logs")
     user_error(blockflow("load", "--task", "t", "--shape", "3,x"), Exit.BAD_INPUT, "--shape")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    user_error(blockflow("export", "--model", "resnet18", "--out", str(blocker / "repo")), Exit.NO_FILE, "--out")
+    user_error(blockflow("export", "--variant", "x"), Exit.USAGE, "--variant-blocks")
 
 
 def test_load_fails_fast_when_nobody_listens():
