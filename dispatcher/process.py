@@ -61,7 +61,7 @@ class DispatcherSpec:
     window: int = 8
     token: str | None = None
     tasks: dict = field(default_factory=dict)   # initial task table, for standalone use
-    run_dir: str | None = None                  # where the request log (@dispatcher.latency.jsonl) goes
+    run_dir: str | None = None                  # where the request log (@dispatcher.requests.jsonl) goes
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -18,6 +18,11 @@ import json
 import os
 import time
 
+from blockflow.protocol import ErrorCode
+
+#: The codes a record may carry; anything else (a code only a forged message could bring) is "error".
+CODES = {"ok", "error", *(c.value for c in ErrorCode)}
+
 #: Components the blocks put in each hop, in the order they happen.
 HOP_STAGES = ("wait", "deser", "dev", "inf", "share")
 
@@ -35,7 +40,7 @@ class RequestLog:
         self._buf: list[str] = []
 
     def record(self, task: str, code: str, since: float | None, hops) -> None:
-        rec = {"ts": time.time(), "task": task, "code": code}
+        rec = {"ts": time.time(), "task": task, "code": code if code in CODES else "error"}
         if since is not None:
             rec["ms"] = (time.monotonic() - since) * 1e3
         if code == "ok" and isinstance(hops, list):
