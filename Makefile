@@ -1,35 +1,50 @@
 # The two commands a user needs: `make demo` and `make test`.
-# Both create .venv when it is missing and install the project into it.
+# Both create .venv when it is missing and install the project into it, pinned by constraints.txt.
+# CPU-only machine: `make install CPU=1` takes PyTorch's CPU wheels (about 4 GB less than the CUDA ones).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 REPO   ?= model_repo
+CPU    ?=
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test install export bench clean gpu-check gpu-wheels
+.PHONY: demo test install export bench clean constraints gpu-check gpu-wheels
 
 $(PY):
+	@echo "==> creating the virtual environment $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]'
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	@echo "==> upgrading pip"
+	$(PY) -m pip install --upgrade --progress-bar on pip
+ifneq ($(CPU),)
+	@echo "==> installing PyTorch's CPU wheels from $(TORCH_CPU_INDEX)"
+	$(PY) -m pip install --progress-bar on -c constraints.txt --index-url $(TORCH_CPU_INDEX) torch torchvision
+endif
+	@echo "==> installing blockflow and its test and bench extras (several GB with CUDA wheels: minutes)"
+	$(PY) -m pip install --progress-bar on -c constraints.txt -e '.[test,bench]'
 	touch $(STAMP)
+	@echo "==> installed: $(VENV)/bin/blockflow"
 
 install: $(STAMP)
 
 $(REPO)/resnet50/manifest.json: $(STAMP)
+	@echo "==> exporting ResNet50 blocks (seeded weights) into $(REPO)"
 	$(VENV)/bin/blockflow export --model resnet50 --blocks 4 --method script --out $(REPO) --variant x --variant-blocks block4,head
 
 export: $(REPO)/resnet50/manifest.json
 
 demo: export
+	@echo "==> running the end-to-end demo"
 	$(VENV)/bin/blockflow demo --repo $(REPO)
 
 test: $(STAMP)
+	@echo "==> running the test suite (pytest)"
 	$(PY) -m pytest -q
 
 bench: export
+	@echo "==> running every experiment in quick mode"
 	$(VENV)/bin/blockflow bench all --quick
 
 # GPU machine only (offline, its own python3 with torch): the cuda tests and the GPU experiments,
@@ -44,5 +59,15 @@ gpu-check:
 gpu-wheels:
 	sed '/info\/exclude/d' $(SHARED)/gpu/wheelhouse.sh | bash -s -- pytest matplotlib
 
+# After a green `make test`: pin what was installed (blockflow itself left out).
+constraints: $(STAMP)
+	@echo "==> writing constraints.txt from $(VENV)"
+	{ echo "# Versions the test suite was last green with (Python $$($(PY) -c 'import platform; print(platform.python_version())'), $$(uname -sm), $$(date -u +%Y-%m-%d))."; \
+	  echo "# 'make install' installs with -c constraints.txt. Regenerate after a green 'make test' with:"; \
+	  echo "#   make constraints"; \
+	  $(PY) -m pip freeze --exclude-editable | grep -iv '^blockflow'; } > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt
+
 clean:
+	@echo "==> removing $(VENV), $(REPO) and the pytest cache"
 	rm -rf $(VENV) $(REPO) .pytest_cache

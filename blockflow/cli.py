@@ -1,14 +1,95 @@
-"""``blockflow``: the one entry point. ``blockflow --help`` lists the subcommands."""
+"""``blockflow``: the one entry point. ``blockflow --help`` lists the subcommands.
+
+A user's mistake (no server listening, a missing file, malformed JSON, a port in use) ends with
+one line on stderr that names the problem and the fix, and an exit code of its own
+(:class:`Exit`); a traceback only with ``-v``/``--debug`` (before or after the subcommand).
+"""
 from __future__ import annotations
 
 import argparse
+import enum
+import errno
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
+import urllib.error
 import warnings
 from blockflow import settings
+
+
+class Exit(enum.IntEnum):
+    """Exit codes of the ``blockflow`` command (what a shell script can branch on)."""
+
+    OK = 0
+    FAILED = 1           #: the command ran and what it did failed (errors answered, update refused)
+    USAGE = 2            #: wrong arguments (argparse's own code)
+    NO_FILE = 3          #: a file named on the command line is missing or unreadable
+    BAD_INPUT = 4        #: a file or argument is malformed (JSON, shape, ...)
+    NO_SERVER = 5        #: nothing answers at the REST URL or dispatcher address
+    PORT_TAKEN = 6       #: a port to listen on is in use
+    INTERNAL = 70        #: a bug: run again with -v and report the traceback
+    INTERRUPTED = 130    #: Ctrl-C
+
+
+class UserError(Exception):
+    """A mistake the user can fix: ``str(exc)`` says what and how; ``code`` is the exit code."""
+
+    def __init__(self, message: str, code: Exit):
+        super().__init__(message)
+        self.code = code
+
+
+def read_json_file(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file; give the path of a JSON system update "
+                        "(e.g. configs/resnet50_shared.json)", Exit.NO_FILE) from None
+    except (IsADirectoryError, PermissionError) as exc:
+        raise UserError(f"{path}: cannot read it ({exc.strerror})", Exit.NO_FILE) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: not valid JSON ({exc}); fix the file, e.g. check it with "
+                        "`python -m json.tool FILE`", Exit.BAD_INPUT) from None
+
+
+def rest_call(method: str, base: str, path: str, body=None, token: str | None = None):
+    """A REST call whose failures are one-line user errors: nobody listening, or the server's message."""
+    from .restclient import RestError, call
+    try:
+        return call(method, base.rstrip("/") + path, body, token, timeout=300)
+    except RestError as exc:
+        detail = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else exc.body
+        field = f" (field {exc.body['field']})" if isinstance(exc.body, dict) and exc.body.get("field") else ""
+        raise UserError(f"the server refused it: HTTP {exc.status}: {detail}{field}", Exit.FAILED) from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise UserError(f"no BlockFlow server answers at {base} ({reason}); start one with `blockflow serve` "
+                        "or pass --url", Exit.NO_SERVER) from None
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Refuse early, in one line, a port another process listens on (0: any free port, always fine)."""
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UserError(f"port {port} on {host} is in use (another `blockflow serve`?): stop that "
+                                f"process or pass {flag} N ({flag} 0 picks a free port)", Exit.PORT_TAKEN) from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise UserError(f"{host} is not an address of this machine: fix the host", Exit.BAD_INPUT) from None
+            raise
+
+
+#: The block format `blockflow export` writes unless told: see README "Block formats" for the figures.
+DEFAULT_FORMAT = "torchscript"
 
 
 def _export(args) -> int:
@@ -16,12 +97,17 @@ def _export(args) -> int:
     variants = {}
     if args.variant:
         if not args.variant_blocks:
-            print("--variant needs --variant-blocks (e.g. block4,head)", file=sys.stderr)
-            return 2
+            raise UserError("--variant needs --variant-blocks (e.g. block4,head)", Exit.USAGE)
         variants[args.variant] = [b.strip() for b in args.variant_blocks.split(",") if b.strip()]
+    try:
+        os.makedirs(os.path.join(args.out, args.model), exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--out {args.out}: cannot create {os.path.join(args.out, args.model)} ({exc.strerror}); "
+                        "choose a directory you can write to", Exit.NO_FILE) from None
     path = export_model(args.model, args.out, blocks=args.blocks, method=args.method, variants=variants or None,
-                        seed=args.seed)
-    print(f"exported {args.model} ({args.method}, {args.blocks} blocks) -> {path}")
+                        seed=args.seed, fmt=args.format)
+    kind = f"TorchScript, {args.method}" if args.format == "torchscript" else "torch.export programs, .pt2"
+    print(f"exported {args.model} ({kind}, {args.blocks} blocks) -> {path}")
     return 0
 
 
@@ -35,6 +121,8 @@ def is_loopback(host: str) -> bool:
 
 def _serve(args) -> int:
     from .server import serve
+    check_port_free(args.host, args.port, "--port")
+    check_port_free(args.dispatcher_host, args.dispatcher_port, "--dispatcher-port")
     token = args.token or settings.TOKEN
     exposed = [f"--{opt} {host}" for opt, host in (("host", args.host), ("dispatcher-host", args.dispatcher_host))
                if not is_loopback(host)]
@@ -53,50 +141,67 @@ def _serve(args) -> int:
 
 
 def _update(args) -> int:
-    from .restclient import RestError, call
-    with open(args.file) as f:
-        body = json.load(f)
-    try:
-        print(json.dumps(call("POST", f"{args.url}/system/update", body, args.token), indent=2))
-    except RestError as exc:
-        print(json.dumps(exc.body, indent=2), file=sys.stderr)
-        return 1
+    body = read_json_file(args.file)
+    print(json.dumps(rest_call("POST", args.url, "/system/update", body, args.token), indent=2))
     return 0
 
 
 def _status(args) -> int:
-    from .restclient import RestError, call
-    try:
-        print(json.dumps(call("GET", f"{args.url}/system", token=args.token), indent=2))
-    except RestError as exc:
-        print(json.dumps(exc.body, indent=2), file=sys.stderr)
-        return 1
+    print(json.dumps(rest_call("GET", args.url, "/system", token=args.token), indent=2))
     return 0
 
 
 def _load(args) -> int:
+    from .client import BlockFlowError, Client
     from .loadgen import format_summary, run_load
-    shape = tuple(int(s) for s in args.shape.split(","))
+    try:
+        shape = tuple(int(s) for s in args.shape.split(","))
+    except ValueError:
+        raise UserError(f"--shape {args.shape!r}: give integers separated by commas, e.g. 3,224,224",
+                        Exit.BAD_INPUT) from None
+    if args.duration <= 0 or args.clients < 1 or args.batch < 1 or (args.rate is not None and args.rate <= 0):
+        raise UserError("--duration, --clients, --batch and --rate must be positive", Exit.USAGE)
+    token = args.token or settings.TOKEN
+    with Client(args.address, timeout=3, token=token) as c:  # fail fast: is anybody there?
+        try:
+            c.ping(timeout=3)
+        except (TimeoutError, BlockFlowError) as exc:
+            if isinstance(exc, BlockFlowError) and exc.code == "unauthorized":
+                raise UserError(f"the dispatcher at {args.address} wants a token: pass --token or set "
+                                "BLOCKFLOW_TOKEN", Exit.FAILED) from None
+            raise UserError(f"no dispatcher answers at {args.address} within 3 s: start `blockflow serve` "
+                            "or pass --address (GET /system shows the dispatcher's)", Exit.NO_SERVER) from None
     s = run_load(args.address, args.task, clients=args.clients, batch=args.batch, duration=args.duration,
-                 rate=args.rate, shape=shape, token=args.token or settings.TOKEN,
-                 timeout=args.timeout, out=args.out)
+                 rate=args.rate, shape=shape, token=token, timeout=args.timeout, out=args.out, progress=True)
     print(format_summary(s))
-    return 0 if s["ok"] else 1
+    return Exit.OK if s["ok"] and not s["errors"] else Exit.FAILED
 
 
 def _kpi(args) -> int:
-    from .kpi import blocks_in, format_table, summarize_block, without_records
-    names = blocks_in(args.run_dir)
-    if not names:
-        print(f"no KPI logs (*.latency.jsonl) in {args.run_dir}", file=sys.stderr)
-        return 1
-    summaries = [summarize_block(args.run_dir, n, skip=args.skip) for n in names]
+    from .kpi import blocks_in, format_table, newest_run, plot, summarize_block, without_records
+    if not os.path.isdir(args.run_dir):
+        raise UserError(f"{args.run_dir}: no such directory; give a run directory (GET /system shows "
+                        "run_dir) or the server's state directory", Exit.NO_FILE)
+    run_dir = newest_run(args.run_dir)
+    if run_dir is None:
+        raise UserError(f"no KPI logs (*.latency.jsonl) in {args.run_dir} or its runs; send some requests "
+                        "first, or give the run_dir that GET /system shows", Exit.NO_FILE)
+    if run_dir != args.run_dir:
+        print(f"newest run: {run_dir}", file=sys.stderr)
+    summaries = [summarize_block(run_dir, n, skip=args.warmup) for n in blocks_in(run_dir)]
     print(json.dumps(summaries, indent=2) if args.json else format_table(summaries))
     empty = without_records(summaries)
     if empty:
         print(f"no records yet from block(s) {', '.join(empty)}: they have served no request, or served "
               f"them less than {settings.KPI_FLUSH_INTERVAL:g} s ago (records are written at least that often)",
               file=sys.stderr)
+    if args.plot:
+        try:
+            plot(summaries, args.plot)
+        except ImportError:
+            raise UserError("--plot needs matplotlib: pip install matplotlib (or the [bench] extra)",
+                            Exit.FAILED) from None
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -107,7 +212,7 @@ def _demo(args) -> int:
 
 #: The experiments are not installed with the product: they live in a checkout's experiments/.
 EXPERIMENT_NAMES = ["offline_blocks", "rtt", "pipeline_latency", "hop_overhead", "batch_scaling", "multiclient",
-                    "throughput", "utilization", "energy", "memory_model", "multi_gpu"]
+                    "throughput", "utilization", "energy", "memory_model", "multi_gpu", "kserve_cost"]
 
 
 def _experiments_dir(given: str | None) -> str | None:
@@ -141,23 +246,51 @@ def _dispatcher(args) -> int:
     return main(["--spec", args.spec])
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blockflow", description=(
         "BlockFlow serves DNNs split into blocks, one process per block, with tensors passed between "
         "processes as shared-memory / CUDA IPC handles (TensorMQ). Typical use: `blockflow export`, "
         "`blockflow serve`, POST an update (`blockflow update`), send tasks (`blockflow load` or "
         "blockflow.Client), read KPIs (`blockflow kpi`)."))
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", "--debug", action="store_true",
+                   help="debug logging, and a traceback when something fails (also accepted after the subcommand)")
+    # -v after the subcommand too; SUPPRESS keeps a subcommand from resetting a -v given before it
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", "--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="debug logging, and a traceback when something fails")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
+    _add_parser = sub.add_parser
 
-    e = sub.add_parser("export", help="split a torchvision model into TorchScript blocks (seeded weights)")
-    e.add_argument("--model", default="resnet50", choices=["resnet18", "resnet50", "resnet152"])
-    e.add_argument("--blocks", type=int, default=4, choices=[1, 2, 4], help="4: block1..block4+head; 2: fused")
-    e.add_argument("--method", default="script", choices=["script", "trace"])
-    e.add_argument("--out", default="model_repo", help="model repository directory (default: model_repo)")
+    def add_parser(name, **kw):
+        kw.setdefault("description", kw.get("help"))
+        return _add_parser(name, parents=[common], formatter_class=_Help, **kw)
+    sub.add_parser = add_parser
+
+    e = sub.add_parser("export", help="split a torchvision model into blocks (seeded weights) and write them "
+                                      "with a manifest of sha256 sums")
+    e.add_argument("--model", default="resnet50", choices=["resnet18", "resnet50", "resnet152"],
+                   help="torchvision model to split")
+    e.add_argument("--blocks", type=int, default=4, choices=[1, 2, 4],
+                   help="4: block1..block4 + head; 2: block12, block34 + head; 1: the full model only")
+    e.add_argument("--format", default=DEFAULT_FORMAT, choices=["torchscript", "export"],
+                   help="torchscript: .pt files (torch.jit, deprecated by PyTorch); export: torch.export "
+                        f"programs, .pt2 files (default: {DEFAULT_FORMAT}, see README 'Block formats')")
+    e.add_argument("--method", default="script", choices=["script", "trace"],
+                   help="how TorchScript compiles a block (--format torchscript only)")
+    e.add_argument("--out", default="model_repo", help="model repository directory")
     e.add_argument("--variant", help="also export task-specialised copies under this name (another seed)")
     e.add_argument("--variant-blocks", help="comma-separated blocks to specialise, e.g. block4,head")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seed", type=int, default=0, help="seed of the weights (they are not trained)")
     e.set_defaults(fn=_export)
 
     s = sub.add_parser("serve", help="run the REST API, manager, controller and dispatcher")
@@ -180,38 +313,43 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no CherryPy access log on screen")
     s.set_defaults(fn=_serve)
 
-    u = sub.add_parser("update", help="POST a system update (JSON file) to a running server")
-    u.add_argument("file")
-    u.add_argument("--url", default="http://127.0.0.1:8080")
-    u.add_argument("--token", default=settings.TOKEN)
+    u = sub.add_parser("update", help="POST a system update (JSON file) to a running server and print its answer")
+    u.add_argument("file", help="the update: blocks and tasks as JSON, e.g. configs/resnet50_shared.json")
+    u.add_argument("--url", default="http://127.0.0.1:8080", help="the server's REST URL")
+    u.add_argument("--token", default=settings.TOKEN, help="bearer token, when the server has one (BLOCKFLOW_TOKEN)")
     u.set_defaults(fn=_update)
 
-    st = sub.add_parser("status", help="print GET /system of a running server")
-    st.add_argument("--url", default="http://127.0.0.1:8080")
-    st.add_argument("--token", default=settings.TOKEN, help="the server's token (or BLOCKFLOW_TOKEN)")
+    st = sub.add_parser("status", help="print GET /system of a running server: blocks, tasks, run directory")
+    st.add_argument("--url", default="http://127.0.0.1:8080", help="the server's REST URL")
+    st.add_argument("--token", default=settings.TOKEN, help="bearer token, when the server has one (BLOCKFLOW_TOKEN)")
     st.set_defaults(fn=_status)
 
-    ld = sub.add_parser("load", help="generate load for a task (synchronous clients or Poisson arrivals)")
-    ld.add_argument("--address", default="tcp://127.0.0.1:5580", help="dispatcher address")
-    ld.add_argument("--task", required=True)
-    ld.add_argument("--clients", type=int, default=1)
-    ld.add_argument("--batch", type=int, default=1)
-    ld.add_argument("--duration", type=float, default=10.0, help="seconds")
-    ld.add_argument("--rate", type=float, help="Poisson arrivals per second (default: synchronous clients)")
+    ld = sub.add_parser("load", help="send requests for a task for --duration seconds (synchronous clients or "
+                                     "Poisson arrivals) and print throughput, latency and the server's errors")
+    ld.add_argument("--address", default="tcp://127.0.0.1:5580", help="the dispatcher's address")
+    ld.add_argument("--task", required=True, help="task id, as in the update (e.g. classify)")
+    ld.add_argument("--clients", type=int, default=1, help="concurrent clients")
+    ld.add_argument("--batch", type=int, default=1, help="batch size of each request")
+    ld.add_argument("--duration", type=float, default=10.0,
+                    help="seconds the run lasts, whatever the server does")
+    ld.add_argument("--rate", type=float, help="Poisson arrivals per second in total (default: each client sends "
+                                               "its next request when the previous one is answered)")
     ld.add_argument("--shape", default="3,224,224", help="input shape without the batch dimension")
     ld.add_argument("--timeout", type=float, default=30.0, help="deadline per request, seconds")
-    ld.add_argument("--token", help="client token (or BLOCKFLOW_TOKEN)")
+    ld.add_argument("--token", help="client token (default: BLOCKFLOW_TOKEN)")
     ld.add_argument("--out", help="CSV file for every request's round-trip time")
     ld.set_defaults(fn=_load)
 
-    k = sub.add_parser("kpi", help="per-block latency/resource table from a run directory's KPI logs")
-    k.add_argument("run_dir")
-    k.add_argument("--skip", type=int, default=0, help="drop this many warm-up records per block")
-    k.add_argument("--json", action="store_true")
+    k = sub.add_parser("kpi", help="per-block latency components and resources from a run's KPI logs")
+    k.add_argument("run_dir", help="a run directory (GET /system: run_dir), or a state directory: its newest run")
+    k.add_argument("--warmup", "--skip", type=int, default=10, dest="warmup",
+                   help="drop each block's first N inferences (warm-up)")
+    k.add_argument("--json", action="store_true", help="print the summaries as JSON instead of a table")
+    k.add_argument("--plot", metavar="FILE.png", help="also draw each block's mean components as stacked bars")
     k.set_defaults(fn=_kpi)
 
     d = sub.add_parser("demo", help="end to end: export, serve, deploy two tasks, send requests, print KPIs")
-    d.add_argument("--repo", default="model_repo")
+    d.add_argument("--repo", default="model_repo", help="model repository (exported there when missing)")
     d.add_argument("--config", default=None, help="update to apply (default: configs/resnet50_shared.json)")
     d.add_argument("--requests", type=int, default=20, help="requests per task")
     d.set_defaults(fn=_demo)
@@ -219,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run the experiments (experiments/); `all` runs every one",
                        description="Run the thesis's chapter 4 experiments from a checkout's experiments/ folder, "
                                    "each in its own interpreter. Experiments: " + ", ".join(EXPERIMENT_NAMES) + ".")
-    b.add_argument("name", help="experiment name or 'all' (" + ", ".join(EXPERIMENT_NAMES) + ")")
+    b.add_argument("name", choices=[*EXPERIMENT_NAMES, "all"], metavar="NAME",
+                   help="experiment name or 'all': " + ", ".join(EXPERIMENT_NAMES))
     b.add_argument("--checkout", help="repository checkout holding experiments/ (default: the current directory)")
     b.add_argument("--quick", action="store_true", help="short settings for a smoke run")
     b.add_argument("--out", help="results directory (default experiments/results/<machine>, where the "
@@ -241,7 +380,42 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else settings.LOG_LEVEL,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.jit")
-    return args.fn(args) or 0
+    try:
+        return int(args.fn(args) or 0)
+    except UserError as exc:
+        if args.verbose:
+            logging.getLogger("blockflow.cli").exception("blockflow %s failed", args.cmd)
+        print(f"blockflow {args.cmd}: {exc}", file=sys.stderr)
+        return int(exc.code)
+    except KeyboardInterrupt:
+        print(f"blockflow {args.cmd}: interrupted", file=sys.stderr)
+        return int(Exit.INTERRUPTED)
+    except Exception as exc:
+        code, message = explain(exc)
+        if args.verbose:
+            logging.getLogger("blockflow.cli").exception("blockflow %s failed", args.cmd)
+        else:
+            message += " (run again with -v for the traceback)" if code == Exit.INTERNAL else ""
+        print(f"blockflow {args.cmd}: {message}", file=sys.stderr)
+        return int(code)
+
+
+def explain(exc: Exception) -> tuple[Exit, str]:
+    """One line and an exit code for an exception no subcommand turned into a UserError."""
+    from blockflow.blocks.repository import BlockFileError
+    if isinstance(exc, BlockFileError):
+        return Exit.NO_FILE, str(exc)
+    if isinstance(exc, FileNotFoundError):
+        return Exit.NO_FILE, f"{exc.filename or exc}: no such file or directory"
+    if isinstance(exc, PermissionError):
+        return Exit.NO_FILE, f"{exc.filename or exc}: permission denied"
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return Exit.PORT_TAKEN, f"a port is in use ({exc.strerror}): pass another one (0 picks a free port)"
+    if isinstance(exc, json.JSONDecodeError):
+        return Exit.BAD_INPUT, f"not valid JSON: {exc}"
+    if isinstance(exc, ValueError):
+        return Exit.BAD_INPUT, str(exc)
+    return Exit.INTERNAL, f"unexpected {type(exc).__name__}: {exc}"
 
 
 if __name__ == "__main__":

@@ -38,8 +38,14 @@ def stats(values: list[float]) -> dict:
 
 
 def summarize_block(run_dir: str, name: str, skip: int = 0) -> dict:
-    lat = _read(os.path.join(run_dir, f"{name}.latency.jsonl"), skip)
+    """Latency components of ``name``'s inferences after the first ``skip`` (warm-up), and its
+    resource samples taken while those ran (CPU % over the measured window, not the lifetime)."""
+    lat = [r for r in _read(os.path.join(run_dir, f"{name}.latency.jsonl")) if "error" not in r][skip:]
     res = _read(os.path.join(run_dir, f"{name}.resources.jsonl"))
+    stamps = [r["ts"] for r in lat if isinstance(r.get("ts"), (int, float))]
+    if stamps:
+        start, end = min(stamps), max(stamps) + 1.0  # a sample covers the interval before it
+        res = [r for r in res if isinstance(r.get("ts"), (int, float)) and start <= r["ts"] <= end] or res
     out = {"name": name, "count": len(lat), "latency_ms": {}, "queue": stats([r.get("queue", 0) for r in lat])}
     for key in LATENCY_FIELDS:
         out["latency_ms"][key] = stats([r[key] for r in lat if key in r])
@@ -63,8 +69,64 @@ def without_records(summaries: list[dict]) -> list[str]:
 
 
 def blocks_in(run_dir: str) -> list[str]:
-    names = {os.path.basename(p).split(".")[0] for p in glob.glob(os.path.join(run_dir, "*.jsonl"))}
+    """Blocks with a KPI log in ``run_dir`` (the dispatcher's ``@dispatcher`` log is not a block)."""
+    names = set()
+    for suffix in (".latency.jsonl", ".resources.jsonl"):
+        for p in glob.glob(os.path.join(glob.escape(run_dir), "*" + suffix)):
+            name = os.path.basename(p)[:-len(suffix)]
+            if not name.startswith("@"):
+                names.add(name)
     return sorted(names)
+
+
+def newest_run(path: str) -> str | None:
+    """``path`` if it holds KPI logs; else the newest run under it (a state directory's ``runs/``,
+    or a directory of runs); None when there is none."""
+    if blocks_in(path):
+        return path
+    for root in (os.path.join(path, "runs"), path):
+        if not os.path.isdir(root):
+            continue
+        runs = [d for d in (os.path.join(root, e) for e in os.listdir(root)) if os.path.isdir(d) and blocks_in(d)]
+        if runs:
+            return max(runs, key=os.path.getmtime)
+    return None
+
+
+#: What each column of ``blockflow kpi`` means (printed under the table).
+LEGEND = """\
+  count       inferences measured (after the warm-up records dropped with --warmup)
+  wait        queued before the inference thread took it           (eq. 4.1: queue wait)
+  deser       rebuilding the tensor from its handle or bytes        (reconstruct)
+  dev         moving it to the block's device                        (to-device)
+  inf         the model's forward pass                               (inference)
+  share       putting the output into a slot for the next hop        (share)
+  fwd         sending the message on                                 (forward)
+  total       arrival to departure: the sum of the six above; p99 total is its 99th percentile
+  queue       messages waiting when the inference ended (mean)
+  cpu%        the block process's CPU while those inferences ran (100 = one core)
+  rss MB      resident memory; vram MB: GPU memory of the process
+latency columns are means in milliseconds"""
+
+
+def plot(summaries: list[dict], path: str) -> None:
+    """A stacked bar per block of its mean latency components (matplotlib, the [bench] extra)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [s["name"] for s in summaries]
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.0 + 0.8 * len(names)), 3.6))
+    bottom = [0.0] * len(names)
+    for key in LATENCY_FIELDS[:-1]:
+        vals = [s["latency_ms"][key]["mean"] or 0.0 for s in summaries]
+        ax.bar(names, vals, bottom=bottom, label=key)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("mean latency per inference (ms)")
+    ax.set_title("per-block latency components (thesis eq. 4.1)")
+    ax.legend(fontsize=7, ncols=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def format_table(summaries: list[dict]) -> str:
@@ -83,7 +145,7 @@ def format_table(summaries: list[dict]) -> str:
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
-    lines.append("(latency columns: mean milliseconds per inference; thesis eq. 4.1)")
+    lines.append(LEGEND)
     why = next((s["resources"]["vram_unavailable"] for s in summaries if "vram_unavailable" in s["resources"]), None)
     if why:
         lines.append(f"(vram n/a: {why})")

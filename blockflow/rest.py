@@ -12,6 +12,8 @@
     POST   /blocks/{name}/monitor     {"enabled": true|false}
     GET    /health/live               the server answers
     GET    /health/ready              the dispatcher and every block are ready (503 otherwise)
+    GET    /metrics                   Prometheus text format (blockflow/metrics.py)
+    /v2/...                           the Open Inference Protocol, KServe v2 (blockflow/openinference.py)
 
 With a token configured, every call but ``GET /health/live`` and ``GET /health/ready`` needs
 ``Authorization: Bearer <token>``: reads too, since they show pids, paths and the state dir.
@@ -273,6 +275,21 @@ class Health:
 
 
 @cherrypy.expose
+class MetricsPage:
+    """/metrics: Prometheus text format (blockflow/metrics.py)."""
+
+    def __init__(self, manager: Manager):
+        from blockflow.metrics import Metrics
+        self.metrics = Metrics(manager)
+
+    def GET(self, **params):
+        no_params(params)
+        from prometheus_client import CONTENT_TYPE_LATEST
+        cherrypy.response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return self.metrics.render()
+
+
+@cherrypy.expose
 class Root:
     """/blocks/... is routed here by _cp_dispatch, never by attribute lookup: CherryPy looks a
     path segment up with getattr() first, so a block named like an attribute of a handler
@@ -281,6 +298,9 @@ class Root:
     def __init__(self, manager: Manager):
         self.system = System(manager)
         self.health = Health(manager)
+        self.metrics = MetricsPage(manager)
+        from blockflow.openinference import V2
+        self.v2 = V2(manager)  # the Open Inference Protocol (KServe v2)
         self._block_list = BlockList(manager)
         self._block = Block(manager)
         self._actions = {a: BlockAction(manager, a) for a in ("ping", "kpi", "monitor")}
@@ -305,7 +325,7 @@ class Root:
     @cherrypy.tools.json_out()
     def GET(self):
         return {"service": "blockflow", "endpoints": ["/system", "/system/update", "/blocks", "/health/live",
-                                                      "/health/ready"]}
+                                                      "/health/ready", "/metrics", "/v2"]}
 
 
 def app_config(token: str | None) -> dict:

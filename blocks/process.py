@@ -404,6 +404,8 @@ class Block:
             if isinstance(exc, (HopGone, ShmExhausted)):
                 err["code"] = exc.code  # block_failed: the next hop was removed; no_shared_memory
             self.post("data", err, ret)
+            self.kpi.add("latency", {"ts": arrival_wall, "rid": rid, "task": header.get("task"),
+                                     "error": err.get("code", "error")})  # counted by GET /metrics
             return
         self.kpi.add("latency", {"ts": arrival_wall, "rid": rid, "task": header.get("task"),
                                  "wait": hop["wait"], "deser": hop["deser"], "dev": hop["dev"],

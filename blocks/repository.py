@@ -54,6 +54,9 @@ log = logging.getLogger("blockflow.blocks.repository")
 
 MODELS = ("resnet18", "resnet50", "resnet152")
 METHODS = ("script", "trace")
+#: File formats: TorchScript archives (``.pt``) or torch.export programs (``.pt2``).
+FORMATS = ("torchscript", "export")
+SUFFIX = {"torchscript": ".pt", "export": ".pt2"}
 SPLITS = (1, 2, 4)
 MANIFEST = "manifest.json"
 FULL = "full"
@@ -187,6 +190,7 @@ def export_model(
     variants: dict[str, list[str]] | None = None,
     seed: int = 0,
     batch: int = 1,
+    fmt: str = "torchscript",
 ) -> Path:
     """Export ``model`` split into ``blocks`` blocks plus ``full.pt`` into
     ``out/<model>/`` and merge their entries into ``manifest.json``.
@@ -195,6 +199,8 @@ def export_model(
     (``torch.jit.trace`` on a seeded ``(batch, 3, 224, 224)`` input).
     ``variants``: ``{"x": ["block4", "head"]}`` also exports differently seeded
     copies of those blocks as ``block4-x.pt``/``head-x.pt``.
+    ``fmt``: ``"torchscript"`` (``.pt`` files, ``method`` applies) or ``"export"``
+    (``torch.export`` programs, ``.pt2`` files, with a dynamic batch dimension).
 
     The work runs in a fresh interpreter with a fixed hash seed so the files
     are byte-for-byte repeatable (see the module docstring).  Returns the
@@ -205,6 +211,8 @@ def export_model(
         raise ValueError(f"blocks must be one of {SPLITS}, got {blocks!r}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -213,7 +221,7 @@ def export_model(
 
     out_dir = Path(out).resolve()
     args = dict(model=model, out=str(out_dir), blocks=blocks, method=method,
-                variants=variants, seed=seed, batch=batch,
+                variants=variants, seed=seed, batch=batch, fmt=fmt,
                 log_level=log.getEffectiveLevel())
     # Load this very file in the child (not "import blocks.repository"): the
     # child must not depend on sys.path/cwd, and -P keeps cwd off sys.path.
@@ -224,13 +232,26 @@ def export_model(
         "m._export_worker(sys.argv[1])\n"
     )
     env = dict(os.environ, PYTHONHASHSEED="0")
-    log.info("exporting %s (blocks=%d, method=%s, variants=%s, seed=%d) to %s",
-             model, blocks, method, variants or "none", seed, out_dir / model)
-    proc = subprocess.run(
+    log.info("exporting %s (blocks=%d, %s, variants=%s, seed=%d) to %s", model, blocks,
+             f"method={method}" if fmt == "torchscript" else "torch.export", variants or "none", seed, out_dir / model)
+    total = 1 + len(BLOCK_NAMES[blocks]) + sum(len(v) for v in variants.values())
+    bar = _progress(total, f"export {model} ({fmt})")
+    proc = subprocess.Popen(
         [sys.executable, "-P", "-c", code, json.dumps(args)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    raw = _relay_child_logs(proc.stderr)
+    lines = []
+    for line in proc.stderr:  # the worker's log records as they come: one progress record per file
+        if line.startswith('{"blockflow_progress"'):
+            bar.update()
+        else:
+            lines.append(line)
+    stdout = proc.stdout.read()
+    proc.wait()
+    bar.close()
+    proc.stdout.close()
+    proc.stderr.close()
+    raw = _relay_child_logs("".join(lines))
     if proc.returncode != 0:
         tail = "\n".join(raw[-20:]) or "(no output)"
         raise RuntimeError(
@@ -238,11 +259,11 @@ def export_model(
             f"worker (exit {proc.returncode}):\n{tail}"
         )
     try:
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = json.loads(stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError) as exc:
         raise RuntimeError(
             f"export worker for {model} returned no result ({exc}); "
-            f"stdout: {proc.stdout[-500:]!r}"
+            f"stdout: {stdout[-500:]!r}"
         ) from None
     return Path(result["manifest"])
 
@@ -319,7 +340,8 @@ def _export_worker(argv_json: str) -> None:
 
 
 def _export_in_process(model: str, out: str, blocks: int, method: str,
-                       variants: dict[str, list[str]], seed: int, batch: int) -> Path:
+                       variants: dict[str, list[str]], seed: int, batch: int,
+                       fmt: str = "torchscript") -> Path:
     """Do the export in this process.  Only byte-for-byte repeatable in a
     fresh interpreter with a fixed PYTHONHASHSEED; call :func:`export_model`."""
     model_dir = Path(out) / model
@@ -362,8 +384,14 @@ def _export_in_process(model: str, out: str, blocks: int, method: str,
 
     entries = {}
     for name, variant, bseed, mod in jobs:
-        fname = f"{name}.pt" if variant is None else f"{name}-{variant}.pt"
-        data = _compile_to_bytes(mod, method, inputs[name])
+        stem = name if variant is None else f"{name}-{variant}"
+        fname = stem + SUFFIX[fmt]
+        if fmt == "export":
+            data = _export_program_bytes(mod, inputs[name])
+        else:
+            data = _compile_to_bytes(mod, method, inputs[name])
+        sys.stderr.write(json.dumps({"blockflow_progress": fname}) + "\n")  # export_model's bar
+        sys.stderr.flush()
         digest = hashlib.sha256(data).hexdigest()
         _atomic_write(model_dir / fname, data)
         n_params = sum(p.numel() for p in mod.parameters())
@@ -378,7 +406,8 @@ def _export_in_process(model: str, out: str, blocks: int, method: str,
             "dtype": "float32",
             "params": n_params,
             "param_bytes": n_bytes,
-            "method": method,
+            "method": method if fmt == "torchscript" else "export",
+            "format": fmt,
             "variant": variant,
             "seed": bseed,
         }
@@ -413,6 +442,26 @@ def _compile_to_bytes(mod: nn.Module, method: str, example: torch.Tensor) -> byt
     buf = io.BytesIO()
     torch.jit.save(compiled, buf)
     return buf.getvalue()
+
+
+def _export_program_bytes(mod: nn.Module, example: torch.Tensor) -> bytes:
+    """``torch.export`` ``mod`` (eval mode, dynamic batch dimension) and serialise
+    the program in memory.  The example is widened to batch 2: torch.export
+    specialises a dimension of size 1, which would fix the batch to 1."""
+    mod.eval()
+    example = torch.cat([example[:1], example[:1]]) if example.shape[0] < 2 else example
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    with torch.no_grad():
+        program = torch.export.export(mod, (example,), dynamic_shapes=({0: batch},))
+    buf = io.BytesIO()
+    torch.export.save(program, buf)
+    return buf.getvalue()
+
+
+def _progress(total: int, label: str):
+    """A tqdm bar of files written, on stderr when it is a terminal (exports take minutes)."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc=label, unit="file", disable=not sys.stderr.isatty(), leave=False)
 
 
 def _manifest_bytes(manifest: dict) -> bytes:
@@ -532,13 +581,16 @@ def verify_block(repo: str | os.PathLike, relpath: str) -> dict | None:
 
 
 def load_block(repo: str | os.PathLike, relpath: str,
-               device: str = "cpu") -> torch.jit.ScriptModule:
-    """Verify and load one block file as an eval-mode TorchScript module."""
+               device: str = "cpu") -> nn.Module:
+    """Verify and load one block file: an eval-mode TorchScript module (``.pt``)
+    or the module of a ``torch.export`` program (``.pt2``)."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"cannot load {relpath} on {device}: CUDA is not available")
     entry = verify_block(repo, relpath)
     path = _resolve(repo, relpath).resolve()  # the file that was checked, not a link that may move
+    if path.suffix == SUFFIX["export"]:
+        return _load_program(path, dev, entry)
     try:
         mod = torch.jit.load(str(path), map_location=dev)
     except Exception as exc:  # the loader raises RuntimeError/ValueError/...
@@ -552,6 +604,23 @@ def load_block(repo: str | os.PathLike, relpath: str,
     return mod.eval()
 
 
+def _load_program(path: Path, dev: torch.device, entry: dict | None) -> nn.Module:
+    """A ``.pt2`` file as a callable module on ``dev`` (no torch.jit involved)."""
+    try:
+        program = torch.export.load(str(path))
+    except Exception as exc:  # the loader raises RuntimeError/ValueError/KeyError/...
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BlockFileError(
+            f"block file {path} is not a loadable torch.export program ({reason}); "
+            f"re-export it with `blockflow export --format export --model {path.parent.name}`", path) from exc
+    mod = program.module()
+    if dev.type != "cpu":
+        mod = mod.to(dev)
+    log.debug("loaded %s on %s (%s)", path, dev,
+              "unlisted" if entry is None else f"sha256 {entry['sha256'][:12]} ok")
+    return mod
+
+
 def list_blocks(repo: str | os.PathLike) -> list[dict[str, Any]]:
     """Every ``*.pt`` under ``repo``: ``{"path": relative posix path, "size":
     bytes, "entry": manifest entry or None}``, sorted by path.  Does not hash
@@ -561,7 +630,7 @@ def list_blocks(repo: str | os.PathLike) -> list[dict[str, Any]]:
         return []
     manifests: dict[Path, dict] = {}
     out = []
-    for path in sorted(root.rglob("*.pt")):
+    for path in sorted([*root.rglob("*.pt"), *root.rglob("*.pt2")]):
         if not path.is_file():
             continue
         if path.parent not in manifests:

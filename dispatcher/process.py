@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 import zmq
 
 from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP, identity
+from blockflow.dispatcher.requestlog import RequestLog
 from blockflow.tensormq.shm import ShmExhausted
 from blockflow.tensormq.transport import Transport, decode_bytes, receive_limit
 from blockflow.tensormq.wire import MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, loads_header
@@ -61,6 +62,7 @@ class DispatcherSpec:
     window: int = 8
     token: str | None = None
     tasks: dict = field(default_factory=dict)   # initial task table, for standalone use
+    run_dir: str | None = None                  # where the request log (@dispatcher.requests.jsonl) goes
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -127,6 +129,7 @@ class Dispatcher:
         # is refused rather than making the clients' entry point create a CUDA context
         self.transport = Transport(self.ctx, f"dispatcher-{spec.incarnation}", spec.transport, spec.shm_dir,
                                    window=spec.window, max_tensor_bytes=spec.max_tensor_bytes, cuda_handles=False)
+        self.kpi = RequestLog(spec.run_dir) if spec.run_dir else None
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -156,6 +159,8 @@ class Dispatcher:
                     self.expire(now)
                 if now >= next_parent:
                     next_parent = now + 1.0
+                    if self.kpi is not None:
+                        self.kpi.flush()  # /metrics reads the log: at most a second behind
                     if self.spec.parent_pid and not _alive(self.spec.parent_pid):
                         log.warning("dispatcher: manager pid %d is gone; shutting down", self.spec.parent_pid)
                         self.exit_code = EXIT_ORPHANED
@@ -165,8 +170,13 @@ class Dispatcher:
         return self.exit_code
 
     # -- clients -----------------------------------------------------------------------------
+    def answer(self, req: Request, status: str, **kw) -> None:
+        """Reply to the client of a request the dispatcher accepted (its task and age are known)."""
+        self.reply(req.client, req.cid, status, task=req.task, since=req.started, **kw)
+
     def reply(self, client: bytes, cid, status: str, *, error: str | None = None, code: str | None = None,
-              tensor=None, hops=None, started: float | None = None) -> None:
+              tensor=None, hops=None, started: float | None = None, task: str | None = None,
+              since: float | None = None) -> None:
         header = {"v": 1, "id": cid, "status": status}
         if error is not None:
             header["error"], header["code"] = error, code or "error"
@@ -186,6 +196,8 @@ class Dispatcher:
         except zmq.ZMQError as exc:
             log.warning("dispatcher: could not answer request %r: %s", cid, exc)
         self.stats["ok" if status == "ok" else "errors"] += 1
+        if self.kpi is not None and task is not None:
+            self.kpi.record(task, "ok" if status == "ok" else header["code"], since, hops)
 
     def receive_requests(self) -> None:
         for _ in range(64):
@@ -214,7 +226,8 @@ class Dispatcher:
             # compared as bytes: compare_digest raises TypeError on non-ASCII str
             if self.spec.token and not hmac.compare_digest(str(header.get("token", "")).encode(),
                                                            self.spec.token.encode()):
-                self.reply(client, cid, "error", error="unauthorized: a valid token is required", code="unauthorized")
+                self.reply(client, cid, "error", error="unauthorized: a valid token is required", code="unauthorized",
+                           task=RequestLog.UNKNOWN_TASK)
                 return
             op = header.get("op", "infer")
             if op == "ping":
@@ -226,11 +239,11 @@ class Dispatcher:
             entry = self.tasks.get(task) if isinstance(task, str) else None
             if entry is None:
                 known = ", ".join(sorted(self.tasks)) or "none"
-                self.reply(client, cid, "error", code="unknown_task",
+                self.reply(client, cid, "error", code="unknown_task", task=RequestLog.UNKNOWN_TASK,
                            error=f"unknown task {str(task)!r:.60}; tasks served now: {known}")
                 return
             if entry.get("unavailable"):
-                self.reply(client, cid, "error", code="unavailable",
+                self.reply(client, cid, "error", code="unavailable", task=task,
                            error=f"task {task} cannot be served now: {entry['unavailable']}")
                 return
             desc = TensorDesc.parse(header.get("x"), self.spec.max_tensor_bytes)
@@ -239,13 +252,13 @@ class Dispatcher:
             self.check_input(task, entry, desc)
             tensor = decode_bytes(desc, frames[1])
         except WireError as exc:
-            self.reply(client, cid, "error", error=f"bad request: {exc}", code="bad_request")
+            self.reply(client, cid, "error", error=f"bad request: {exc}", code="bad_request", task=RequestLog.UNKNOWN_TASK)
             return
         except ValueError as exc:
-            self.reply(client, cid, "error", error=str(exc), code="bad_input")
+            self.reply(client, cid, "error", error=str(exc), code="bad_input", task=task)
             return
         if len(self.pending) >= self.spec.max_pending:
-            self.reply(client, cid, "error", code="overloaded",
+            self.reply(client, cid, "error", code="overloaded", task=task,
                        error=f"dispatcher is overloaded: {self.spec.max_pending} requests are waiting; retry later")
             return
         now = time.monotonic()
@@ -276,7 +289,7 @@ class Dispatcher:
         """Send a request into its path; False when the first hop's window is full (try later)."""
         entry = self.tasks.get(req.task)
         if entry is None:
-            self.reply(req.client, req.cid, "error", code="unknown_task",
+            self.answer(req, "error", code="unknown_task",
                        error=f"task {req.task} was removed by a system update before it could start")
             return True
         path = entry["path"]
@@ -288,7 +301,7 @@ class Dispatcher:
         except TimeoutError:
             return False
         except ShmExhausted as exc:  # this request fails; the others (and the dispatcher) go on
-            self.reply(req.client, req.cid, "error", code=exc.code, error=f"task {req.task}: {exc}")
+            self.answer(req, "error", code=exc.code, error=f"task {req.task}: {exc}")
             return True
         header = {"v": 1, "t": "data", "rid": rid, "task": req.task,
                   "path": [list(h) for h in path[1:]] + [[RETURN_HOP, ret]], "x": x, "hops": []}
@@ -296,7 +309,7 @@ class Dispatcher:
             self.transport.send(first, header, payload, timeout=1.0)
         except TimeoutError as exc:
             self.transport.discard(x)
-            self.reply(req.client, req.cid, "error", code="unavailable", error=f"task {req.task}: {exc}")
+            self.answer(req, "error", code="unavailable", error=f"task {req.task}: {exc}")
             return True
         req.tensor = req.frames = None
         self.outstanding[rid] = req
@@ -307,7 +320,7 @@ class Dispatcher:
             rid, req = self.pending[0]
             if time.monotonic() > req.deadline:
                 self.pending.popleft()
-                self.reply(req.client, req.cid, "error", code="timeout",
+                self.answer(req, "error", code="timeout",
                            error=f"task {req.task}: no free slot towards its first block before the deadline")
                 continue
             if not self.forward(rid, req):
@@ -349,15 +362,15 @@ class Dispatcher:
             return
         if kind == "error":
             err = header.get("err")
-            self.reply(req.client, req.cid, "error", error=str(err)[:2000], code=str(header.get("code", "error")),
+            self.answer(req, "error", error=str(err)[:2000], code=str(header.get("code", "error")),
                        hops=header.get("hops"), started=req.started)
             return
         lease = None
         try:
             tensor, lease = self.transport.decode(header.get("x"), frames)
-            self.reply(req.client, req.cid, "ok", tensor=tensor, hops=header.get("hops"), started=req.started)
+            self.answer(req, "ok", tensor=tensor, hops=header.get("hops"), started=req.started)
         except Exception as exc:  # the request is ours to answer now: never drop it silently
-            self.reply(req.client, req.cid, "error", code="bad_result", error=f"the last block sent an unreadable result: {exc}")
+            self.answer(req, "error", code="bad_result", error=f"the last block sent an unreadable result: {exc}")
         finally:
             if lease is not None:
                 lease.release()
@@ -366,7 +379,7 @@ class Dispatcher:
         late = [rid for rid, r in self.outstanding.items() if r.deadline < now]
         for rid in late:
             req = self.outstanding.pop(rid)
-            self.reply(req.client, req.cid, "error", code="timeout",
+            self.answer(req, "error", code="timeout",
                        error=f"task {req.task}: no result within {req.deadline - req.started:.1f}s "
                              f"(path {' -> '.join(req.blocks)})")
 
@@ -376,7 +389,7 @@ class Dispatcher:
         hit = [rid for rid, r in self.outstanding.items() if dead & set(r.blocks)]
         for rid in hit:
             req = self.outstanding.pop(rid)
-            self.reply(req.client, req.cid, "error", code="block_failed", error=f"task {req.task}: {reason}")
+            self.answer(req, "error", code="block_failed", error=f"task {req.task}: {reason}")
         return len(hit)
 
     # -- control -----------------------------------------------------------------------------
@@ -424,11 +437,13 @@ class Dispatcher:
     def shutdown(self) -> None:
         # answer everyone still waiting, then close; nothing is dropped silently
         for rid, req in list(self.pending):
-            self.reply(req.client, req.cid, "error", code="shutdown", error="the dispatcher is shutting down")
+            self.answer(req, "error", code="shutdown", error="the dispatcher is shutting down")
         self.pending.clear()
         for rid, req in list(self.outstanding.items()):
-            self.reply(req.client, req.cid, "error", code="shutdown", error="the dispatcher is shutting down")
+            self.answer(req, "error", code="shutdown", error="the dispatcher is shutting down")
         self.outstanding.clear()
+        if self.kpi is not None:
+            self.kpi.flush()
         self.transport.close()
         for sock in (self.front, self.results, self.ctrl):
             if sock is not None:

@@ -26,6 +26,7 @@ EXPERIMENTS = [
     "energy",            # Fig 4.10 (GPU only)
     "memory_model",      # Section 4.3, Tables 4.4-4.6
     "multi_gpu",         # Figs 4.15-4.16 (>= 2 GPUs only)
+    "kserve_cost",       # the Open Inference Protocol against the ZeroMQ client
 ]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -213,41 +213,32 @@ def setup_logging(verbose: bool = False) -> None:
 
 # -- progress and warm-up ------------------------------------------------------------------
 class Progress:
-    """A dependency-free progress bar on stderr (a line per 10% when stderr is not a terminal)."""
+    """Progress on stderr: a tqdm bar on a terminal, a line per 50% otherwise (logs stay readable)."""
 
     def __init__(self, total: int, label: str = "", width: int = 30):
-        self.total, self.label, self.width = max(1, int(total)), label, width
+        self.total, self.label = max(1, int(total)), label
         self.n = 0
         self.t0 = time.monotonic()
-        self.tty = sys.stderr.isatty()
+        self.bar = None
         self._last_decile = -1
-        self._last_draw = 0.0
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.total, desc=label, file=sys.stderr, leave=True, dynamic_ncols=True)
 
     def update(self, k: int = 1) -> None:
         self.n += k
-        frac = min(1.0, self.n / self.total)
-        if self.tty:
-            now = time.monotonic()
-            if now - self._last_draw < 0.1 and self.n < self.total:
-                return
-            self._last_draw = now
-            fill = int(frac * self.width)
-            sys.stderr.write(f"\r{self.label:24.24s} [{'#' * fill}{'.' * (self.width - fill)}] "
-                             f"{self.n}/{self.total} {now - self.t0:6.1f}s")
+        if self.bar is not None:
+            self.bar.update(k)
+            return
+        decile = int(min(1.0, self.n / self.total) * 10)
+        if decile != self._last_decile and (decile % 5 == 0 or self.n == self.total):
+            self._last_decile = decile
+            sys.stderr.write(f"{self.label}: {self.n}/{self.total} ({time.monotonic() - self.t0:.1f}s)\n")
             sys.stderr.flush()
-        else:
-            decile = int(frac * 10)
-            if decile != self._last_decile and (decile % 5 == 0 or self.n == self.total):
-                self._last_decile = decile
-                sys.stderr.write(f"{self.label}: {self.n}/{self.total} ({time.monotonic() - self.t0:.1f}s)\n")
-                sys.stderr.flush()
 
     def close(self) -> None:
-        if self.tty:
-            self.n = max(self.n, 0)
-            self._last_draw = 0.0
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        if self.bar is not None:
+            self.bar.close()
 
     def __enter__(self):
         return self
@@ -302,6 +293,16 @@ def traced_repo(repo: str = DEFAULT_REPO, model: str = "resnet50") -> str:
     if not os.path.exists(os.path.join(path, model, "manifest.json")):
         log.info("exporting traced %s blocks into %s (once)", model, path)
         export_model(model, path, blocks=4, method="trace")
+    return path
+
+
+def exported_repo(repo: str = DEFAULT_REPO, model: str = "resnet50") -> str:
+    """A repository with torch.export programs (``.pt2``), kept in ``<repo>/_export``."""
+    from blockflow.blocks.repository import export_model
+    path = os.path.join(repo, "_export")
+    if not os.path.exists(os.path.join(path, model, "manifest.json")):
+        log.info("exporting %s as torch.export programs into %s (once)", model, path)
+        export_model(model, path, blocks=4, fmt="export")
     return path
 
 

@@ -1,7 +1,7 @@
 """Offline block analysis (thesis 4.1.1, Table 4.2 and Fig. 4.2).
 
-Each ResNet50 block (block1..block4, head) and the whole model (full) is loaded alone, scripted
-and traced, in a fresh interpreter, and runs N inferences on a seeded batch-1 input. Reported
+Each ResNet50 block (block1..block4, head) and the whole model (full) is loaded alone, scripted,
+traced and as a torch.export program (``.pt2``), in a fresh interpreter, and runs N inferences on a seeded batch-1 input. Reported
 per block: mean/std/p50/p99 latency, process RSS before and after loading and after the
 inferences (the CPU stand-in for the thesis's "process occupied VRAM"), the parameter count and
 bytes from the manifest, and torch allocated/reserved memory when the block runs on a GPU.
@@ -26,7 +26,8 @@ log = logging.getLogger("experiments.offline_blocks")
 
 NAME = "offline_blocks"
 BLOCKS = ("block1", "block2", "block3", "block4", "head", "full")
-METHODS = ("script", "trace")
+METHODS = ("script", "trace", "export")
+SUFFIX = {"script": ".pt", "trace": ".pt", "export": ".pt2"}
 
 
 def worker(args: dict) -> dict:
@@ -39,7 +40,8 @@ def worker(args: dict) -> dict:
     torch.set_num_threads(args["threads"])
     proc = psutil.Process()
     dev = torch.device(args["device"])
-    entry = load_manifest(args["repo"], "resnet50")["blocks"][f"{args['block']}.pt"]
+    fname = args["block"] + SUFFIX[args["method"]]
+    entry = load_manifest(args["repo"], "resnet50")["blocks"][fname]
     x = torch.randn(entry["input_shape"], generator=torch.Generator().manual_seed(0))
     if dev.type == "cuda":
         torch.cuda.init()
@@ -47,7 +49,7 @@ def worker(args: dict) -> dict:
         x = x.to(dev)
     rss0 = proc.memory_info().rss
     t0 = time.perf_counter()
-    model = load_block(args["repo"], f"resnet50/{args['block']}.pt", args["device"])
+    model = load_block(args["repo"], f"resnet50/{fname}", args["device"])
     load_s = time.perf_counter() - t0
     rss_loaded = proc.memory_info().rss
     times, alloc, reserved = [], [], []
@@ -114,12 +116,13 @@ def plot(rows: list[dict], out: str) -> None:
     common.save_fig(fig, out, "offline_blocks_params.png")
 
     fig, ax = plt.subplots(figsize=(6, 3.4))
-    width = 0.38
+    width = 0.8 / len(METHODS)
+    labels = {"script": "scripted", "trace": "traced", "export": "torch.export"}
     for k, method in enumerate(METHODS):
         rs = [r for r in rows if r["method"] == method]
-        xs = [i + (k - 0.5) * width for i in range(len(rs))]
+        xs = [i + (k - (len(METHODS) - 1) / 2) * width for i in range(len(rs))]
         ax.bar(xs, [r["latency_ms"]["mean"] for r in rs], width, yerr=[r["latency_ms"]["std"] for r in rs],
-               label=f"{method}ed", capsize=2)
+               label=labels[method], capsize=2)
     ax.set_xticks(range(len(BLOCKS)), BLOCKS)
     ax.set_ylabel("latency (ms), mean ± std")
     ax.set_title(f"Offline inference latency per block ({rows[0]['device']}, {rows[0]['threads']} thread(s))")
@@ -140,7 +143,8 @@ def main(argv=None) -> int:
     device, _ = common.device_and_transports(args)
     n = args.n or (20 if args.quick else 1000)
     warmup = 3 if args.quick else 20
-    repos = {"script": common.ensure_repo(args.repo), "trace": common.traced_repo(args.repo)}
+    repos = {"script": common.ensure_repo(args.repo), "trace": common.traced_repo(args.repo),
+             "export": common.exported_repo(args.repo)}
     settings = {"n": n, "warmup_runs_untimed": warmup, "threads": args.threads, "device": device,
                 "blocks": list(BLOCKS), "methods": list(METHODS), "quick": args.quick,
                 "isolation": "one fresh interpreter per (method, block)"}
@@ -172,6 +176,10 @@ def main(argv=None) -> int:
               f"{r['rss_total_delta_mb']:14.1f} {r['rss_after_inference_mb']:8.1f}")
     for m in METHODS:
         print(f"offline sum of block means ({m}): {offline_sum[m]:.3f} ms; full model alone {full_mean[m]:.3f} ms")
+    load = {m: {r["block"]: r["load_s"] for r in rows if r["method"] == m} for m in METHODS}
+    print("load time, s (" + ", ".join(BLOCKS) + "):")
+    for m in METHODS:
+        print(f"  {m:7s} " + "  ".join(f"{load[m][b]:.3f}" for b in BLOCKS))
     return 0
 
 

@@ -187,6 +187,7 @@ class Manager:
     def spawn_dispatcher(self, restarts: int = 0, streak: int = 0) -> Child:
         inc = self._next_incarnation(DISPATCHER)
         spec = DispatcherSpec(sock_dir=self.state.sock, shm_dir=self.state.shm, address=self.dispatcher_address,
+                              run_dir=self.state.run_dir,
                               transport=self.transport, controller=self.controller.endpoint,
                               parent_pid=os.getpid(), incarnation=inc, token=self.token, window=self.window)
         proc = self.mp.Process(target=serve_dispatcher, args=(spec,), name="blockflow-dispatcher", daemon=True)

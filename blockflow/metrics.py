@@ -1,0 +1,299 @@
+"""``GET /metrics``: BlockFlow in Prometheus' text format (prometheus_client).
+
+Where the numbers come from, read at scrape time by the REST process, so that no block or
+dispatcher loop does anything for Prometheus:
+
+- per block: the block's KPI log (``<run_dir>/<block>.latency.jsonl``, one record per
+  inference or error; each scrape first asks every ready block to flush it with ``store``),
+  tailed from where the last scrape stopped; ``ping`` for the queue length and the TensorMQ
+  slots in flight; psutil on the block's pid for RSS and CPU; NVML for the GPUs;
+- per task: the dispatcher's request log (``@dispatcher.requests.jsonl``, flushed every
+  second: dispatcher/requestlog.py);
+- restarts: the manager's snapshot.
+
+Per-stage times add up, by construction, to the request time they are part of:
+
+- per block, ``blockflow_block_stage_seconds_total`` over the six eq. 4.1 stages (queue_wait,
+  reconstruct, to_device, inference, share, forward) sums to
+  ``blockflow_block_inference_duration_seconds_sum``: the block times the six consecutive
+  intervals between a message's arrival and its departure;
+- per task, the first five stages are the sums of what every block on the path reported in
+  the hops of the reply, and ``forward`` is the rest of the end-to-end time (sending on, transit
+  between processes, the dispatcher's own work); together they sum to
+  ``blockflow_task_request_duration_seconds_sum`` (successful requests).
+
+Prometheus scrape config (one line): ``scrape_configs: [{job_name: blockflow, static_configs:
+[{targets: ["127.0.0.1:8080"]}]}]``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+
+import psutil
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from blockflow.protocol import DISPATCHER
+
+log = logging.getLogger("blockflow.metrics")
+
+#: KPI record keys (milliseconds) and the stage names /metrics gives them, in the order they happen.
+STAGES = (("wait", "queue_wait"), ("deser", "reconstruct"), ("dev", "to_device"), ("inf", "inference"),
+          ("share", "share"), ("fwd", "forward"))
+#: Histogram bucket bounds, seconds: from sub-millisecond hops to multi-second requests.
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: Seconds a scrape waits for one block's answer to ``store`` / ``ping`` before leaving it out.
+COMMAND_TIMEOUT = 1.0
+
+
+class _Histogram:
+    __slots__ = ("counts", "sum")
+
+    def __init__(self):
+        self.counts = [0] * (len(BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        for i, bound in enumerate(BUCKETS):
+            if seconds <= bound:
+                self.counts[i] += 1
+                break
+        else:
+            self.counts[-1] += 1
+        self.sum += seconds
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, n in zip([*map(str, BUCKETS), "+Inf"], self.counts):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+class _Tail:
+    """Reads the complete lines appended to a file since the last call (a cut line waits)."""
+
+    def __init__(self, path: str):
+        self.path, self.offset = path, 0
+
+    def records(self):
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        for line in data[:end].splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a crash: skip it, the next one starts clean
+            if isinstance(rec, dict):
+                yield rec
+
+
+class _Series:
+    """Cumulative counts of one block or one task, fed from its log."""
+
+    def __init__(self):
+        self.requests = 0
+        self.errors: dict[str, int] = {}
+        self.duration = _Histogram()
+        self.stages = {stage: 0.0 for _, stage in STAGES}
+
+
+class BlockFlowCollector:
+    """A prometheus_client collector over one manager's run (see the module docstring)."""
+
+    def __init__(self, manager):
+        self.manager = manager
+        self.lock = threading.Lock()
+        self.blocks: dict[str, _Series] = {}
+        self.tasks: dict[str, _Series] = {}
+        self.tails: dict[str, _Tail] = {}
+        self.nvml = _Nvml()
+
+    # -- reading the logs --------------------------------------------------------------------
+    def _tail(self, path: str):
+        tail = self.tails.get(path)
+        if tail is None:
+            tail = self.tails[path] = _Tail(path)
+        return tail.records()
+
+    def _read_block(self, run_dir: str, name: str) -> None:
+        series = self.blocks.setdefault(name, _Series())
+        for rec in self._tail(os.path.join(run_dir, f"{name}.latency.jsonl")):
+            series.requests += 1
+            if "error" in rec:
+                code = str(rec["error"])
+                series.errors[code] = series.errors.get(code, 0) + 1
+                continue
+            if "total" not in rec:
+                continue
+            # the six stages are consecutive intervals: their sum is the block's total
+            for key, stage in STAGES:
+                series.stages[stage] += float(rec.get(key, 0.0)) / 1e3
+            series.duration.observe(sum(float(rec.get(key, 0.0)) for key, _ in STAGES) / 1e3)
+
+    def _read_dispatcher(self, run_dir: str) -> None:
+        for rec in self._tail(os.path.join(run_dir, "@dispatcher.requests.jsonl")):
+            task = str(rec.get("task"))
+            series = self.tasks.setdefault(task, _Series())
+            series.requests += 1
+            code = str(rec.get("code"))
+            if code != "ok":
+                series.errors[code] = series.errors.get(code, 0) + 1
+                continue
+            ms = float(rec.get("ms", 0.0))
+            inside = 0.0
+            for key, stage in STAGES[:-1]:
+                v = float((rec.get("stages") or {}).get(key, 0.0))
+                series.stages[stage] += v / 1e3
+                inside += v
+            series.stages["forward"] += max(ms - inside, 0.0) / 1e3
+            series.duration.observe(max(ms, inside) / 1e3)
+
+    # -- one scrape --------------------------------------------------------------------------
+    def collect(self):
+        with self.lock:
+            yield from self._collect()
+
+    def _collect(self):
+        system = self.manager.snapshot()
+        run_dir = system.get("run_dir")
+        blocks = [b for b in system.get("blocks", []) if isinstance(b, dict)]
+        live = {}
+        for b in blocks:
+            if b.get("status") != "ready":
+                continue
+            try:
+                self.manager.command(b["name"], "store", timeout=COMMAND_TIMEOUT)
+                live[b["name"]] = self.manager.command(b["name"], "ping", timeout=COMMAND_TIMEOUT)
+            except Exception as exc:  # busy, restarting or gone: its log is read next time
+                log.debug("metrics: block %s did not answer (%s)", b["name"], exc)
+        if run_dir:
+            for b in blocks:
+                self._read_block(run_dir, b["name"])
+            self._read_dispatcher(run_dir)
+        yield from self._families("block", self.blocks, "inferences a block ran (successful or not)",
+                                  "inference time in a block, arrival to departure")
+        yield from self._families("task", self.tasks, "requests the dispatcher answered",
+                                  "end-to-end time of successful requests at the dispatcher")
+
+        queue = GaugeMetricFamily("blockflow_block_queue_length", "messages waiting for the block's inference thread",
+                                  labels=["block"])
+        slots = GaugeMetricFamily("blockflow_block_inflight_slots", "TensorMQ slots the block has in flight "
+                                  "(sent, not yet released by the consumer)", labels=["block"])
+        for name, info in live.items():
+            if isinstance(info, dict):
+                if isinstance(info.get("queue"), (int, float)):
+                    queue.add_metric([name], info["queue"])
+                if isinstance(info.get("in_flight"), (int, float)):
+                    slots.add_metric([name], info["in_flight"])
+        yield queue
+        yield slots
+
+        restarts = CounterMetricFamily("blockflow_block_restarts", "respawns of the block (or the dispatcher) "
+                                       "since it was declared", labels=["block"])
+        up = GaugeMetricFamily("blockflow_block_up", "1 when the block is ready, 0 otherwise", labels=["block", "status"])
+        rss = GaugeMetricFamily("blockflow_block_resident_memory_bytes", "resident set size of the block's process",
+                                labels=["block"])
+        cpu = CounterMetricFamily("blockflow_block_cpu_seconds", "user and system CPU time of the block's process "
+                                  "(starts again from 0 when it is respawned)", labels=["block"])
+        children = blocks + ([system["dispatcher"]] if isinstance(system.get("dispatcher"), dict) else [])
+        pids = {}
+        for b in children:
+            name = b.get("name", DISPATCHER)
+            restarts.add_metric([name], b.get("restarts", 0))
+            up.add_metric([name, str(b.get("status"))], 1 if b.get("status") == "ready" else 0)
+            pid = b.get("pid")
+            if not pid:
+                continue
+            try:
+                p = psutil.Process(pid)
+                with p.oneshot():
+                    rss.add_metric([name], p.memory_info().rss)
+                    t = p.cpu_times()
+                    cpu.add_metric([name], t.user + t.system)
+                pids[pid] = name
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        yield from (restarts, up, rss, cpu)
+        yield from self.nvml.families(pids)
+
+    def _families(self, kind: str, table: dict[str, _Series], what: str, duration_help: str):
+        label = [kind]
+        requests = CounterMetricFamily(f"blockflow_{kind}_requests", what, labels=label)
+        errors = CounterMetricFamily(f"blockflow_{kind}_errors", f"{what} with an error, by error code",
+                                     labels=[kind, "code"])
+        name = "inference" if kind == "block" else "request"
+        duration = HistogramMetricFamily(f"blockflow_{kind}_{name}_duration_seconds", duration_help, labels=label)
+        stages = CounterMetricFamily(f"blockflow_{kind}_stage_seconds", "time spent in each eq. 4.1 stage; the "
+                                     f"stages sum to blockflow_{kind}_{name}_duration_seconds_sum",
+                                     labels=[kind, "stage"])
+        for key, s in sorted(table.items()):
+            requests.add_metric([key], s.requests)
+            for code, n in sorted(s.errors.items()):
+                errors.add_metric([key, code], n)
+            duration.add_metric([key], s.duration.buckets(), s.duration.sum)
+            for stage, seconds in s.stages.items():
+                stages.add_metric([key, stage], seconds)
+        yield from (requests, errors, duration, stages)
+
+
+class _Nvml:
+    """GPU figures through NVML when a driver is present; nothing otherwise."""
+
+    def __init__(self):
+        self.nv = None
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self.count = pynvml.nvmlDeviceGetCount()
+            self.nv = pynvml
+        except Exception as exc:  # no driver, no GPU: CPU-only metrics
+            log.debug("metrics: no NVML (%s); GPU metrics left out", exc)
+
+    def families(self, pids: dict[int, str]):
+        if self.nv is None:
+            return
+        nv = self.nv
+        util = GaugeMetricFamily("blockflow_gpu_utilization_ratio", "fraction of the last sample period a kernel "
+                                 "ran on the GPU (NVML)", labels=["gpu"])
+        used = GaugeMetricFamily("blockflow_gpu_memory_used_bytes", "GPU memory in use, all processes", labels=["gpu"])
+        power = GaugeMetricFamily("blockflow_gpu_power_watts", "GPU power draw", labels=["gpu"])
+        energy = CounterMetricFamily("blockflow_gpu_energy_joules", "energy the GPU used since its driver loaded",
+                                     labels=["gpu"])
+        vram = GaugeMetricFamily("blockflow_block_gpu_memory_bytes", "GPU memory the block's process holds",
+                                 labels=["block", "gpu"])
+        for i in range(self.count):
+            gpu = str(i)
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                util.add_metric([gpu], nv.nvmlDeviceGetUtilizationRates(h).gpu / 100.0)
+                used.add_metric([gpu], nv.nvmlDeviceGetMemoryInfo(h).used)
+                power.add_metric([gpu], nv.nvmlDeviceGetPowerUsage(h) / 1e3)
+                energy.add_metric([gpu], nv.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3)
+                for proc in nv.nvmlDeviceGetComputeRunningProcesses(h):
+                    if proc.pid in pids and proc.usedGpuMemory is not None:
+                        vram.add_metric([pids[proc.pid], gpu], proc.usedGpuMemory)
+            except nv.NVMLError as exc:  # a field this GPU does not support: leave it out
+                log.debug("metrics: NVML on GPU %s: %s", gpu, exc)
+        yield from (util, used, power, energy, vram)
+
+
+class Metrics:
+    """The registry ``GET /metrics`` renders: BlockFlow's collector plus the REST process's own."""
+
+    def __init__(self, manager):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(BlockFlowCollector(manager))
+        ProcessCollector(registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,270 @@
+"""The Open Inference Protocol (KServe v2, REST) in front of the dispatcher.
+
+    GET  /v2                                  server metadata (name, version, extensions)
+    GET  /v2/health/live                      200 while the server answers
+    GET  /v2/health/ready                     200 when the dispatcher and every block are ready
+    GET  /v2/models/{task}[/versions/1]       inputs and outputs: name, datatype, shape (-1: any)
+    GET  /v2/models/{task}[/versions/1]/ready 200 when the task can be served now
+    POST /v2/models/{task}[/versions/1]/infer one input tensor in, one output tensor out
+
+A model is a task; its one version is "1". Tensors travel as JSON (``data``: the flattened
+values) or with the binary-data extension (``Inference-Header-Content-Length``: the JSON header,
+then the raw little-endian row-major bytes of each input whose ``parameters.binary_data_size``
+says how many). The REST process forwards each request to the dispatcher with BlockFlow's own
+``Client`` (one per process, thread-safe), so the tensor takes the same path as any client's.
+With a token configured, infer is a POST like the others: ``Authorization: Bearer <token>``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+
+import cherrypy
+import numpy as np
+import torch
+
+from blockflow.protocol import ErrorCode
+from blockflow.tensormq.wire import MAX_TENSOR_BYTES
+
+log = logging.getLogger("blockflow.openinference")
+
+#: KServe datatype <-> torch dtype (BYTES, i.e. strings, has no tensor counterpart here).
+DATATYPES = {"BOOL": torch.bool, "UINT8": torch.uint8, "INT8": torch.int8, "INT16": torch.int16,
+             "INT32": torch.int32, "INT64": torch.int64, "FP16": torch.float16, "FP32": torch.float32,
+             "FP64": torch.float64, "BF16": torch.bfloat16}
+TORCH_TO_DATATYPE = {v: k for k, v in DATATYPES.items()}
+MANIFEST_DTYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "float64": "FP64",
+                   "uint8": "UINT8", "int64": "INT64", "int32": "INT32"}
+#: Largest request body: the largest tensor the data plane takes plus room for the JSON header.
+MAX_BODY = MAX_TENSOR_BYTES + (1 << 20)
+#: HTTP status for the error codes a BlockFlow client can get.
+STATUS = {ErrorCode.BAD_REQUEST: 400, ErrorCode.BAD_INPUT: 400, ErrorCode.UNKNOWN_TASK: 404,
+          ErrorCode.UNAUTHORIZED: 401, ErrorCode.OVERLOADED: 503, ErrorCode.UNAVAILABLE: 503,
+          ErrorCode.SHUTDOWN: 503, ErrorCode.TIMEOUT: 504, ErrorCode.DISCONNECTED: 502,
+          ErrorCode.BLOCK_FAILED: 502, ErrorCode.BAD_RESULT: 502}
+
+
+def fail(code: int, message: str):
+    from blockflow.rest import fail as rest_fail
+    rest_fail(code, message)
+
+
+class _Infer:
+    """Decoding a KServe request into one tensor, encoding one tensor into its answer."""
+
+    @staticmethod
+    def parse(raw: bytes, header_length: str | None) -> tuple[dict, bytes]:
+        if header_length is not None:
+            try:
+                n = int(header_length)
+            except ValueError:
+                fail(400, f"Inference-Header-Content-Length must be an integer, got {header_length[:20]!r}")
+            if not 0 < n <= len(raw):
+                fail(400, f"Inference-Header-Content-Length {n} does not fit a body of {len(raw)} bytes")
+            head, binary = raw[:n], raw[n:]
+        else:
+            head, binary = raw, b""
+        try:
+            body = json.loads(head)
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            fail(400, f"body: not valid JSON ({str(exc)[:200]}); send an inference request object")
+        if not isinstance(body, dict):
+            fail(400, "body: must be a JSON object with 'inputs'")
+        return body, binary
+
+    @staticmethod
+    def tensor(body: dict, binary: bytes) -> torch.Tensor:
+        inputs = body.get("inputs")
+        if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+            fail(400, "inputs: a BlockFlow task takes exactly one input tensor; send one entry in 'inputs'")
+        spec = inputs[0]
+        datatype = spec.get("datatype")
+        if datatype not in DATATYPES:
+            fail(400, f"inputs[0].datatype: {str(datatype)[:20]!r} is not one of {', '.join(DATATYPES)}")
+        shape = spec.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            fail(400, "inputs[0].shape: must be a list of non-negative integers")
+        dtype = DATATYPES[datatype]
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        size = count * torch.empty((), dtype=dtype).element_size()
+        if size > MAX_TENSOR_BYTES:
+            fail(413, f"inputs[0]: {size} bytes is larger than the {MAX_TENSOR_BYTES} a tensor may have")
+        params = spec.get("parameters") or {}
+        if "binary_data_size" in params:
+            if params["binary_data_size"] != size or len(binary) != size:
+                fail(400, f"inputs[0].parameters.binary_data_size: shape {shape} of {datatype} is {size} bytes; "
+                          f"the request carries {len(binary)}")
+            if dtype == torch.bfloat16:
+                return torch.frombuffer(bytearray(binary), dtype=torch.int16).view(torch.bfloat16).reshape(shape)
+            return torch.frombuffer(bytearray(binary), dtype=dtype).reshape(shape) if size else torch.empty(shape, dtype=dtype)
+        data = spec.get("data")
+        if not isinstance(data, list):
+            fail(400, "inputs[0].data: missing; send the values (flattened or nested) or use the binary-data extension")
+        try:
+            t = torch.tensor(data, dtype=dtype)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            fail(400, f"inputs[0].data: not {datatype} values ({str(exc)[:200]})")
+        if t.numel() != count:
+            fail(400, f"inputs[0].data: {t.numel()} values, but shape {shape} needs {count}")
+        return t.reshape(shape)
+
+    @staticmethod
+    def binary_output(body: dict) -> bool:
+        outputs = body.get("outputs")
+        if isinstance(outputs, list) and outputs:
+            params = outputs[0].get("parameters") if isinstance(outputs[0], dict) else None
+            return bool((params or {}).get("binary_data", False))
+        return bool((body.get("parameters") or {}).get("binary_data_output", False))
+
+    @staticmethod
+    def answer(task: str, body: dict, y: torch.Tensor) -> bytes:
+        datatype = TORCH_TO_DATATYPE.get(y.dtype)
+        if datatype is None:
+            fail(502, f"task {task} produced a {y.dtype} tensor, which the Open Inference Protocol cannot carry")
+        y = y.detach().cpu().contiguous()
+        out = {"name": "output", "datatype": datatype, "shape": list(y.shape)}
+        reply = {"model_name": task, "model_version": "1", "outputs": [out]}
+        if isinstance(body.get("id"), str):
+            reply["id"] = body["id"]
+        if _Infer.binary_output(body):
+            raw = (y.view(torch.int16) if y.dtype == torch.bfloat16 else y).numpy().tobytes()
+            out["parameters"] = {"binary_data_size": len(raw)}
+            head = json.dumps(reply).encode()
+            cherrypy.response.headers["Content-Type"] = "application/octet-stream"
+            cherrypy.response.headers["Inference-Header-Content-Length"] = str(len(head))
+            return head + raw
+        out["data"] = (y.float() if y.dtype == torch.bfloat16 else y).flatten().tolist()
+        cherrypy.response.headers["Content-Type"] = "application/json"
+        return json.dumps(reply).encode()
+
+
+@cherrypy.expose
+class V2:
+    """/v2/...: routed by hand (see the module docstring for the paths)."""
+
+    def __init__(self, manager):
+        self.manager = manager
+        self._client = None
+        self._client_lock = threading.Lock()
+        cherrypy.engine.subscribe("stop", self.close)
+
+    # -- routing -----------------------------------------------------------------------------
+    def _cp_dispatch(self, vpath):
+        cherrypy.request.blockflow_v2 = list(vpath)
+        del vpath[:]
+        return self
+
+    def _route(self) -> tuple[str, str | None]:
+        """(what, task) for the path after /v2."""
+        parts = getattr(cherrypy.request, "blockflow_v2", [])
+        if not parts:
+            return "server", None
+        if parts in (["health", "live"], ["health", "ready"]):
+            return "health_" + parts[1], None
+        if len(parts) >= 2 and parts[0] == "models":
+            task, rest = parts[1], parts[2:]
+            if rest[:1] == ["versions"]:
+                if len(rest) < 2 or rest[1] != "1":
+                    fail(404, f"task {task} has one version, '1'")
+                rest = rest[2:]
+            if rest in ([], ["ready"], ["infer"]):
+                return (rest[0] if rest else "model"), task
+        fail(404, f"no /v2/{'/'.join(parts)[:100]}; see GET /v2 and /v2/models/{{task}}")
+
+    # -- GET ---------------------------------------------------------------------------------
+    @cherrypy.tools.json_out()
+    def GET(self, **params):
+        what, task = self._route()
+        if what == "server":
+            from blockflow import __version__
+            return {"name": "blockflow", "version": __version__, "extensions": ["binary_tensor_data"]}
+        if what == "health_live":
+            return {"live": True}
+        if what == "health_ready":
+            if not self.manager.ready():
+                fail(503, "not ready: the dispatcher or a block is not running; GET /system says which")
+            return {"ready": True}
+        if what == "infer":
+            fail(405, f"infer takes POST: POST /v2/models/{task}/infer")
+        system = self.manager.snapshot()
+        path = next((t["path"] for t in system["tasks"] if t["id"] == task), None)
+        if path is None:
+            served = ", ".join(sorted(t["id"] for t in system["tasks"])) or "none"
+            fail(404, f"no task {task!r}; tasks served now: {served}")
+        if what == "model":
+            return self._metadata(task, path, system)
+        blocks = {b["name"]: b for b in system["blocks"]}
+        down = [n for n in path if blocks.get(n, {}).get("status") != "ready"]
+        if down:
+            fail(503, f"task {task} is not ready: block(s) {', '.join(down)} not running")
+        return {"name": task, "ready": True}
+
+    def _metadata(self, task: str, path: list[str], system: dict) -> dict:
+        blocks = {b["name"]: b for b in system["blocks"]}
+        first = self._manifest_entry(blocks.get(path[0], {}).get("model"))
+        last = self._manifest_entry(blocks.get(path[-1], {}).get("model"))
+
+        def shape(entry, key):
+            dims = (entry or {}).get(key)
+            return [-1, *dims[1:]] if isinstance(dims, list) and dims else [-1]
+
+        def dtype(entry):
+            return MANIFEST_DTYPES.get((entry or {}).get("dtype"), "FP32")
+
+        return {"name": task, "versions": ["1"], "platform": "blockflow",
+                "inputs": [{"name": "input", "datatype": dtype(first), "shape": shape(first, "input_shape")}],
+                "outputs": [{"name": "output", "datatype": dtype(last), "shape": shape(last, "output_shape")}],
+                "parameters": {"path": list(path)}}
+
+    def _manifest_entry(self, model: str | None) -> dict | None:
+        """The manifest entry of a block file, for shapes only (loading checks the sha256)."""
+        if not model:
+            return None
+        manifest = os.path.join(str(self.manager.repo), os.path.dirname(model), "manifest.json")
+        try:
+            with open(manifest) as f:
+                entry = json.load(f).get("blocks", {}).get(os.path.basename(model))
+        except (OSError, ValueError, AttributeError):
+            return None
+        return entry if isinstance(entry, dict) else None
+
+    # -- POST infer --------------------------------------------------------------------------
+    def POST(self, **params):
+        what, task = self._route()
+        if what != "infer":
+            fail(405, "POST is allowed on /v2/models/{task}/infer only")
+        raw = cherrypy.request.body.read(MAX_BODY + 1)
+        if len(raw) > MAX_BODY:
+            fail(413, f"body is larger than {MAX_BODY} bytes")
+        body, binary = _Infer.parse(raw, cherrypy.request.headers.get("Inference-Header-Content-Length"))
+        x = _Infer.tensor(body, binary)
+        from blockflow.client import BlockFlowError
+        try:
+            y = self.client().infer(task, x)
+        except BlockFlowError as exc:
+            fail(STATUS.get(exc.code, 500), str(exc))
+        except TimeoutError as exc:
+            fail(504, str(exc))
+        return _Infer.answer(task, body, y)
+
+    def client(self):
+        """One BlockFlow client for every request of this process, made on first use."""
+        with self._client_lock:
+            if self._client is None:
+                from blockflow.client import Client
+                dispatcher = self.manager.snapshot().get("dispatcher") or {}
+                endpoint = dispatcher.get("endpoint")
+                if not endpoint:
+                    fail(503, "the dispatcher is not running; retry when GET /v2/health/ready answers 200")
+                token = cherrypy.request.app.config.get("blockflow", {}).get("token")
+                self._client = Client(endpoint, token=token or "")
+            return self._client
+
+    def close(self) -> None:
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None

@@ -1,0 +1,102 @@
+"""GET /metrics on a real server, parsed with prometheus_client's own parser."""
+from __future__ import annotations
+
+import math
+import time
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from blockflow.client import BlockFlowError, Client
+
+TOY_UPDATE = {"blocks": [{"name": "a", "model": "toy/identity.pt"}, {"name": "d", "model": "toy/double.pt"}],
+              "tasks": [{"id": "t", "path": ["a", "d"]}, {"id": "u", "path": ["d"]}]}
+STAGES = {"queue_wait", "reconstruct", "to_device", "inference", "share", "forward"}
+
+
+def scrape(url: str) -> dict:
+    """{(sample name, frozenset of labels): value} of one scrape, checked to be valid text format."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def wait_for_scrape(url: str, ready, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(url)
+        if ready(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.2)
+
+
+def test_metrics_count_the_requests_sent(server_factory, identity_repo):
+    srv = server_factory(identity_repo)
+    srv.call("POST", "/system/update", TOY_UPDATE, timeout=60)
+    n_t, n_u, n_unknown = 7, 3, 2
+    with Client(srv.dispatcher, timeout=15) as c:
+        for i in range(n_t):
+            assert torch.equal(c.infer("t", torch.full((4,), float(i))), torch.full((4,), 2.0 * i))
+        for _ in range(n_u):
+            c.infer("u", torch.ones(3))
+        for _ in range(n_unknown):
+            with pytest.raises(BlockFlowError):
+                c.infer("nope", torch.ones(3))
+
+    m = wait_for_scrape(srv.url, lambda m: value(m, "blockflow_task_requests_total", task="t") == n_t
+                        and value(m, "blockflow_task_requests_total", task="_unknown") == n_unknown
+                        and value(m, "blockflow_task_requests_total", task="u") == n_u)
+    # per task: requests, errors by code, the end-to-end histogram
+    assert value(m, "blockflow_task_requests_total", task="t") == n_t
+    assert value(m, "blockflow_task_requests_total", task="u") == n_u
+    assert value(m, "blockflow_task_errors_total", task="_unknown", code="unknown_task") == n_unknown
+    assert value(m, "blockflow_task_request_duration_seconds_count", task="t") == n_t
+    assert value(m, "blockflow_task_request_duration_seconds_bucket", task="t", le="+Inf") == n_t
+    # per block: d ran for both tasks, a for t only
+    assert value(m, "blockflow_block_requests_total", block="a") == n_t
+    assert value(m, "blockflow_block_requests_total", block="d") == n_t + n_u
+    assert value(m, "blockflow_block_inference_duration_seconds_count", block="d") == n_t + n_u
+
+    # the stages add up to the time they are part of, per block and per task
+    for kind, key, name in (("block", "a", "inference"), ("block", "d", "inference"), ("task", "t", "request"),
+                            ("task", "u", "request")):
+        stages = {dict(labels)["stage"]: v for (sample, labels), v in m.items()
+                  if sample == f"blockflow_{kind}_stage_seconds_total" and dict(labels)[kind] == key}
+        assert set(stages) == STAGES
+        assert all(v >= 0 for v in stages.values())
+        total = value(m, f"blockflow_{kind}_{name}_duration_seconds_sum", **{kind: key})
+        assert total > 0 and math.isclose(sum(stages.values()), total, rel_tol=1e-6), (kind, key, stages, total)
+        assert stages["inference"] > 0
+    # the tasks' view and the blocks' view of the same inferences agree: the hops carry the
+    # very numbers the blocks log
+    for stage in ("queue_wait", "reconstruct", "to_device", "inference", "share"):
+        by_task = sum(value(m, "blockflow_task_stage_seconds_total", task=t, stage=stage) for t in ("t", "u"))
+        by_block = sum(value(m, "blockflow_block_stage_seconds_total", block=b, stage=stage) for b in ("a", "d"))
+        assert math.isclose(by_task, by_block, rel_tol=1e-6, abs_tol=1e-9), (stage, by_task, by_block)
+    # processes: restarts, memory, CPU, queue and slots, for both blocks and the dispatcher
+    for b in ("a", "d"):
+        assert value(m, "blockflow_block_restarts_total", block=b) == 0
+        assert value(m, "blockflow_block_resident_memory_bytes", block=b) > 10 * 2**20
+        assert value(m, "blockflow_block_cpu_seconds_total", block=b) > 0
+        assert value(m, "blockflow_block_queue_length", block=b) == 0
+        assert value(m, "blockflow_block_inflight_slots", block=b) is not None
+    assert value(m, "blockflow_block_resident_memory_bytes", block="@dispatcher") > 0
+
+    # counters only grow: more requests, higher counts
+    with Client(srv.dispatcher, timeout=15) as c:
+        c.infer("u", torch.ones(3))
+    m2 = wait_for_scrape(srv.url, lambda m: value(m, "blockflow_task_requests_total", task="u") == n_u + 1)
+    assert value(m2, "blockflow_task_requests_total", task="u") == n_u + 1
+    assert value(m2, "blockflow_block_requests_total", block="d") == n_t + n_u + 1
+    assert value(m2, "blockflow_block_requests_total", block="a") == n_t
