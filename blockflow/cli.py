@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token", help="require this bearer token for mutating REST calls and from clients "
                                    "(or set BLOCKFLOW_TOKEN)")
     s.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
-    s.add_argument("--window", type=int, default=8, help="TensorMQ slots in flight per edge (default 8)")
+    s.add_argument("--window", type=int, default=settings.WINDOW,
+                   help=f"TensorMQ slots in flight per edge (default {settings.WINDOW}, BLOCKFLOW_WINDOW)")
     s.add_argument("--quiet", action="store_true", help="no CherryPy access log on screen")
     s.set_defaults(fn=_serve)
 

@@ -1,8 +1,12 @@
 """The system update: what an optimiser POSTs to /system/update, checked field by field.
 
-``validate_update(body, repo)`` returns a normalised ``Update`` or raises ``UpdateError`` whose
+``validate_update(body)`` returns a normalised ``Update`` or raises ``UpdateError`` whose
 ``field`` names the offending part (``blocks[2].device``, ``tasks[0].path[3]``) and whose
 message says what would be accepted. Nothing is changed by a refused update.
+
+This module checks the shape of the request only; it reads no file. Whether each ``model``
+exists and matches its manifest is the manager's check (manager/models.py), made once at the
+same edge and reported under the same field names.
 """
 from __future__ import annotations
 
@@ -20,7 +24,11 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d{1,2})$")
 MAX_BLOCKS = settings.MAX_BLOCKS
 MAX_TASKS = settings.MAX_TASKS
 
-BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads"}
+BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads", "max_inference_s"}
+#: Seconds one inference may take before the block is considered stuck, killed and respawned.
+DEFAULT_MAX_INFERENCE_S = 60.0
+#: The largest ``max_inference_s`` accepted (a day): larger values are almost surely a unit mistake.
+MAX_MAX_INFERENCE_S = 86400.0
 TOP_FIELDS = {"transport", "protocol", "blocks", "tasks"}
 
 
@@ -40,10 +48,11 @@ class BlockDecl:
     protocol: str = "ipc"
     cpus: tuple[int, ...] | None = None
     threads: int | None = None
+    max_inference_s: float = DEFAULT_MAX_INFERENCE_S
 
     def as_dict(self) -> dict:
         d = {"name": self.name, "model": self.model, "device": self.device, "transport": self.transport,
-             "protocol": self.protocol}
+             "protocol": self.protocol, "max_inference_s": self.max_inference_s}
         if self.cpus is not None:
             d["cpus"] = list(self.cpus)
         if self.threads is not None:
@@ -88,10 +97,16 @@ def _device(value, where: str, gpus: int) -> str:
     return value
 
 
-def validate_update(body, repo: str, gpus: int = 0, cpu_count: int | None = None) -> Update:
-    """Check an update against the schema and the model repository."""
-    from blockflow.blocks.repository import BlockFileError, verify_block
+def _max_inference(value, where: str) -> float:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
+            or not 0 < value <= MAX_MAX_INFERENCE_S):
+        raise UpdateError(where, f"must be a number of seconds above 0 and at most {MAX_MAX_INFERENCE_S:.0f}, "
+                                 f"got {value!r:.40}")
+    return float(value)
 
+
+def validate_update(body, gpus: int = 0, cpu_count: int | None = None) -> Update:
+    """Check an update against the schema (no file is read: see manager/models.py)."""
     if not isinstance(body, dict):
         raise UpdateError("body", "must be a JSON object with 'blocks' and 'tasks'")
     unknown = set(body) - TOP_FIELDS
@@ -111,7 +126,6 @@ def validate_update(body, repo: str, gpus: int = 0, cpu_count: int | None = None
     cpu_count = cpu_count or os.cpu_count() or 1
 
     blocks: dict[str, BlockDecl] = {}
-    manifests: dict[str, dict | None] = {}
     for i, b in enumerate(blocks_in):
         where = f"blocks[{i}]"
         if not isinstance(b, dict):
@@ -126,11 +140,6 @@ def validate_update(body, repo: str, gpus: int = 0, cpu_count: int | None = None
         if name in blocks:
             raise UpdateError(f"{where}.name", f"duplicate block name {name!r}")
         model = _str(b["model"], f"{where}.model")
-        if model not in manifests:
-            try:
-                manifests[model] = verify_block(repo, model)
-            except BlockFileError as exc:
-                raise UpdateError(f"{where}.model", str(exc)) from None
         device = _device(b.get("device", "cpu"), f"{where}.device", gpus)
         cpus = b.get("cpus")
         if cpus is not None:
@@ -145,7 +154,9 @@ def validate_update(body, repo: str, gpus: int = 0, cpu_count: int | None = None
             name=name, model=model, device=device,
             transport=_str(b.get("transport", transport), f"{where}.transport", TRANSPORTS),
             protocol=_str(b.get("protocol", protocol), f"{where}.protocol", PROTOCOLS),
-            cpus=cpus, threads=threads)
+            cpus=cpus, threads=threads,
+            max_inference_s=_max_inference(b.get("max_inference_s", DEFAULT_MAX_INFERENCE_S),
+                                           f"{where}.max_inference_s"))
 
     tasks: dict[str, list[str]] = {}
     for i, t in enumerate(tasks_in):
@@ -175,4 +186,4 @@ def validate_update(body, repo: str, gpus: int = 0, cpu_count: int | None = None
                 raise UpdateError(f"{where}.path[{j}]", f"block {hop!r} appears twice; paths may not loop")
             seen.add(hop)
         tasks[tid] = list(path)
-    return Update(transport, protocol, blocks, tasks, manifests)
+    return Update(transport, protocol, blocks, tasks)
