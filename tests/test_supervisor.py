@@ -270,3 +270,42 @@ def test_bad_max_inference_s_is_a_field_named_400(server_factory, identity_repo)
     err = rest_error(srv, "POST", "/system/update", update_body(
         {"a": {"model": "toy/identity.pt", "max_inference_s": -3}}, {"t": ["a"]}))
     assert err.status == 400 and err.body["field"] == "blocks[0].max_inference_s", err.body
+
+
+# -- settings reach the processes ----------------------------------------------------------------
+
+def _slots_of(pid: int) -> list[str]:
+    import glob
+    return [f for f in glob.glob("/dev/shm/blockflow-*/*") if os.path.basename(f).rsplit(".", 2)[1:2] == [str(pid)]]
+
+
+@pytest.mark.parametrize("how", ["env", "flag"])
+def test_window_setting_reaches_the_blocks(server_factory, identity_repo, how):
+    """An edge commits its whole window of slots on first use: the slot files a block made
+    towards its one consumer are the window it was given."""
+    srv = (server_factory(identity_repo, env={"BLOCKFLOW_WINDOW": "3"}) if how == "env"
+           else server_factory(identity_repo, extra=["--window", "2"]))
+    srv.call("POST", "/system/update", SIMPLE, timeout=60)
+    with Client(srv.dispatcher, timeout=15) as c:
+        x = torch.ones(4)
+        assert torch.equal(c.infer("t", x), x * 2)
+    window = 3 if how == "env" else 2
+    # (a, the identity, forwards the dispatcher's slot; d makes a new tensor, in its own slots)
+    assert len(_slots_of(srv.call("GET", "/blocks/d")["pid"])) == window
+    assert len(_slots_of(srv.call("GET", "/system")["dispatcher"]["pid"])) == window
+
+
+def test_update_transport_reaches_the_dispatcher(server_factory, identity_repo):
+    """With "transport": "zeromq" every hop carries bytes, the dispatcher's first hop too:
+    no process makes a slot. Back to tensormq, the dispatcher does again."""
+    srv = server_factory(identity_repo)
+    x = torch.ones(4)
+    srv.call("POST", "/system/update", {**SIMPLE, "transport": "zeromq"}, timeout=60)
+    assert srv.call("GET", "/system")["transport"] == "zeromq"
+    dispatcher = srv.call("GET", "/system")["dispatcher"]["pid"]
+    with Client(srv.dispatcher, timeout=15) as c:
+        assert torch.equal(c.infer("t", x), x * 2)
+        assert _slots_of(dispatcher) == []
+        srv.call("POST", "/system/update", SIMPLE, timeout=60)  # tensormq again
+        assert torch.equal(c.infer("t", x), x * 2)
+        assert len(_slots_of(dispatcher)) > 0
