@@ -309,3 +309,19 @@ def test_update_transport_reaches_the_dispatcher(server_factory, identity_repo):
         srv.call("POST", "/system/update", SIMPLE, timeout=60)  # tensormq again
         assert torch.equal(c.infer("t", x), x * 2)
         assert len(_slots_of(dispatcher)) > 0
+
+
+# -- a clean exit leaves nothing -----------------------------------------------------------------
+
+def test_nothing_outlives_a_clean_exit(server_factory, identity_repo):
+    """Everything `serve` started (forkserver, resource tracker, blocks, dispatcher) is gone when
+    it returns, not a moment later: the forkserver used to linger up to a second."""
+    from test_control_plane import pid_gone
+    srv = server_factory(identity_repo)
+    srv.call("POST", "/system/update", SIMPLE, timeout=60)
+    started = psutil.Process(srv.proc.pid).children(recursive=True)
+    names = {p.pid: " ".join(p.cmdline())[:80] for p in started}
+    assert any("forkserver" in n for n in names.values()), names
+    assert srv.stop() == 0
+    left = {pid: name for pid, name in names.items() if not pid_gone(pid)}
+    assert not left, f"still running after serve exited: {left}"
