@@ -31,7 +31,7 @@ from collections import OrderedDict
 
 import torch
 
-from .shm import FREE, IN_FLIGHT, HopGone, Slot, _SEG_RE, SlotMapper, release_slot
+from .shm import FREE, IN_FLIGHT, SEG_RE as _SEG_RE, HopGone, Slot, SlotMapper, release_slot
 from .wire import TensorDesc, WireError
 
 log = logging.getLogger(__name__)

@@ -74,6 +74,8 @@ FREE, IN_FLIGHT = 0, 1
 #: Header words (uint64, little-endian, 8-byte aligned at the start of a page).
 W_MAGIC, W_CAPACITY, W_GENERATION, W_RELEASED = 0, 1, 2, 3
 _SEG_RE = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
+#: What a slot or segment name may be; public because cuda_ipc.py checks its names with it too.
+SEG_RE = _SEG_RE
 
 #: Slots a producer keeps in flight per edge before it waits (back-pressure).
 DEFAULT_WINDOW = settings.WINDOW
