@@ -20,6 +20,8 @@ PROTOCOLS = ("ipc", "tcp")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d{1,2})$")
 
+#: Most files one fused block may chain.
+MAX_FUSED = 16
 #: Most blocks and tasks one update may declare.
 MAX_BLOCKS = settings.MAX_BLOCKS
 MAX_TASKS = settings.MAX_TASKS
@@ -42,7 +44,7 @@ class UpdateError(ValueError):
 @dataclass(frozen=True)
 class BlockDecl:
     name: str
-    model: str
+    model: str | tuple[str, ...]    # a tuple: a fused block, its files run in sequence in one process
     device: str = "cpu"
     transport: str = "tensormq"
     protocol: str = "ipc"
@@ -50,8 +52,14 @@ class BlockDecl:
     threads: int | None = None
     max_inference_s: float = DEFAULT_MAX_INFERENCE_S
 
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The model files, in the order they run (a fused block has several)."""
+        return self.model if isinstance(self.model, tuple) else (self.model,)
+
     def as_dict(self) -> dict:
-        d = {"name": self.name, "model": self.model, "device": self.device, "transport": self.transport,
+        model = list(self.model) if isinstance(self.model, tuple) else self.model
+        d = {"name": self.name, "model": model, "device": self.device, "transport": self.transport,
              "protocol": self.protocol, "max_inference_s": self.max_inference_s}
         if self.cpus is not None:
             d["cpus"] = list(self.cpus)
@@ -97,6 +105,18 @@ def _device(value, where: str, gpus: int) -> str:
     return value
 
 
+def _model(value, where: str) -> str | tuple[str, ...]:
+    """A file, or a list of files run in sequence in one process (a fused block)."""
+    if isinstance(value, list):
+        if not 1 <= len(value) <= MAX_FUSED:
+            raise UpdateError(where, f"a fused block chains 1 to {MAX_FUSED} model files, got {len(value)}")
+        files = tuple(_str(v, f"{where}[{j}]") for j, v in enumerate(value))
+        return files[0] if len(files) == 1 else files
+    if not isinstance(value, str):
+        raise UpdateError(where, f"must be a model file or a list of them, got {type(value).__name__}")
+    return value
+
+
 def _max_inference(value, where: str) -> float:
     if (not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
             or not 0 < value <= MAX_MAX_INFERENCE_S):
@@ -139,7 +159,7 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None) -> Update
         name = _name(b["name"], f"{where}.name")
         if name in blocks:
             raise UpdateError(f"{where}.name", f"duplicate block name {name!r}")
-        model = _str(b["model"], f"{where}.model")
+        model = _model(b["model"], f"{where}.model")
         device = _device(b.get("device", "cpu"), f"{where}.device", gpus)
         cpus = b.get("cpus")
         if cpus is not None:

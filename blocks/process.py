@@ -68,7 +68,7 @@ class BlockSpec:
     parent_pid: int | None = None   # exit when this process is gone
     window: int = 8
     max_inference_s: float = 60.0   # past it in one inference the manager kills and respawns it
-    verified: dict | None = None    # {"sha256", "signature"} of the model file the manager checked
+    verified: dict | None = None    # {file: {"sha256", "signature"}} the manager already checked
     max_queue: int = DEFAULT_MAX_QUEUE
     send_timeout: float = DEFAULT_SEND_TIMEOUT
     monitor: bool = True

@@ -547,16 +547,28 @@ def file_signature(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
-def open_block(repo: str | os.PathLike, relpath: str, device: str = "cpu",
-               verified: dict | None = None) -> tuple[torch.jit.ScriptModule, dict | None]:
-    """Read a block file once, check it against its manifest and load it from those bytes:
-    ``(module, manifest entry or None)``.
+def open_block(repo: str | os.PathLike, model: str | list[str], device: str = "cpu",
+               verified: dict | None = None) -> tuple[torch.nn.Module, dict | None]:
+    """Read each block file once, check it against its manifest and load it from those bytes:
+    ``(module, manifest entry of the first file or None)``.
 
-    ``verified`` is ``{"sha256", "signature"}`` from whoever already hashed this version of
-    the file (the manager does, once per change of the file): when the opened file still has
-    that signature, its bytes are not hashed again. Otherwise they are, here, once; what is
+    ``model`` is one file or a list of files run in sequence (a fused block: one module that
+    chains them, so the block process serves it as it serves one file).
+    ``verified`` maps a file to ``{"sha256", "signature"}`` from whoever already hashed that
+    version of it (the manager does, once per change of the file): when the opened file still
+    has that signature its bytes are not hashed again. Otherwise they are, here, once; what is
     loaded is always the bytes that were checked (no second read between check and load).
     """
+    files = [model] if isinstance(model, str) else list(model)
+    if not files:
+        raise BlockFileError("a fused block needs at least one model file")
+    loaded = [_open_one(repo, f, device, (verified or {}).get(f)) for f in files]
+    if len(loaded) == 1:
+        return loaded[0]
+    return torch.nn.Sequential(*[m for m, _ in loaded]).eval(), loaded[0][1]
+
+
+def _open_one(repo, relpath: str, device: str, verified: dict | None):
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"cannot load {relpath} on {device}: CUDA is not available")

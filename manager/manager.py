@@ -264,16 +264,14 @@ class Manager:
 
     def spawn_block(self, decl: BlockDecl, restarts: int = 0, streak: int = 0) -> Child:
         inc = self._next_incarnation(decl.name)
-        try:
-            verified = self.catalog.check(decl.model).verified()
-        except Exception:  # gone or changed badly since the update: the block reports why
-            verified = None
-        spec = BlockSpec(name=decl.name, model=decl.model, repo=self.repo, run_dir=self.state.run_dir,
+        model = list(decl.model) if isinstance(decl.model, tuple) else decl.model
+        spec = BlockSpec(name=decl.name, model=model, repo=self.repo, run_dir=self.state.run_dir,
                          sock_dir=self.state.sock, shm_dir=self.state.shm, device=decl.device,
                          transport=decl.transport, protocol=decl.protocol, threads=decl.threads,
                          cpus=list(decl.cpus) if decl.cpus else None, incarnation=inc,
                          controller=self.controller.endpoint, parent_pid=os.getpid(), window=self.window,
-                         max_inference_s=decl.max_inference_s, verified=verified)
+                         max_inference_s=decl.max_inference_s,
+                         verified=self.catalog.verified(decl.files))
         proc = self.mp.Process(target=serve_block, args=(spec,), name=f"blockflow-{decl.name}", daemon=True)
         proc.start()
         log.info("spawned block %s#%d (pid %d, %s on %s)", decl.name, inc, proc.pid, decl.model, decl.device)
@@ -377,7 +375,7 @@ class Manager:
         for tid, path in self.tasks.items():
             hops = [self.blocks[n] for n in path]
             down = [c for c in hops if c.status != "ready"]
-            entry = self.manifests.get(hops[0].decl.model)
+            entry = self.manifests.get(hops[0].decl.files[0])
             table[tid] = {"path": [[c.name, c.endpoint] for c in hops], "blocks": [c.instance for c in hops],
                           "input": {"dtype": entry.get("dtype"), "shape": entry.get("input_shape")} if entry else None}
             if down:
@@ -559,7 +557,7 @@ class Manager:
                 why = f"{c.ident.decode()} exited before it was ready"
             else:
                 why = f"{c.ident.decode()} did not report READY within {READY_TIMEOUT:.0f}s"
-            what = f"block {c.name} ({c.decl.model} on {c.decl.device})" if c.decl else "the dispatcher"
+            what = f"block {c.name} ({' + '.join(c.decl.files)} on {c.decl.device})" if c.decl else "the dispatcher"
             c.failure = f"{what} did not start: {why}"
             if c.process.exitcode is not None:
                 c.failure += f" [{describe_exit(c.process.exitcode)}]"

@@ -58,10 +58,25 @@ class ModelCatalog:
     def check_update(self, upd: Update) -> None:
         """Check every model of a valid update; fill ``upd.manifests``; UpdateError names the field."""
         for i, decl in enumerate(upd.blocks.values()):
+            for j, relpath in enumerate(decl.files):
+                try:
+                    upd.manifests[relpath] = self.check(relpath).entry
+                except BlockFileError as exc:
+                    where = f"blocks[{i}].model" + (f"[{j}]" if isinstance(decl.model, tuple) else "")
+                    raise UpdateError(where, str(exc)) from None
+
+    def verified(self, files) -> dict[str, dict]:
+        """``{file: {"sha256", "signature"}}`` for the block spec; files that cannot be checked
+        now are left out (the block then reports why it cannot load them)."""
+        out = {}
+        for relpath in files:
             try:
-                upd.manifests[decl.model] = self.check(decl.model).entry
-            except BlockFileError as exc:
-                raise UpdateError(f"blocks[{i}].model", str(exc)) from None
+                v = self.check(relpath).verified()
+            except (BlockFileError, OSError, ValueError):
+                continue
+            if v is not None:
+                out[relpath] = v
+        return out
 
     def _signature(self, relpath: str) -> tuple | None:
         try:

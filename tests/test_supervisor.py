@@ -100,7 +100,7 @@ def test_open_block_loads_the_bytes_it_checked(model_repo, tmp_path):
     from blockflow.blocks.repository import BlockFileError, open_block
     catalog = ModelCatalog(model_repo)
     verified = catalog.check("resnet18/head.pt").verified()
-    mod, entry = open_block(model_repo, "resnet18/head.pt", verified=verified)
+    mod, entry = open_block(model_repo, "resnet18/head.pt", verified={"resnet18/head.pt": verified})
     assert entry["sha256"] == verified["sha256"]
     x = torch.randn(1, 512, 7, 7)
     assert mod(x).shape == (1, 1000)
@@ -112,7 +112,7 @@ def test_open_block_loads_the_bytes_it_checked(model_repo, tmp_path):
         f.seek(-8, os.SEEK_END)
         f.write(b"\0" * 8)
     with pytest.raises(BlockFileError, match="does not match"):
-        open_block(str(repo), "resnet18/head.pt", verified={**verified, "signature": [0, 0, 0, 0]})
+        open_block(str(repo), "resnet18/head.pt", verified={"resnet18/head.pt": {**verified, "signature": [0] * 4}})
 
 
 # -- a repository with slow models -----------------------------------------------------------------
