@@ -35,7 +35,7 @@ import queue
 import signal
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -45,7 +45,7 @@ from blockflow import settings
 from blockflow.blocks.process import BlockSpec, serve_block
 from blockflow.dispatcher.process import DispatcherSpec, serve_dispatcher
 from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, describe_exit, identity
-from blockflow.schema import BlockDecl, UpdateError, validate_update
+from blockflow.schema import BlockDecl, validate_update
 
 from .controller import ControlError, Controller
 from .models import ModelCatalog
@@ -108,6 +108,7 @@ class Child:
     spawned_at: float = field(default_factory=time.monotonic)
     ready_at: float = 0.0            # monotonic; silence is counted from here
     stop_asked: float | None = None  # monotonic, when stop_later() asked it to stop
+    applying: Future | None = None   # its answer to the last topology update, while it is due
     gone: bool = False               # exited and cleaned up after
 
     @property
@@ -238,8 +239,7 @@ class Manager:
                 if kind == "op":
                     ops.append(item)
             for op in ops:
-                if not op.future.done():
-                    op.future.set_exception(UpdateFailed("the server is shutting down"))
+                _resolve(op.future, error=UpdateFailed("the server is shutting down"))
             children = list(self.blocks.values()) + self.stopping_children
             for op in ops:
                 children += list(op.new.values()) + op.retired
@@ -366,8 +366,17 @@ class Manager:
         if self._stopping.is_set():
             raise UpdateFailed("the server is shutting down")
         self.events.put(("op", op))
-        # the supervisor resolves every operation: done, failed, or refused at shutdown
-        return op.future.result(timeout=READY_TIMEOUT + DRAIN_TIMEOUT + 4 * STOP_KILL_S + 60)
+        # The supervisor resolves every operation: done, failed, or refused at shutdown. One
+        # queued just after the supervisor's last round is refused here.
+        deadline = time.monotonic() + READY_TIMEOUT + DRAIN_TIMEOUT + 4 * STOP_KILL_S + 60
+        while True:
+            try:
+                return op.future.result(timeout=0.5)
+            except FutureTimeout:
+                supervised = self._supervisor is not None and self._supervisor.is_alive()
+                if time.monotonic() > deadline or (self._stopping.is_set() and not supervised):
+                    _resolve(op.future, error=UpdateFailed("the server is shutting down" if self._stopping.is_set()
+                                                           else f"{op.kind} did not finish in time"))
 
     # -- reading (REST) ----------------------------------------------------------------------------
     def task_table(self) -> dict:
@@ -482,7 +491,12 @@ class Manager:
             if c.status != "ready":
                 continue
             seen = max(self.controller.last_seen.get(c.ident, c.ready_at), c.ready_at, self._grace_from)
-            if now - seen > HANG_TIMEOUT:
+            # A block applies a topology update between two inferences and answers nothing
+            # meanwhile (not even pings): that silence is not a hang. The block itself gives up
+            # on the update after 10 s, and a stuck inference shows in busy_s anyway.
+            if c.applying is not None and c.applying.done():
+                c.applying = None
+            if now - seen > HANG_TIMEOUT and c.applying is None:
                 self.kill_child(c, f"hung ({now - seen:.2f}s without answering), killed")
                 continue
             fut = self.controller.cast(c.ident, "ping")
@@ -602,10 +616,10 @@ class Manager:
         try:
             op.desired = op.desire()
         except KeyError as exc:
-            op.future.set_exception(exc)
+            _resolve(op.future, error=exc)
             return
         except ValueError as exc:
-            op.future.set_exception(Conflict(str(exc)))
+            _resolve(op.future, error=Conflict(str(exc)))
             return
         # an update replaces failed blocks; a deletion leaves the other blocks as they are
         current = {n: Running(c.decl, c.status == "failed" and op.kind == "update") for n, c in self.blocks.items()}
@@ -616,7 +630,7 @@ class Manager:
         except Exception as exc:  # e.g. the forkserver is gone: answer, do not leave the caller waiting
             self.stop_later(op.new.values())
             log.exception("%s: could not spawn its blocks", op.kind)
-            op.future.set_exception(UpdateFailed(f"could not start a block process: {exc}"))
+            _resolve(op.future, error=UpdateFailed(f"could not start a block process: {exc}"))
             return
         op.phase = "starting"
         self.op = op
@@ -670,7 +684,7 @@ class Manager:
         took = time.monotonic() - op.started
         if error is not None:
             log.warning("%s failed after %.2fs: %s", op.kind, took, error)
-            op.future.set_exception(error)
+            _resolve(op.future, error=error)
             return
         if op.kind == "update":
             result = {"version": self.version, "diff": op.diff, "seconds": round(took, 3)}
@@ -679,7 +693,7 @@ class Manager:
         else:
             result = {"removed": list(op.plan.drain), "version": self.version}
         log.info("applied %s version %d in %.2fs: %s", op.kind, self.version, took, op.diff)
-        op.future.set_result(result)
+        _resolve(op.future, result)
 
     # -- telling the processes ---------------------------------------------------------------------
     def publish(self, draining: list[Child] = ()) -> list[Future]:
@@ -703,7 +717,8 @@ class Manager:
                                                 {**topology, "transport": self.transport}))
         for c in self.blocks.values():
             if c.status == "ready":
-                futures.append(self.controller.cast(c.ident, "update", topology))
+                c.applying = self.controller.cast(c.ident, "update", topology)
+                futures.append(c.applying)
         for f in futures:
             f.add_done_callback(_log_refusal)
         return futures
@@ -725,6 +740,17 @@ class Manager:
             "dispatcher": rec(self.dispatcher) if self.dispatcher and self.dispatcher.process.pid else None,
             "shm_dir": self.state.shm, "run_dir": self.state.run_dir,
         })
+
+
+def _resolve(fut: Future, result=None, error: BaseException | None = None) -> None:
+    """Answer an operation's caller, unless it gave up waiting already."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 def _log_refusal(fut: Future) -> None:
