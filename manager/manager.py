@@ -644,6 +644,9 @@ class Manager:
         if op.kind == "update":
             self.update_body, self.transport = op.body, op.transport
             self.manifests = dict(op.manifests)
+        elif self.update_body:  # state.json keeps the update that describes what runs now
+            kept = [b for b in self.update_body.get("blocks", []) if b.get("name") in self.blocks]
+            self.update_body = {**self.update_body, "blocks": kept} if kept else None
         self.version += 1
         op.diff = {**op.plan.as_diff(), "tasks": diff_tasks(old_tasks, self.tasks).as_dict()}
         op.acks = self.publish(draining=op.retired)
