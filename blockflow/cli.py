@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start with no blocks; by default the last update recorded in the state dir's state.json "
                         "is applied again (after a crash or a restart)")
     s.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
-    s.add_argument("--window", type=int, default=8, help="TensorMQ slots in flight per edge (default 8)")
+    s.add_argument("--window", type=int, default=settings.WINDOW,
+                   help=f"TensorMQ slots in flight per edge (default {settings.WINDOW}, BLOCKFLOW_WINDOW)")
     s.add_argument("--quiet", action="store_true", help="no CherryPy access log on screen")
     s.set_defaults(fn=_serve)
 

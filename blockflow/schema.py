@@ -1,8 +1,12 @@
 """The system update: what an optimiser POSTs to /system/update, checked field by field.
 
-``validate_update(body, repo)`` returns a normalised ``Update`` or raises ``UpdateError`` whose
+``validate_update(body)`` returns a normalised ``Update`` or raises ``UpdateError`` whose
 ``field`` names the offending part (``blocks[2].device``, ``tasks[0].path[3]``) and whose
 message says what would be accepted. Nothing is changed by a refused update.
+
+This module checks the shape of the request only; it reads no file. Whether each ``model``
+exists and matches its manifest is the manager's check (manager/models.py), made once at the
+same edge and reported under the same field names.
 """
 from __future__ import annotations
 
@@ -16,11 +20,17 @@ PROTOCOLS = ("ipc", "tcp")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d{1,2})$")
 
+#: Most files one fused block may chain.
+MAX_FUSED = 16
 #: Most blocks and tasks one update may declare.
 MAX_BLOCKS = settings.MAX_BLOCKS
 MAX_TASKS = settings.MAX_TASKS
 
-BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads"}
+BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads", "max_inference_s"}
+#: Seconds one inference may take before the block is considered stuck, killed and respawned.
+DEFAULT_MAX_INFERENCE_S = 60.0
+#: The largest ``max_inference_s`` accepted (a day): larger values are almost surely a unit mistake.
+MAX_MAX_INFERENCE_S = 86400.0
 TOP_FIELDS = {"transport", "protocol", "blocks", "tasks"}
 
 
@@ -34,16 +44,23 @@ class UpdateError(ValueError):
 @dataclass(frozen=True)
 class BlockDecl:
     name: str
-    model: str
+    model: str | tuple[str, ...]    # a tuple: a fused block, its files run in sequence in one process
     device: str = "cpu"
     transport: str = "tensormq"
     protocol: str = "ipc"
     cpus: tuple[int, ...] | None = None
     threads: int | None = None
+    max_inference_s: float = DEFAULT_MAX_INFERENCE_S
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The model files, in the order they run (a fused block has several)."""
+        return self.model if isinstance(self.model, tuple) else (self.model,)
 
     def as_dict(self) -> dict:
-        d = {"name": self.name, "model": self.model, "device": self.device, "transport": self.transport,
-             "protocol": self.protocol}
+        model = list(self.model) if isinstance(self.model, tuple) else self.model
+        d = {"name": self.name, "model": model, "device": self.device, "transport": self.transport,
+             "protocol": self.protocol, "max_inference_s": self.max_inference_s}
         if self.cpus is not None:
             d["cpus"] = list(self.cpus)
         if self.threads is not None:
@@ -99,10 +116,28 @@ def _device(value, where: str, gpus: int) -> str:
     return value
 
 
-def validate_update(body, repo: str, gpus: int = 0, cpu_count: int | None = None) -> Update:
-    """Check an update against the schema and the model repository."""
-    from blockflow.blocks.repository import BlockFileError, verify_block
+def _model(value, where: str) -> str | tuple[str, ...]:
+    """A file, or a list of files run in sequence in one process (a fused block)."""
+    if isinstance(value, list):
+        if not 1 <= len(value) <= MAX_FUSED:
+            raise UpdateError(where, f"a fused block chains 1 to {MAX_FUSED} model files, got {len(value)}")
+        files = tuple(_str(v, f"{where}[{j}]") for j, v in enumerate(value))
+        return files[0] if len(files) == 1 else files
+    if not isinstance(value, str):
+        raise UpdateError(where, f"must be a model file or a list of them, got {type(value).__name__}")
+    return value
 
+
+def _max_inference(value, where: str) -> float:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
+            or not 0 < value <= MAX_MAX_INFERENCE_S):
+        raise UpdateError(where, f"must be a number of seconds above 0 and at most {MAX_MAX_INFERENCE_S:.0f}, "
+                                 f"got {value!r:.40}")
+    return float(value)
+
+
+def validate_update(body, gpus: int = 0, cpu_count: int | None = None) -> Update:
+    """Check an update against the schema (no file is read: see manager/models.py)."""
     if not isinstance(body, dict):
         raise UpdateError("body", "must be a JSON object with 'blocks' and 'tasks'")
     unknown = set(body) - TOP_FIELDS
@@ -122,7 +157,6 @@ def validate_update(body, repo: str, gpus: int = 0, cpu_count: int | None = None
     cpu_count = cpu_count or os.cpu_count() or 1
 
     blocks: dict[str, BlockDecl] = {}
-    manifests: dict[str, dict | None] = {}
     for i, b in enumerate(blocks_in):
         where = f"blocks[{i}]"
         if not isinstance(b, dict):
@@ -136,12 +170,7 @@ def validate_update(body, repo: str, gpus: int = 0, cpu_count: int | None = None
         name = _name(b["name"], f"{where}.name")
         if name in blocks:
             raise UpdateError(f"{where}.name", f"duplicate block name {name!r}")
-        model = _str(b["model"], f"{where}.model")
-        if model not in manifests:
-            try:
-                manifests[model] = verify_block(repo, model)
-            except BlockFileError as exc:
-                raise UpdateError(f"{where}.model", str(exc)) from None
+        model = _model(b["model"], f"{where}.model")
         device = _device(b.get("device", "cpu"), f"{where}.device", gpus)
         cpus = b.get("cpus")
         if cpus is not None:
@@ -156,7 +185,9 @@ def validate_update(body, repo: str, gpus: int = 0, cpu_count: int | None = None
             name=name, model=model, device=device,
             transport=_str(b.get("transport", transport), f"{where}.transport", TRANSPORTS),
             protocol=_str(b.get("protocol", protocol), f"{where}.protocol", PROTOCOLS),
-            cpus=cpus, threads=threads)
+            cpus=cpus, threads=threads,
+            max_inference_s=_max_inference(b.get("max_inference_s", DEFAULT_MAX_INFERENCE_S),
+                                           f"{where}.max_inference_s"))
 
     tasks: dict[str, list[str]] = {}
     for i, t in enumerate(tasks_in):
@@ -186,4 +217,4 @@ def validate_update(body, repo: str, gpus: int = 0, cpu_count: int | None = None
                 raise UpdateError(f"{where}.path[{j}]", f"block {hop!r} appears twice; paths may not loop")
             seen.add(hop)
         tasks[tid] = list(path)
-    return Update(transport, protocol, blocks, tasks, manifests)
+    return Update(transport, protocol, blocks, tasks)

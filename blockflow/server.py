@@ -17,6 +17,7 @@ import os
 import cherrypy
 from cherrypy.process import plugins
 
+from blockflow import settings
 from blockflow.manager.manager import Manager, UpdateFailed
 from blockflow.schema import UpdateError
 from blockflow.manager.state import StateDir
@@ -67,10 +68,11 @@ class ManagerPlugin(plugins.SimplePlugin):
 
 def serve(host: str = "127.0.0.1", port: int = 8080, dispatcher_host: str = "127.0.0.1",
           dispatcher_port: int = 5580, repo: str = "model_repo", state_dir: str | None = None,
-          token: str | None = None, ready_file: str | None = None, window: int = 8, quiet: bool = False,
-          restore: bool = True) -> None:
+          token: str | None = None, ready_file: str | None = None, window: int | None = None,
+          quiet: bool = False, restore: bool = True) -> None:
     state = StateDir(state_dir)
-    manager = Manager(repo, state, f"tcp://{dispatcher_host}:{dispatcher_port}", token=token, window=window)
+    manager = Manager(repo, state, f"tcp://{dispatcher_host}:{dispatcher_port}", token=token,
+                      window=window or settings.WINDOW)
     cherrypy.config.update({
         "server.socket_host": host,
         "server.socket_port": port,

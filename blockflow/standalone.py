@@ -15,6 +15,7 @@ import tempfile
 
 import zmq
 
+from blockflow import settings
 from blockflow.protocol import DISPATCHER, identity
 from blockflow.manager.controller import Controller
 
@@ -26,7 +27,7 @@ class StandalonePipeline:
     every block runs on ``device`` (``cpu``, ``cuda``, ``cuda:N``)."""
 
     def __init__(self, repo: str, blocks: dict[str, str], tasks: dict[str, list[str]], transport: str = "tensormq",
-                 threads: int | None = 1, window: int = 8, workdir: str | None = None, env: dict | None = None,
+                 threads: int | None = 1, window: int = settings.WINDOW, workdir: str | None = None, env: dict | None = None,
                  device: str = "cpu"):
         self.workdir = workdir or tempfile.mkdtemp(prefix="bfs-")
         self.ctx = zmq.Context()

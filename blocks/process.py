@@ -67,6 +67,8 @@ class BlockSpec:
     controller: str | None = None   # control endpoint; None: standalone (tests, benchmarks)
     parent_pid: int | None = None   # exit when this process is gone
     window: int = 8
+    max_inference_s: float = 60.0   # past it in one inference the manager kills and respawns it
+    verified: dict | None = None    # {file: {"sha256", "signature"}} the manager already checked
     max_queue: int = DEFAULT_MAX_QUEUE
     send_timeout: float = DEFAULT_SEND_TIMEOUT
     monitor: bool = True
@@ -119,10 +121,9 @@ class Block:
                 raise BootError(f"block {self.name}: device {spec.device} requested but only "
                                 f"{torch.cuda.device_count()} GPU(s) are visible")
             torch.cuda.set_device(self.device)
-        from .repository import BlockFileError, load_block, verify_block
+        from .repository import BlockFileError, open_block
         try:
-            entry = verify_block(spec.repo, spec.model)
-            self.model = load_block(spec.repo, spec.model, str(self.device))
+            self.model, entry = open_block(spec.repo, spec.model, str(self.device), spec.verified)
         except BlockFileError as exc:
             raise BootError(f"block {self.name}: {exc}") from None
         if spec.warmup and entry and entry.get("input_shape"):

@@ -542,11 +542,12 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def verify_block(repo: str | os.PathLike, relpath: str) -> dict | None:
+def verify_block(repo: str | os.PathLike, relpath: str, hash_file: bool = True) -> dict | None:
     """Check ``repo/relpath`` against the manifest of its directory.
 
     Returns the manifest entry, or ``None`` for a file no manifest lists
     (user-dropped TorchScript files are allowed and served as is).
+    ``hash_file=False``: only find the entry; the caller checks the bytes it reads.
     """
     path = _resolve(repo, relpath)
     model = path.parent.name
@@ -569,15 +570,18 @@ def verify_block(repo: str | os.PathLike, relpath: str) -> dict | None:
             "or copy the file into the repository", path)
     if entry is None:
         return None
-    expected = str(entry.get("sha256", ""))
-    actual = sha256_file(real)
+    if hash_file:
+        _check_digest(path, sha256_file(real), str(entry.get("sha256", "")))
+    return entry
+
+
+def _check_digest(path: Path, actual: str, expected: str) -> None:
     if actual != expected:
         raise BlockFileError(
-            f"block file {path} does not match {manifest_path}: sha256 "
+            f"block file {path} does not match {path.parent / MANIFEST}: sha256 "
             f"{actual[:12]}... but the manifest expects {expected[:12]}...; the file "
             f"is corrupt or was modified -- re-export it with `blockflow export "
-            f"--model {model}`", path)
-    return entry
+            f"--model {path.parent.name}`", path)
 
 
 def load_block(repo: str | os.PathLike, relpath: str,
@@ -604,10 +608,10 @@ def load_block(repo: str | os.PathLike, relpath: str,
     return mod.eval()
 
 
-def _load_program(path: Path, dev: torch.device, entry: dict | None) -> nn.Module:
-    """A ``.pt2`` file as a callable module on ``dev`` (no torch.jit involved)."""
+def _load_program(path: Path, dev: torch.device, entry: dict | None, data: bytes | None = None) -> nn.Module:
+    """A ``.pt2`` file (or the bytes read from it) as a callable module on ``dev`` (no torch.jit involved)."""
     try:
-        program = torch.export.load(str(path))
+        program = torch.export.load(io.BytesIO(data) if data is not None else str(path))
     except Exception as exc:  # the loader raises RuntimeError/ValueError/KeyError/...
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise BlockFileError(
@@ -619,6 +623,59 @@ def _load_program(path: Path, dev: torch.device, entry: dict | None) -> nn.Modul
     log.debug("loaded %s on %s (%s)", path, dev,
               "unlisted" if entry is None else f"sha256 {entry['sha256'][:12]} ok")
     return mod
+
+
+def file_signature(st: os.stat_result) -> list[int]:
+    """What tells one version of a file from another without reading it: device, inode,
+    size and modification time (ns). A file rewritten in place or replaced changes it."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def open_block(repo: str | os.PathLike, model: str | list[str], device: str = "cpu",
+               verified: dict | None = None) -> tuple[torch.nn.Module, dict | None]:
+    """Read each block file once, check it against its manifest and load it from those bytes:
+    ``(module, manifest entry of the first file or None)``.
+
+    ``model`` is one file or a list of files run in sequence (a fused block: one module that
+    chains them, so the block process serves it as it serves one file).
+    ``verified`` maps a file to ``{"sha256", "signature"}`` from whoever already hashed that
+    version of it (the manager does, once per change of the file): when the opened file still
+    has that signature its bytes are not hashed again. Otherwise they are, here, once; what is
+    loaded is always the bytes that were checked (no second read between check and load).
+    """
+    files = [model] if isinstance(model, str) else list(model)
+    if not files:
+        raise BlockFileError("a fused block needs at least one model file")
+    loaded = [_open_one(repo, f, device, (verified or {}).get(f)) for f in files]
+    if len(loaded) == 1:
+        return loaded[0]
+    return torch.nn.Sequential(*[m for m, _ in loaded]).eval(), loaded[0][1]
+
+
+def _open_one(repo, relpath: str, device: str, verified: dict | None):
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"cannot load {relpath} on {device}: CUDA is not available")
+    path = _resolve(repo, relpath)
+    entry = verify_block(repo, relpath, hash_file=False)
+    with open(path, "rb") as fh:
+        signature = file_signature(os.fstat(fh.fileno()))
+        data = fh.read()
+    if entry is not None:
+        expected = str(entry.get("sha256", ""))
+        if not (verified and verified.get("signature") == signature and verified.get("sha256") == expected):
+            _check_digest(path, hashlib.sha256(data).hexdigest(), expected)
+    if path.suffix == SUFFIX["export"]:
+        return _load_program(path, dev, entry, data), entry
+    try:
+        mod = torch.jit.load(io.BytesIO(data), map_location=dev)
+    except Exception as exc:  # the loader raises RuntimeError/ValueError/...
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BlockFileError(
+            f"block file {path} is not a loadable TorchScript file ({reason}); "
+            f"replace it with a torch.jit.save'd module or re-export it with "
+            f"`blockflow export --model {path.parent.name}`", path) from exc
+    return mod.eval(), entry
 
 
 def list_blocks(repo: str | os.PathLike) -> list[dict[str, Any]]:

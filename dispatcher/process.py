@@ -423,6 +423,8 @@ class Dispatcher:
             self.table_version = args.get("version", self.table_version + 1)
             return {"tasks": len(tasks), "version": self.table_version}
         if cmd == "update":
+            if args.get("transport") in ("tensormq", "zeromq"):
+                self.transport.mode = args["transport"]  # how requests reach their first block
             return {"dropped": self.transport.set_topology(args.get("live", []), args.get("devices"))}
         if cmd == "fail":
             return {"failed": self.fail(list(args.get("blocks", [])), str(args.get("reason", "a block failed")))}

@@ -29,7 +29,10 @@ class ControlError(RuntimeError):
 
 
 class Controller:
-    def __init__(self, ctx: zmq.Context, endpoint: str):
+    def __init__(self, ctx: zmq.Context, endpoint: str, notify=None):
+        #: called from the controller's thread with the identity of a process that reported
+        #: READY or a boot error (the manager's supervisor loop wakes up on it); must not block
+        self.notify = notify
         self.ctx = ctx
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
@@ -155,15 +158,12 @@ class Controller:
             now = time.monotonic()
             with self._cond:
                 self.last_seen[ident] = now
-                if kind == "ready":
-                    self.ready[ident] = msg
+                if kind in ("ready", "boot_error"):
+                    (self.ready if kind == "ready" else self.boot_errors)[ident] = msg
                     self._cond.notify_all()
-                    continue
-                if kind == "boot_error":
-                    self.boot_errors[ident] = msg
-                    self._cond.notify_all()
-                    continue
                 fut = self._futures.pop(msg.get("id"), None) if kind == "reply" else None
+            if kind in ("ready", "boot_error") and self.notify is not None:
+                self.notify(ident)
             if fut is None or fut.done():
                 continue
             if msg.get("ok"):

@@ -1,37 +1,56 @@
 """The manager: makes the optimiser's decision real and keeps it real (thesis 3.5, 3.6).
 
-``apply(update)`` diffs the desired state against what runs: spawns missing blocks, keeps
-identical ones, replaces changed ones, and only when every new block is READY switches the
-dispatcher's task table and the blocks' connections over; then it drains and stops the blocks
-no longer needed. A block that fails to start fails the whole update and nothing changes.
+Two halves. The *reconciler* (reconcile.py) is pure: ``plan(current, desired)`` says which
+blocks to spawn, keep, replace and drain. The *supervisor* is one thread running a loop that
+never waits on a process (gunicorn's Arbiter in spirit)::
 
-The supervisor loop (one screen, gunicorn's Arbiter in spirit)::
+    while running:
+        wait_for_events()     # READY/boot-error notices, pong replies, operations from REST
+        reap_children()       # exits, and stopping children: escalate stop -> TERM -> KILL
+        check_health()        # pings; silence past HANG_TIMEOUT or an inference past
+                              # max_inference_s: kill, answer its requests, respawn
+        check_starting()      # READY arrived? boot error? past READY_TIMEOUT?
+        respawn_children()    # spawn (no wait) what died
+        reconcile()           # advance the operation in progress one step
 
-    while running:  wait -> reap_children -> check_health -> respawn_failed
+An operation (an update, a block deletion, DELETE /system) is checked at the edge, in the
+REST thread, then queued; the REST thread waits on its future. The supervisor starts the new
+blocks and goes on supervising while they load; when every one is READY it switches the
+dispatcher's task table and the blocks' connections over, drains the blocks no longer needed
+and resolves the future. A block that fails to start fails the whole update and nothing
+changes. Only the supervisor thread changes state; the lock lets REST readers see one round's
+result whole.
 
 Blocks are forked from a forkserver that has torch imported already, so a new block costs a
-fork and a model load, not a fresh interpreter (about 2 s of torch import each).
+fork and a model load, not a fresh interpreter (about 2 s of torch import each). The
+forkserver is stopped last at shutdown, so nothing the server started outlives it.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import time
+from concurrent.futures import Future, InvalidStateError, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import Callable
 
 import zmq
 
-from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, RETURN_HOP, describe_exit, identity
-from blockflow.schema import BlockDecl, Update, UpdateError, validate_update
+from blockflow import settings
 from blockflow.blocks.process import BlockSpec, serve_block
 from blockflow.dispatcher.process import DispatcherSpec, serve_dispatcher
+from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, describe_exit, identity
+from blockflow.schema import BlockDecl, validate_update
 
 from .controller import ControlError, Controller
+from .models import ModelCatalog
+from .reconcile import Desired, Plan, Running, diff_tasks, plan, without_block
 from .state import StateDir, process_record, slot_budget
-from blockflow import settings
 
 log = logging.getLogger("blockflow.manager")
 
@@ -49,6 +68,13 @@ MAX_RESTARTS = settings.MAX_RESTARTS
 RESTART_WINDOW = settings.RESTART_WINDOW
 #: Seconds an update waits for requests on a retired block's path to finish.
 DRAIN_TIMEOUT = settings.DRAIN_TIMEOUT
+#: How long the supervisor sleeps when nothing happens (it wakes at once on an event).
+TICK = 0.05
+#: A child asked to stop gets this long before SIGTERM, and STOP_KILL_S before SIGKILL.
+STOP_TERM_S = 1.0
+STOP_KILL_S = 5.0
+#: Seconds the switch waits for processes to take a topology update before draining anyway.
+ACK_TIMEOUT = 5.0
 
 
 class UpdateFailed(RuntimeError):
@@ -63,7 +89,7 @@ class Conflict(RuntimeError):
     """The request contradicts the current state (409)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Child:
     """A running block or the dispatcher, as the manager sees it."""
 
@@ -79,6 +105,11 @@ class Child:
     last_exit: str | None = None
     failure: str | None = None
     started: float = field(default_factory=time.time)
+    spawned_at: float = field(default_factory=time.monotonic)
+    ready_at: float = 0.0            # monotonic; silence is counted from here
+    stop_asked: float | None = None  # monotonic, when stop_later() asked it to stop
+    applying: Future | None = None   # its answer to the last topology update, while it is due
+    gone: bool = False               # exited and cleaned up after
 
     @property
     def ident(self) -> bytes:
@@ -97,24 +128,58 @@ class Child:
         return d
 
 
+@dataclass(eq=False)
+class Operation:
+    """One change queued by a REST handler: what it wants (computed when it starts, against the
+    state of that moment) and how far the supervisor got with it."""
+
+    kind: str                                   # update, delete_block, delete_all
+    desire: Callable[[], Desired]               # raises ValueError (-> 409) or KeyError (-> 404)
+    body: dict | None = None                    # the update as posted (kept in state.json)
+    transport: str | None = None
+    manifests: dict = field(default_factory=dict)
+    future: Future = field(default_factory=Future)
+    started: float = field(default_factory=time.monotonic)
+    # progress, set by the supervisor
+    phase: str = "queued"                       # queued, starting, draining
+    desired: Desired | None = None
+    plan: Plan | None = None
+    new: dict[str, Child] = field(default_factory=dict)
+    retired: list[Child] = field(default_factory=list)
+    diff: dict = field(default_factory=dict)
+    acks: list[Future] = field(default_factory=list)
+    switched: float = 0.0
+    outstanding: Future | None = None
+    drained: bool = False
+    stop_sent: bool = False
+
+
 class Manager:
     def __init__(self, repo: str, state: StateDir, dispatcher_address: str = "tcp://127.0.0.1:5580",
-                 token: str | None = None, window: int = 8):
+                 token: str | None = None, window: int = settings.WINDOW):
         self.repo = os.path.abspath(repo)
         self.state = state
         self.dispatcher_address = dispatcher_address
         self.token = token
         self.window = window
+        self.catalog = ModelCatalog(self.repo)
         self.lock = threading.RLock()
         self.blocks: dict[str, Child] = {}
         self.tasks: dict[str, list[str]] = {}
+        self.manifests: dict[str, dict | None] = {}
         self.update_body: dict | None = None
+        self.shm_budget: dict | None = None  # what the last update needs of the slot filesystem (state.slot_budget)
         self.transport = "tensormq"
         self.version = 0
         self.dispatcher: Child | None = None
+        self.events: queue.Queue = queue.Queue()
+        self.ops: collections.deque[Operation] = collections.deque()
+        self.op: Operation | None = None
+        self.stopping_children: list[Child] = []
         self._incarnations: dict[str, int] = {}
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
+        self._next_ping = 0.0
         self._last_health = 0.0   # when check_health last ran (monotonic)
         self._grace_from = 0.0    # silence before this moment does not count (see check_health)
         self.gpus = 0
@@ -132,9 +197,18 @@ class Manager:
         except Exception:
             self.gpus = 0
         self.ctx = zmq.Context()
-        self.controller = Controller(self.ctx, f"ipc://{os.path.join(self.state.sock, 'controller.sock')}")
+        self.controller = Controller(self.ctx, f"ipc://{os.path.join(self.state.sock, 'controller.sock')}",
+                                     notify=lambda ident: self.events.put(("notice", ident)))
         self.controller.start()
         self.dispatcher = self.spawn_dispatcher()
+        try:
+            info = self.controller.wait_ready(self.dispatcher.ident, READY_TIMEOUT, alive=self.dispatcher.process.is_alive)
+        except (ControlError, TimeoutError) as exc:
+            self.stop_now([self.dispatcher])
+            raise RuntimeError(f"the dispatcher did not start on {self.dispatcher_address}: {exc} "
+                               f"({describe_exit(self.dispatcher.process.exitcode)}); "
+                               "is the port in use? try --dispatcher-port") from None
+        self.mark_ready(self.dispatcher, info)
         self.dispatcher_address = self.dispatcher.endpoint  # a respawn binds the same port (matters for port 0)
         self._persist()
         self._supervisor = threading.Thread(target=self.supervise, name="supervisor", daemon=True)
@@ -143,30 +217,47 @@ class Manager:
                  self.dispatcher.endpoint)
 
     def stop(self) -> None:
-        """Shutdown order: stop supervising (so nothing is respawned), stop blocks (they flush
-        their KPI logs and answer what they hold), stop the dispatcher (it answers every request
-        still open), stop the controller, remove sockets and slots, record the empty state."""
+        """Shutdown order: stop supervising (so nothing is respawned and no operation advances),
+        answer queued operations, stop blocks (they flush their KPI logs and answer what they
+        hold), stop the dispatcher (it answers every request still open), stop the controller,
+        remove sockets and slots, record the empty state, and last stop the forkserver (every
+        block was its child, so it goes after them)."""
         if self._stopping.is_set() or not hasattr(self, "controller"):
             self._stopping.set()
             return
         self._stopping.set()
+        self.events.put(("wake", None))
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
         with self.lock:
-            children = list(self.blocks.values())
+            ops = ([self.op] if self.op else []) + list(self.ops)
+            self.op, self.ops = None, collections.deque()
+            while True:  # operations queued after the supervisor's last round
+                try:
+                    kind, item = self.events.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "op":
+                    ops.append(item)
+            for op in ops:
+                _resolve(op.future, error=UpdateFailed("the server is shutting down"))
+            children = list(self.blocks.values()) + self.stopping_children
+            for op in ops:
+                children += list(op.new.values()) + op.retired
             self.blocks.clear()
             self.tasks.clear()
-            self.stop_children(children)
+            self.stop_now(children)
             if self.dispatcher is not None:
-                self.stop_children([self.dispatcher])
+                self.stop_now([self.dispatcher])
                 self.dispatcher = None
             self.controller.stop()
             self.ctx.term()
             self._persist()
             self.state.remove_runtime()
+        stop_forkserver()
         log.info("manager stopped")
 
-    # -- spawning ----------------------------------------------------------------------------
+    # -- spawning (never waits: READY arrives as an event) ----------------------------------------
     def _next_incarnation(self, name: str) -> int:
         inc = self._incarnations.get(name, -1) + 1
         self._incarnations[name] = inc
@@ -174,11 +265,14 @@ class Manager:
 
     def spawn_block(self, decl: BlockDecl, restarts: int = 0, streak: int = 0) -> Child:
         inc = self._next_incarnation(decl.name)
-        spec = BlockSpec(name=decl.name, model=decl.model, repo=self.repo, run_dir=self.state.run_dir,
+        model = list(decl.model) if isinstance(decl.model, tuple) else decl.model
+        spec = BlockSpec(name=decl.name, model=model, repo=self.repo, run_dir=self.state.run_dir,
                          sock_dir=self.state.sock, shm_dir=self.state.shm, device=decl.device,
                          transport=decl.transport, protocol=decl.protocol, threads=decl.threads,
                          cpus=list(decl.cpus) if decl.cpus else None, incarnation=inc,
-                         controller=self.controller.endpoint, parent_pid=os.getpid(), window=self.window)
+                         controller=self.controller.endpoint, parent_pid=os.getpid(), window=self.window,
+                         max_inference_s=decl.max_inference_s,
+                         verified=self.catalog.verified(decl.files))
         proc = self.mp.Process(target=serve_block, args=(spec,), name=f"blockflow-{decl.name}", daemon=True)
         proc.start()
         log.info("spawned block %s#%d (pid %d, %s on %s)", decl.name, inc, proc.pid, decl.model, decl.device)
@@ -192,31 +286,25 @@ class Manager:
                               parent_pid=os.getpid(), incarnation=inc, token=self.token, window=self.window)
         proc = self.mp.Process(target=serve_dispatcher, args=(spec,), name="blockflow-dispatcher", daemon=True)
         proc.start()
-        child = Child(DISPATCHER, None, inc, proc, restarts=restarts, streak=streak)
-        try:
-            info = self.controller.wait_ready(child.ident, READY_TIMEOUT, alive=proc.is_alive)
-        except (ControlError, TimeoutError) as exc:
-            self.stop_children([child])
-            raise RuntimeError(f"the dispatcher did not start on {self.dispatcher_address}: {exc} "
-                               f"({describe_exit(proc.exitcode)}); is the port in use? try --dispatcher-port") from None
-        child.status, child.endpoint, child.ready_info = "ready", info["endpoint"], info
-        return child
+        return Child(DISPATCHER, None, inc, proc, restarts=restarts, streak=streak)
 
-    def wait_ready(self, children: list[Child]) -> None:
-        """Wait for every child's READY; raise UpdateFailed naming the first that cannot start."""
-        deadline = time.monotonic() + READY_TIMEOUT
-        for child in children:
-            try:
-                info = self.controller.wait_ready(child.ident, max(0.1, deadline - time.monotonic()),
-                                                  alive=child.process.is_alive)
-            except (ControlError, TimeoutError) as exc:
-                child.process.join(0.5)
-                raise UpdateFailed(f"block {child.name} ({child.decl.model} on {child.decl.device}) did not start: "
-                                   f"{exc} [{describe_exit(child.process.exitcode)}]", child.name) from None
-            child.status, child.endpoint, child.ready_info = "ready", info["endpoint"], info
+    def mark_ready(self, c: Child, info: dict) -> None:
+        c.status, c.endpoint, c.ready_info, c.ready_at = "ready", info["endpoint"], info, time.monotonic()
 
-    def stop_children(self, children: list[Child], timeout: float = 5.0) -> None:
-        """Ask politely (stop command, then SIGTERM), then SIGKILL what is still there."""
+    def stop_later(self, children) -> None:
+        """Ask each child to stop; reap_children() escalates to SIGTERM and SIGKILL."""
+        now = time.monotonic()
+        for c in children:
+            if c.gone or c in self.stopping_children:
+                continue
+            c.status, c.stop_asked = "stopping", now
+            if c.process.exitcode is None:
+                self.controller.cast(c.ident, "stop")
+            self.stopping_children.append(c)
+
+    def stop_now(self, children, timeout: float = STOP_KILL_S) -> None:
+        """Shutdown only (the supervisor has stopped): ask politely, SIGTERM, SIGKILL, and wait."""
+        children = [c for c in children if not c.gone]
         for c in children:
             c.status = "stopping"
             if c.process.is_alive():
@@ -226,7 +314,7 @@ class Manager:
                     pass
         deadline = time.monotonic() + timeout
         for c in children:
-            c.process.join(max(0.0, min(1.0, deadline - time.monotonic())))
+            c.process.join(max(0.0, min(STOP_TERM_S, deadline - time.monotonic())))
             if c.process.is_alive():
                 c.process.terminate()
         for c in children:
@@ -235,151 +323,76 @@ class Manager:
                 log.warning("%s (pid %s) ignored SIGTERM; killing it", c.instance, c.process.pid)
                 c.process.kill()
                 c.process.join(2)
-            c.last_exit = describe_exit(c.process.exitcode)
-            self.controller.forget(c.ident)
-            self._remove_slots(c)
+            self._gone(c)
+
+    def _gone(self, c: Child) -> None:
+        if c.gone:
+            return
+        c.gone = True
+        c.last_exit = c.last_exit or describe_exit(c.process.exitcode)
+        self.controller.forget(c.ident)
+        self._remove_slots(c)
 
     def _remove_slots(self, c: Child) -> None:
         """A dead producer's slot files are ours to remove (a clean exit left none)."""
-        if c.process.pid is None or c.process.is_alive():
+        if c.process.pid is None or c.process.exitcode is None:
             return
         removed = self.state.remove_slots_of(c.process.pid)
         if removed:
             log.info("removed %d slot files that %s (pid %d) left behind", removed, c.instance, c.process.pid)
 
-    # -- system updates ----------------------------------------------------------------------
+    # -- operations, queued by REST threads --------------------------------------------------------
     def apply(self, body) -> dict:
-        started = time.monotonic()
-        with self.lock:
-            if self._stopping.is_set():
-                raise UpdateFailed("the server is shutting down")
-            upd: Update = validate_update(body, self.repo, gpus=self.gpus)
-            self.shm_budget = slot_budget(upd, self.window, self.state.shm)
-            current = self.blocks
-            kept = [n for n, d in upd.blocks.items() if n in current and current[n].decl == d
-                    and current[n].status != "failed"]
-            replaced = [n for n in upd.blocks if n in current and n not in kept]
-            spawned = [n for n in upd.blocks if n not in current]
-            removed = [n for n in current if n not in upd.blocks]
-            new = [self.spawn_block(upd.blocks[n]) for n in spawned + replaced]
-            try:
-                self.wait_ready(new)
-            except UpdateFailed:
-                self.stop_children(new)  # roll back: the old blocks were never touched
-                raise
-            retired = [current[n] for n in removed + replaced]
-            blocks = {n: current[n] for n in kept}
-            blocks.update({c.name: c for c in new})
-            old_tasks = self.tasks
-            self.blocks, self.tasks = blocks, dict(upd.tasks)
-            self.update_body, self.transport = body, upd.transport
-            self.manifests = upd.manifests
-            self.version += 1
-            self.publish(draining=retired)
-            self.retire(retired)
-            self._persist()
-            diff = {"spawned": spawned, "replaced": replaced, "kept": kept, "removed": removed,
-                    "tasks": {"added": sorted(set(upd.tasks) - set(old_tasks)),
-                              "removed": sorted(set(old_tasks) - set(upd.tasks)),
-                              "changed": sorted(t for t in upd.tasks if t in old_tasks and old_tasks[t] != upd.tasks[t])}}
-            took = time.monotonic() - started
-            log.info("applied update version %d in %.2fs: %s", self.version, took, diff)
-            return {"version": self.version, "diff": diff, "seconds": round(took, 3), "shm": self.shm_budget}
+        """Check ``body`` here, at the edge (UpdateError -> 400), then let the supervisor apply it."""
+        if self._stopping.is_set():
+            raise UpdateFailed("the server is shutting down")
+        upd = validate_update(body, gpus=self.gpus)
+        self.catalog.check_update(upd)
+        self.shm_budget = slot_budget(upd, self.window, self.state.shm)
+        desired = Desired(dict(upd.blocks), dict(upd.tasks))
+        return self.submit(Operation("update", lambda: desired, body=body, transport=upd.transport,
+                                     manifests=upd.manifests))
 
+    def delete_block(self, name: str) -> dict:
+        self.child(name)  # KeyError -> 404 before anything is queued
+
+        def desire() -> Desired:
+            if name not in self.blocks:
+                raise KeyError(name)
+            return without_block({n: c.decl for n, c in self.blocks.items()}, self.tasks, name)
+        return self.submit(Operation("delete_block", desire))
+
+    def delete_all(self) -> dict:
+        return self.submit(Operation("delete_all", lambda: Desired()))
+
+    def submit(self, op: Operation) -> dict:
+        if self._stopping.is_set():
+            raise UpdateFailed("the server is shutting down")
+        self.events.put(("op", op))
+        # The supervisor resolves every operation: done, failed, or refused at shutdown. One
+        # queued just after the supervisor's last round is refused here.
+        deadline = time.monotonic() + READY_TIMEOUT + DRAIN_TIMEOUT + 4 * STOP_KILL_S + 60
+        while True:
+            try:
+                return op.future.result(timeout=0.5)
+            except FutureTimeout:
+                supervised = self._supervisor is not None and self._supervisor.is_alive()
+                if time.monotonic() > deadline or (self._stopping.is_set() and not supervised):
+                    _resolve(op.future, error=UpdateFailed("the server is shutting down" if self._stopping.is_set()
+                                                           else f"{op.kind} did not finish in time"))
+
+    # -- reading (REST) ----------------------------------------------------------------------------
     def task_table(self) -> dict:
         table = {}
         for tid, path in self.tasks.items():
             hops = [self.blocks[n] for n in path]
             down = [c for c in hops if c.status != "ready"]
-            first = hops[0].decl
-            entry = (getattr(self, "manifests", {}) or {}).get(first.model)
+            entry = self.manifests.get(hops[0].decl.files[0])
             table[tid] = {"path": [[c.name, c.endpoint] for c in hops], "blocks": [c.instance for c in hops],
                           "input": {"dtype": entry.get("dtype"), "shape": entry.get("input_shape")} if entry else None}
             if down:
                 table[tid]["unavailable"] = ", ".join(f"block {c.name} is {c.status}" for c in down)
         return table
-
-    def publish(self, draining: list[Child] = ()) -> None:
-        """Send the task table to the dispatcher and the live hops to every process.
-
-        ``draining``: blocks on their way out whose queued requests must still finish. Their
-        endpoints stay live, because a producer reclaims the slots of every hop that is not
-        live, which would turn the handles still queued there into stale ones. retire()
-        publishes again once they are stopped."""
-        live = [c.endpoint for c in [*self.blocks.values(), *draining] if c.status == "ready"]
-        if self.dispatcher is not None:
-            live += list(self.dispatcher.ready_info.get("results", []))
-        devices = {c.endpoint: c.decl.device for c in self.blocks.values() if c.endpoint}
-        futures = []
-        if self.dispatcher is not None and self.dispatcher.status == "ready":
-            try:
-                self.controller.request(self.dispatcher.ident, "tasks", {"tasks": self.task_table(),
-                                                                         "version": self.version}, timeout=5)
-            except (ControlError, TimeoutError) as exc:
-                log.warning("could not send the task table to the dispatcher: %s", exc)
-            futures.append(self.controller.cast(self.dispatcher.ident, "update", {"live": live, "devices": devices}))
-        for c in self.blocks.values():
-            if c.status == "ready":
-                futures.append(self.controller.cast(c.ident, "update", {"live": live, "devices": devices}))
-        for f in futures:
-            try:
-                f.result(5)
-            except Exception as exc:
-                log.warning("a process did not take the topology update: %s", exc)
-
-    def retire(self, children: list[Child]) -> None:
-        """Let requests already on a retired block's path finish, then stop it."""
-        if not children:
-            return
-        names = [c.instance for c in children]
-        deadline = time.monotonic() + DRAIN_TIMEOUT
-        while self.dispatcher is not None and time.monotonic() < deadline:
-            try:
-                left = self.controller.request(self.dispatcher.ident, "outstanding", {"blocks": names}, timeout=2)
-            except (ControlError, TimeoutError):
-                break
-            if not left["outstanding"]:
-                break
-            time.sleep(0.02)
-        self.stop_children(children)
-        self._fail_requests(names, f"blocks {', '.join(names)} were removed by a system update")
-        self.publish()  # blocks close their sockets to the retired ones and reclaim slots
-
-    def _fail_requests(self, instances: list[str], reason: str) -> None:
-        if self.dispatcher is None or self.dispatcher.status != "ready":
-            return
-        try:
-            self.controller.request(self.dispatcher.ident, "fail", {"blocks": instances, "reason": reason}, timeout=2)
-        except (ControlError, TimeoutError) as exc:
-            log.warning("could not tell the dispatcher to fail requests through %s: %s", instances, exc)
-
-    # -- direct operations (REST) ------------------------------------------------------------
-    def delete_block(self, name: str) -> dict:
-        with self.lock:
-            if name not in self.blocks:
-                raise KeyError(name)
-            users = [t for t, p in self.tasks.items() if name in p]
-            if users:
-                raise Conflict(f"block {name} is on the path of task(s) {', '.join(users)}; "
-                               "post an update that removes those tasks first")
-            child = self.blocks.pop(name)
-            self.retire([child])
-            if self.update_body:  # what a restarted server re-applies (blockflow/server.py) no longer has it
-                self.update_body = {**self.update_body, "blocks": [b for b in self.update_body.get("blocks", [])
-                                                                   if b.get("name") != name]}
-            self.version += 1
-            self._persist()
-            return {"removed": name, "version": self.version}
-
-    def delete_all(self) -> dict:
-        with self.lock:
-            children = list(self.blocks.values())
-            self.blocks, self.tasks, self.update_body = {}, {}, None
-            self.version += 1
-            self.publish(draining=children)
-            self.retire(children)
-            self._persist()
-            return {"removed": [c.name for c in children], "version": self.version}
 
     def child(self, name: str) -> Child:
         with self.lock:
@@ -406,29 +419,49 @@ class Manager:
                     "tasks": [{"id": t, "path": p} for t, p in self.tasks.items()],
                     "dispatcher": self.dispatcher.describe() if self.dispatcher else None,
                     "state_dir": self.state.root, "run_dir": self.state.run_dir,
-                    "shm": getattr(self, "shm_budget", None)}
+                    "shm": self.shm_budget}
 
     def ready(self) -> bool:
         with self.lock:
             return (self.dispatcher is not None and self.dispatcher.status == "ready"
                     and all(c.status == "ready" for c in self.blocks.values()))
 
-    # -- supervision -------------------------------------------------------------------------
+    # -- the supervisor loop -------------------------------------------------------------------
     def supervise(self) -> None:
-        next_ping = 0.0
-        while not self._stopping.wait(0.05):
+        while not self._stopping.is_set():
             try:
+                self.wait_for_events(TICK)
                 with self.lock:
                     if self._stopping.is_set():
                         return
                     self.reap_children()
-                    now = time.monotonic()
-                    if now >= next_ping:
-                        next_ping = now + PING_INTERVAL
-                        self.check_health(now)
+                    self.check_health()
+                    self.check_starting()
                     self.respawn_children()
+                    self.reconcile()
             except Exception:
                 log.exception("supervisor loop error (continuing)")
+
+    def wait_for_events(self, timeout: float) -> None:
+        try:
+            event = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        with self.lock:
+            while event is not None:
+                self.handle_event(*event)
+                try:
+                    event = self.events.get_nowait()
+                except queue.Empty:
+                    event = None
+
+    def handle_event(self, kind: str, item) -> None:
+        if kind == "op":
+            self.ops.append(item)
+        elif kind == "pong":
+            child, result = item
+            self.handle_pong(child, result)
+        # "notice" (READY or boot error) and "wake": check_starting() looks at every starting child
 
     def _all_children(self) -> list[Child]:
         return list(self.blocks.values()) + ([self.dispatcher] if self.dispatcher else [])
@@ -437,75 +470,272 @@ class Manager:
         for c in self._all_children():
             if c.status == "ready" and c.process.exitcode is not None:
                 self.on_child_down(c, describe_exit(c.process.exitcode), c.process.exitcode == EXIT_BOOT_ERROR)
+        now = time.monotonic()
+        for c in list(self.stopping_children):
+            if c.process.exitcode is not None:
+                self._gone(c)
+                self.stopping_children.remove(c)
+            elif now - c.stop_asked > STOP_KILL_S:
+                log.warning("%s (pid %s) ignored SIGTERM; killing it", c.instance, c.process.pid)
+                c.process.kill()
+            elif now - c.stop_asked > STOP_TERM_S:
+                c.process.terminate()
 
-    def check_health(self, now: float) -> None:
-        # Silence only means a hang if we were pinging all along. While an update or a respawn
-        # held the lock, nobody was pinged: judging then would kill every healthy process.
+    def check_health(self) -> None:
+        now = time.monotonic()
+        if now < self._next_ping:
+            return
+        self._next_ping = now + PING_INTERVAL
+        # Silence only means a hang if we were pinging all along (the loop may have been
+        # starved of CPU): judging then would kill every healthy process.
         if now - self._last_health > HANG_TIMEOUT / 2:
             self._grace_from = now
         self._last_health = now
         for c in self._all_children():
             if c.status != "ready":
                 continue
-            seen = max(self.controller.last_seen.get(c.ident, now), self._grace_from)
-            if now - seen > HANG_TIMEOUT:
-                log.warning("%s (pid %d) did not answer pings for %.2fs; killing it", c.instance, c.process.pid,
-                            now - seen)
-                try:
-                    os.kill(c.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                c.process.join(1)
-                self.on_child_down(c, f"hung ({now - seen:.2f}s without answering), killed", False)
+            seen = max(self.controller.last_seen.get(c.ident, c.ready_at), c.ready_at, self._grace_from)
+            # A block applies a topology update between two inferences and answers nothing
+            # meanwhile (not even pings): that silence is not a hang. The block itself gives up
+            # on the update after 10 s, and a stuck inference shows in busy_s anyway.
+            if c.applying is not None and c.applying.done():
+                c.applying = None
+            if now - seen > HANG_TIMEOUT and c.applying is None:
+                self.kill_child(c, f"hung ({now - seen:.2f}s without answering), killed")
                 continue
-            self.controller.cast(c.ident, "ping")
+            fut = self.controller.cast(c.ident, "ping")
+            fut.add_done_callback(lambda f, c=c: self.events.put(
+                ("pong", (c, f.result() if not f.exception() else None))))
+
+    def handle_pong(self, c: Child, result: dict | None) -> None:
+        """Liveness: a block whose inference thread has been in one inference for longer than
+        its ``max_inference_s`` is stuck (the control thread still answers, so silence would
+        never tell)."""
+        if c.decl is None or c.status != "ready" or not isinstance(result, dict):
+            return
+        busy = result.get("busy_s")
+        if isinstance(busy, (int, float)) and busy > c.decl.max_inference_s:
+            self.kill_child(c, f"stuck in one inference for {busy:.1f}s (max_inference_s "
+                               f"{c.decl.max_inference_s:g}), killed")
+
+    def kill_child(self, c: Child, how: str) -> None:
+        log.warning("%s (pid %s): %s", c.instance, c.process.pid, how)
+        try:
+            os.kill(c.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        c.process.join(1)  # SIGKILL takes milliseconds; the slot files are removed once it is gone
+        self.on_child_down(c, how, False)
 
     def on_child_down(self, c: Child, how: str, boot_error: bool) -> None:
         c.last_exit = how
         self.controller.forget(c.ident)
         self._remove_slots(c)
-        if c.decl is not None:
-            self._fail_requests([c.instance], f"block {c.name} failed ({how}) while holding the request")
         if time.time() - c.started > RESTART_WINDOW:
             c.streak = 0  # it ran for a while: this is not a crash loop
         if boot_error or c.streak >= MAX_RESTARTS:
             c.status = "failed"
             c.failure = f"{how}; not respawned ({'cannot start' if boot_error else f'{MAX_RESTARTS} restarts within {RESTART_WINDOW:.0f}s'})"
             log.error("%s failed: %s", c.instance, c.failure)
-            if c.decl is not None:
-                self.publish()  # tasks through it now get an 'unavailable' error at once
         else:
             c.status = "restarting"
             log.warning("%s (pid %s) died: %s; respawning (restart %d of %d)", c.instance, c.process.pid, how,
                         c.streak + 1, MAX_RESTARTS)
+        if c.decl is not None:
+            # Order matters: first the dispatcher learns that tasks through the block are
+            # unavailable (so no new request is sent to a dead socket, where it would wait for
+            # its deadline), then it answers the requests the block held. Both go down the same
+            # control pipe, so they arrive in this order.
+            self.publish()
+            self._fail_requests([c.instance], f"block {c.name} failed ({how}) while holding the request")
         self._persist()
+
+    def check_starting(self) -> None:
+        """Starting children: READY (-> ready), a boot error, an early exit or no READY in time
+        (-> failed: a new block fails its update, a respawn is marked failed)."""
+        starting = [c for c in self._all_children() if c.status == "starting"]
+        if self.op is not None:
+            starting += [c for c in self.op.new.values() if c.status == "starting"]
+        changed = False
+        now = time.monotonic()
+        for c in starting:
+            info = self.controller.ready.get(c.ident)
+            if info is not None:
+                self.mark_ready(c, info)
+                if c is self.dispatcher or self.blocks.get(c.name) is c:
+                    log.info("%s (pid %s) is ready on %s", c.instance, c.process.pid, c.endpoint)
+                    changed = True
+                continue
+            boot = self.controller.boot_errors.get(c.ident)
+            if boot is None and c.process.exitcode is None and now - c.spawned_at < READY_TIMEOUT:
+                continue
+            if boot is not None:
+                why = boot.get("error", "boot error")
+            elif c.process.exitcode is not None:
+                why = f"{c.ident.decode()} exited before it was ready"
+            else:
+                why = f"{c.ident.decode()} did not report READY within {READY_TIMEOUT:.0f}s"
+            what = f"block {c.name} ({' + '.join(c.decl.files)} on {c.decl.device})" if c.decl else "the dispatcher"
+            c.failure = f"{what} did not start: {why}"
+            if c.process.exitcode is not None:
+                c.failure += f" [{describe_exit(c.process.exitcode)}]"
+            log.error("%s", c.failure)
+            self.stop_later([c])
+            c.status = "failed"
+            changed = changed or c is self.dispatcher or self.blocks.get(c.name) is c
+        if changed:
+            self.publish()
+            self._persist()
 
     def respawn_children(self) -> None:
         for name, c in list(self.blocks.items()):
-            if self._stopping.is_set():
-                return  # shutting down: nothing is respawned, stop() takes them all
-            if c.status != "restarting":
-                continue
-            new = self.spawn_block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1)
-            try:
-                self.wait_ready([new])
-            except UpdateFailed as exc:
-                self.stop_children([new])
-                new.status, new.failure = "failed", str(exc)
-                log.error("respawn of %s failed: %s", name, exc)
-            self.blocks[name] = new
-            self.publish()
-            self._persist()
+            if c.status == "restarting":
+                self.blocks[name] = self.spawn_block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1)
+                self._persist()
         if self.dispatcher is not None and self.dispatcher.status == "restarting":
             old = self.dispatcher
-            try:
-                self.dispatcher = self.spawn_dispatcher(restarts=old.restarts + 1, streak=old.streak + 1)
-            except RuntimeError as exc:
-                old.status, old.failure = "failed", str(exc)
-                log.error("respawn of the dispatcher failed: %s", exc)
-                return
-            self.publish()
+            self.dispatcher = self.spawn_dispatcher(restarts=old.restarts + 1, streak=old.streak + 1)
             self._persist()
+
+    # -- operations, step by step ------------------------------------------------------------------
+    def reconcile(self) -> None:
+        if self.op is None:
+            if not self.ops:
+                return
+            self.begin(self.ops.popleft())
+            if self.op is None:
+                return
+        op = self.op
+        if op.phase == "starting":
+            failed = [c for c in op.new.values() if c.status == "failed"]
+            if failed:
+                self.stop_later(op.new.values())  # roll back: the old blocks were never touched
+                self.finish(op, error=UpdateFailed(failed[0].failure, failed[0].name))
+            elif all(c.status == "ready" for c in op.new.values()):
+                self.switch(op)
+        if op.phase == "draining":
+            self.drain(op)
+
+    def begin(self, op: Operation) -> None:
+        try:
+            op.desired = op.desire()
+        except KeyError as exc:
+            _resolve(op.future, error=exc)
+            return
+        except ValueError as exc:
+            _resolve(op.future, error=Conflict(str(exc)))
+            return
+        # an update replaces failed blocks; a deletion leaves the other blocks as they are
+        current = {n: Running(c.decl, c.status == "failed" and op.kind == "update") for n, c in self.blocks.items()}
+        op.plan = plan(current, op.desired.blocks)
+        try:
+            for n in op.plan.starts:
+                op.new[n] = self.spawn_block(op.desired.blocks[n])
+        except Exception as exc:  # e.g. the forkserver is gone: answer, do not leave the caller waiting
+            self.stop_later(op.new.values())
+            log.exception("%s: could not spawn its blocks", op.kind)
+            _resolve(op.future, error=UpdateFailed(f"could not start a block process: {exc}"))
+            return
+        op.phase = "starting"
+        self.op = op
+
+    def switch(self, op: Operation) -> None:
+        """Every new block is READY: make the desired state the current one."""
+        current = self.blocks
+        op.retired = [current[n] for n in op.plan.retires]
+        self.blocks = {n: op.new[n] if n in op.new else current[n] for n in op.desired.blocks}
+        old_tasks, self.tasks = self.tasks, dict(op.desired.tasks)
+        if op.kind == "update":
+            self.update_body, self.transport = op.body, op.transport
+            self.manifests = dict(op.manifests)
+        elif self.update_body:  # state.json keeps the update that describes what runs now
+            kept = [b for b in self.update_body.get("blocks", []) if b.get("name") in self.blocks]
+            self.update_body = {**self.update_body, "blocks": kept} if kept else None
+        self.version += 1
+        op.diff = {**op.plan.as_diff(), "tasks": diff_tasks(old_tasks, self.tasks).as_dict()}
+        op.acks = self.publish(draining=op.retired)
+        op.switched = time.monotonic()
+        op.phase = "draining"
+        self._persist()
+
+    def drain(self, op: Operation) -> None:
+        """Let requests already on a retired block's path finish, then stop it (one step per round)."""
+        now = time.monotonic()
+        if not all(f.done() for f in op.acks) and now - op.switched < ACK_TIMEOUT:
+            return
+        names = [c.instance for c in op.retired]
+        if op.retired and not op.drained:
+            disp = self.dispatcher
+            if disp is None or disp.status != "ready" or now - op.switched > DRAIN_TIMEOUT:
+                op.drained = True
+            elif op.outstanding is None:
+                op.outstanding = self.controller.cast(disp.ident, "outstanding", {"blocks": names})
+            elif op.outstanding.done():
+                left = op.outstanding.result()["outstanding"] if not op.outstanding.exception() else 0
+                op.drained, op.outstanding = not left, None
+            if not op.drained:
+                return
+        if not op.stop_sent:
+            self.stop_later(op.retired)
+            op.stop_sent = True
+        if not all(c.gone for c in op.retired):
+            return
+        if op.retired:
+            self._fail_requests(names, f"blocks {', '.join(names)} were removed by a system update")
+            self.publish()  # blocks close their sockets to the retired ones and reclaim slots
+        self.finish(op)
+
+    def finish(self, op: Operation, error: Exception | None = None) -> None:
+        self.op = None
+        self._persist()
+        took = time.monotonic() - op.started
+        if error is not None:
+            log.warning("%s failed after %.2fs: %s", op.kind, took, error)
+            _resolve(op.future, error=error)
+            return
+        if op.kind == "update":
+            result = {"version": self.version, "diff": op.diff, "seconds": round(took, 3),
+                      "shm": self.shm_budget}
+        elif op.kind == "delete_block":
+            result = {"removed": op.plan.drain[0], "version": self.version}
+        else:
+            result = {"removed": list(op.plan.drain), "version": self.version}
+        log.info("applied %s version %d in %.2fs: %s", op.kind, self.version, took, op.diff)
+        _resolve(op.future, result)
+
+    # -- telling the processes ---------------------------------------------------------------------
+    def publish(self, draining: list[Child] = ()) -> list[Future]:
+        """Send the task table to the dispatcher and the live hops to every process; never waits.
+        Returns the futures of the processes' acknowledgements.
+
+        ``draining``: blocks on their way out whose queued requests must still finish. Their
+        endpoints stay live, because a producer reclaims the slots of every hop that is not
+        live, which would turn the handles still queued there into stale ones. The drain
+        publishes again once they are stopped."""
+        live = [c.endpoint for c in [*self.blocks.values(), *draining] if c.status == "ready"]
+        if self.dispatcher is not None:
+            live += list(self.dispatcher.ready_info.get("results", []))
+        devices = {c.endpoint: c.decl.device for c in self.blocks.values() if c.endpoint}
+        futures = []
+        topology = {"live": live, "devices": devices}
+        if self.dispatcher is not None and self.dispatcher.status == "ready":
+            futures.append(self.controller.cast(self.dispatcher.ident, "tasks", {"tasks": self.task_table(),
+                                                                                  "version": self.version}))
+            futures.append(self.controller.cast(self.dispatcher.ident, "update",
+                                                {**topology, "transport": self.transport}))
+        for c in self.blocks.values():
+            if c.status == "ready":
+                c.applying = self.controller.cast(c.ident, "update", topology)
+                futures.append(c.applying)
+        for f in futures:
+            f.add_done_callback(_log_refusal)
+        return futures
+
+    def _fail_requests(self, instances: list[str], reason: str) -> None:
+        if self.dispatcher is None or self.dispatcher.status != "ready":
+            return
+        self.controller.cast(self.dispatcher.ident, "fail", {"blocks": instances, "reason": reason}) \
+            .add_done_callback(_log_refusal)
 
     def _persist(self) -> None:
         def rec(c: Child) -> dict:
@@ -518,3 +748,47 @@ class Manager:
             "dispatcher": rec(self.dispatcher) if self.dispatcher and self.dispatcher.process.pid else None,
             "shm_dir": self.state.shm, "run_dir": self.state.run_dir,
         })
+
+
+def _resolve(fut: Future, result=None, error: BaseException | None = None) -> None:
+    """Answer an operation's caller, unless it gave up waiting already."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def _log_refusal(fut: Future) -> None:
+    exc = fut.exception()
+    if exc is not None:
+        log.warning("a process did not take a control message: %s", exc)
+
+
+def stop_forkserver() -> None:
+    """Stop the multiprocessing forkserver (and the resource tracker it started) now, instead of
+    letting them notice our exit up to a second later: when ``serve`` returns, nothing it started
+    is left. Call it after every child is gone.
+
+    The forkserver gets SIGTERM first: it holds nothing but its listening socket, and a polite
+    exit would spend about 2 s tearing down the torch it preloaded. ``_stop()`` (the method
+    CPython's own tests use) then closes our end of its pipe and reaps it. Without these
+    private names (another Python) both still end on their own when their pipe from us closes."""
+    from multiprocessing import forkserver, resource_tracker
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for server in (server, getattr(resource_tracker, "_resource_tracker", None)):
+        stop = getattr(server, "_stop", None)
+        if stop is None:
+            continue
+        try:
+            stop()
+        except (OSError, ChildProcessError) as exc:
+            log.debug("stopping %s: %s", type(server).__name__, exc)

@@ -378,7 +378,10 @@ def slot_budget(upd, window: int, shm_dir: str | None) -> dict:
                 continue  # bytes on the socket, or a CUDA slot (its data is on the GPU)
             if decl is None and upd.transport != "tensormq":
                 continue
-            entry = upd.manifests.get((decl or upd.blocks[consumer]).model) or {}
+            model = (decl or upd.blocks[consumer]).model
+            if isinstance(model, list):  # a fused block: its last file makes the output, its first takes the input
+                model = model[-1] if decl else model[0]
+            entry = upd.manifests.get(model) or {}
             edges[(producer, consumer)] = nbytes(entry.get("output_shape" if decl else "input_shape"))
     known = [n for n in edges.values() if n is not None]
     needed = sum(window * (HEADER + _round_capacity(n)) for n in known)

@@ -72,7 +72,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .shm import HEADER, MAX_MAPPINGS, _SEG_RE, Mapped, Slot, SlotMapper, SlotPool, release_slot, KIND_CUDA
+from .shm import HEADER, MAX_MAPPINGS, SEG_RE as _SEG_RE, Mapped, Slot, SlotMapper, SlotPool, release_slot, KIND_CUDA
 from .wire import TensorDesc, WireError
 
 log = logging.getLogger(__name__)

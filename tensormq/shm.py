@@ -121,6 +121,8 @@ W_MAGIC, W_CAPACITY, W_GENERATION, W_RELEASED, W_KIND = 0, 1, 2, 3, 4
 KIND_HOST, KIND_CUDA = 0, 1
 KIND_OF_LOC = {"shm": KIND_HOST, "cuda": KIND_CUDA}
 _SEG_RE = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
+#: What a slot or segment name may be; public because cuda_ipc.py checks its names with it too.
+SEG_RE = _SEG_RE
 
 #: Slots a producer keeps in flight per edge before it waits (back-pressure).
 DEFAULT_WINDOW = settings.WINDOW

@@ -42,3 +42,111 @@ def test_product_code_imports_through_one_root():
                 if re.match(r"\s*(from|import) (blocks|manager|dispatcher|tensormq|experiments|tests)\b", line):
                     bad.append(f"{rel}:{i}: {line.strip()}")
     assert not bad, "product modules import blockflow.* only (never experiments or tests):\n" + "\n".join(bad)
+
+
+# -- what installs, what imports what ---------------------------------------------------------------
+
+_IMPORT_ALL = r"""
+import importlib, json, sys
+names = json.loads(sys.argv[1])
+failed = {}
+for name in names:
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        failed[name] = f"{type(exc).__name__}: {exc}"
+foreign = sorted(m for m in sys.modules if m.split(".")[0] in ("experiments", "tests", "conftest"))
+print(json.dumps({"modules": names, "failed": failed, "foreign": foreign,
+                  "path": [p for p in sys.path if p]}))
+"""
+
+
+def test_every_product_module_imports_without_experiments_or_tests(tmp_path):
+    """Run from an empty directory, with nothing on PYTHONPATH: the product stands alone."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    names = [_module_of(rel) for rel in _product_files()]
+    out = subprocess.run([sys.executable, "-c", _IMPORT_ALL, json.dumps(names)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not any(p in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "experiments"))
+                   for p in result["path"]), result["path"]
+    expected = {"blockflow.cli", "blockflow.manager.manager", "blockflow.manager.reconcile",
+                "blockflow.blocks.process", "blockflow.dispatcher.process", "blockflow.tensormq.transport"}
+    assert expected <= set(result["modules"]), result["modules"]
+    assert not result["failed"], result["failed"]
+    assert not result["foreign"], f"product modules imported {result['foreign']}"
+
+
+def _module_of(rel: str) -> str:
+    top, name = rel.split(os.sep)
+    pkg = "blockflow" if top == "blockflow" else f"blockflow.{top}"
+    return pkg if name == "__init__.py" else f"{pkg}.{name[:-3]}"
+
+
+def test_no_product_module_uses_another_modules_private_names():
+    """``from blockflow.x import _y`` or ``x._y`` on a product module couples two modules through
+    what one of them promised nobody. Say it in the owner's public API instead."""
+    import ast
+    import importlib
+    import types
+    bad = []
+    for rel in _product_files():
+        me = _module_of(rel)
+        package = me if rel.endswith("__init__.py") else me.rpartition(".")[0]
+        with open(os.path.join(ROOT, rel)) as f:
+            tree = ast.parse(f.read(), rel)
+        modules = {}  # local name -> product module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
+                    if node.level else (node.module or "")
+                if not base.startswith("blockflow"):
+                    continue
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__") and base != me:
+                        bad.append(f"{rel}:{node.lineno}: from {base} import {alias.name}")
+                    try:
+                        obj = getattr(importlib.import_module(base), alias.name, None)
+                    except ImportError:
+                        obj = None
+                    if isinstance(obj, types.ModuleType):
+                        modules[alias.asname or alias.name] = obj.__name__
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("blockflow") and alias.asname:
+                        modules[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in modules and modules[node.value.id] != me
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                bad.append(f"{rel}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert not bad, "private names used across product modules:\n" + "\n".join(bad)
+
+
+def test_pip_install_adds_only_blockflow(tmp_path):
+    """`pip install .` puts one top-level package (and its metadata, and the console script)
+    into site-packages: no blocks/, manager/, experiments/ beside other distributions."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", *PRODUCT_DIRS):  # a clean copy: no build/ in the worktree
+        (shutil.copytree if os.path.isdir(os.path.join(ROOT, name)) else shutil.copy)(
+            os.path.join(ROOT, name), src / name)
+    target = tmp_path / "site"
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--no-index", "--target", str(target), str(src)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    top = sorted(os.listdir(target))
+    others = [n for n in top if n not in ("blockflow", "bin") and not re.fullmatch(r"blockflow-[^/]+\.dist-info", n)]
+    assert "blockflow" in top and not others, top
+    installed = {p for p in os.listdir(target / "blockflow")}
+    assert {"blocks", "dispatcher", "manager", "tensormq", "cli.py"} <= installed, installed
+    assert "experiments" not in installed and "tests" not in installed

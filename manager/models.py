@@ -1,0 +1,85 @@
+"""The model files an update names, checked once per change of each file.
+
+An update is checked at the edge (the REST handler's thread) against the schema
+(blockflow/schema.py) and then against the repository here: every ``model`` must exist and,
+when a manifest lists it, match its sha256. The result is remembered per file together with
+the file's signature (device, inode, size, mtime): a later update, or a respawn, naming the same
+unchanged file costs a ``stat``, not a hash. The block process receives the verified digest and
+signature in its spec and hashes the bytes it loads only when the file changed since
+(blocks/repository.py ``open_block``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+from blockflow.blocks.repository import BlockFileError, file_signature, verify_block
+from blockflow.schema import Update, UpdateError
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    path: str                 # relative to the repository, as the update names it
+    entry: dict | None        # manifest entry (None: a file no manifest lists)
+    signature: tuple          # file_signature() of the version that was checked
+
+    def verified(self) -> dict | None:
+        """What a block needs to skip hashing this same version again."""
+        if self.entry is None:
+            return None
+        return {"sha256": self.entry.get("sha256"), "signature": list(self.signature)}
+
+
+class ModelCatalog:
+    def __init__(self, repo: str):
+        self.repo = repo
+        self._files: dict[str, ModelFile] = {}
+        self._lock = threading.Lock()  # REST threads check updates concurrently
+        self.hashes = 0                # files hashed since start (tests count them)
+
+    def check(self, relpath: str) -> ModelFile:
+        """The checked file ``relpath``; BlockFileError when it is missing or does not match."""
+        before = self._signature(relpath)
+        with self._lock:
+            known = self._files.get(relpath)
+        if known is not None and before is not None and known.signature == before:
+            return known
+        entry = verify_block(self.repo, relpath)  # raises for a missing, escaping or corrupt file
+        after = self._signature(relpath)
+        checked = ModelFile(relpath, entry, after)
+        with self._lock:
+            if entry is not None:
+                self.hashes += 1
+            if after is not None and after == before:  # not rewritten while we hashed it
+                self._files[relpath] = checked
+        return checked
+
+    def check_update(self, upd: Update) -> None:
+        """Check every model of a valid update; fill ``upd.manifests``; UpdateError names the field."""
+        for i, decl in enumerate(upd.blocks.values()):
+            for j, relpath in enumerate(decl.files):
+                try:
+                    upd.manifests[relpath] = self.check(relpath).entry
+                except BlockFileError as exc:
+                    where = f"blocks[{i}].model" + (f"[{j}]" if isinstance(decl.model, tuple) else "")
+                    raise UpdateError(where, str(exc)) from None
+
+    def verified(self, files) -> dict[str, dict]:
+        """``{file: {"sha256", "signature"}}`` for the block spec; files that cannot be checked
+        now are left out (the block then reports why it cannot load them)."""
+        out = {}
+        for relpath in files:
+            try:
+                v = self.check(relpath).verified()
+            except (BlockFileError, OSError, ValueError):
+                continue
+            if v is not None:
+                out[relpath] = v
+        return out
+
+    def _signature(self, relpath: str) -> tuple | None:
+        try:
+            return tuple(file_signature(os.stat(os.path.join(self.repo, relpath))))
+        except (OSError, ValueError):
+            return None
