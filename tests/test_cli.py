@@ -111,7 +111,7 @@ def test_load_and_kpi_against_a_server(server_factory, identity_repo, tmp_path):
     assert "unknown_task: unknown task 'nope'; tasks served now: t" in res.stdout, res.stdout
 
     for b in ("a", "d"):
-        srv.call("GET", f"/blocks/{b}/kpi")  # flush the KPI logs
+        srv.call("POST", f"/blocks/{b}/kpi")  # flush the KPI logs
     plot = tmp_path / "kpi.png"
     res = blockflow("kpi", srv.state_dir, "--plot", str(plot))  # the state dir: its newest run
     assert res.returncode == 0, res.stderr
