@@ -45,6 +45,8 @@ log = logging.getLogger("blockflow.block")
 
 #: Tensors a block queues before it answers new ones with an ``overloaded`` error.
 DEFAULT_MAX_QUEUE = settings.MAX_QUEUE
+#: The inference loop goes around at least this often when idle (its heartbeat, ``beat_age_s``).
+BEAT_INTERVAL = 0.5
 _STOP = object()
 
 
@@ -72,6 +74,8 @@ class BlockSpec:
     monitor: bool = True
     monitor_interval: float = DEFAULT_INTERVAL
     warmup: bool = True
+    #: seconds one inference may take; the manager kills and respawns a block past it (liveness)
+    max_inference_s: float = 60.0
     extra: dict = field(default_factory=dict)
 
     def endpoint_hint(self) -> str:
@@ -102,6 +106,10 @@ class Block:
         self.endpoint: str | None = None
         self.tensors: queue.Queue = queue.Queue()
         self.controls: queue.Queue = queue.Queue()
+        # Liveness, written by the inference thread only, read by the control thread (floats:
+        # one assignment each is atomic under the GIL). busy_since is 0.0 while idle.
+        self.busy_since = 0.0
+        self.beat = time.monotonic()
 
     # -- start-up ----------------------------------------------------------------------------
     def init_process(self) -> None:
@@ -298,8 +306,10 @@ class Block:
 
     def handle_command(self, cmd: str, args: dict):
         if cmd == "ping":
+            now, busy_since = time.monotonic(), self.busy_since
             return {"pid": os.getpid(), "queue": self.tensors.qsize(), "served": self.kpi.count,
-                    "in_flight": self.transport.in_flight()}
+                    "in_flight": self.transport.in_flight(),
+                    "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat}
         if cmd == "store":
             return {"written": self.kpi.flush(), "paths": self.kpi.paths}
         if cmd == "monitor":
@@ -341,7 +351,11 @@ class Block:
         self.announce()
         try:
             while True:
-                item = self.tensors.get()
+                self.beat = time.monotonic()
+                try:
+                    item = self.tensors.get(timeout=BEAT_INTERVAL)
+                except queue.Empty:
+                    continue
                 if item is _STOP:
                     break
                 if item[0] == "topology":
@@ -349,7 +363,11 @@ class Block:
                     box["dropped"] = self.transport.set_topology(args.get("live", []), args.get("devices"))
                     done.set()
                     continue
-                self.infer(*item)
+                self.busy_since = time.monotonic()
+                try:
+                    self.infer(*item)
+                finally:
+                    self.busy_since = 0.0
         finally:
             self.shutdown()
         return self.exit_code
