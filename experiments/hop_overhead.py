@@ -83,7 +83,9 @@ def _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kind) -> l
 
     rows = []
     env = {"BLOCKFLOW_KPI_FLUSH_EVERY": "100000"}
-    with StandalonePipeline(repo, blocks, tasks, transport=transport, threads=1, env=env, device=device) as p:
+    # its own shared-memory prefix: on a shared machine, other runs' leak checks sweep blockflow-*
+    with StandalonePipeline(repo, blocks, tasks, transport=transport, threads=1, env=env, device=device,
+                            shm_prefix="bfbench-hop") as p:
         with Client(p.address, timeout=120) as c:
             for shape in sizes:
                 x = torch.randn(*shape)

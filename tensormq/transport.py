@@ -123,17 +123,23 @@ class Transport:
         return self._cuda_mapper
 
     # -- sending -----------------------------------------------------------------------------
-    def encode(self, tensor: torch.Tensor, address: str, lease=None, timeout: float | None = None):
+    def encode(self, tensor: torch.Tensor, address: str, lease=None, timeout: float | None = None,
+               same_as: dict | None = None):
         """(descriptor dict, payload or None) to send ``tensor`` to ``address``.
 
         ``lease`` is the slot the input came in: an output that is a view of it is forwarded
-        by handle and the lease's release duty goes along with it.
+        by handle and the lease's release duty goes along with it. ``same_as`` is the input's
+        descriptor when ``tensor`` is the input itself: it is forwarded as it came, with no
+        new descriptor built.
         """
         if self.mode == "zeromq" or not is_local(address) or self.pool is None:
             if lease is not None and lease.contains(tensor):
                 tensor = tensor.clone()  # ZeroMQ reads the bytes later; the slot is released now
             desc, payload = encode_bytes(tensor)
             return desc.to_json(), payload
+        if lease is not None and same_as is not None:
+            lease.released = True  # no longer ours to release: the duty travels with the handle
+            return same_as, None
         if lease is not None and lease.contains(tensor):
             return lease.forward_desc(tensor).to_json(), None
         timeout = self.send_timeout if timeout is None else timeout

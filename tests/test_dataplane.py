@@ -24,6 +24,7 @@ BRANCHY = {  # two tasks share block1-3 and own their block4/head (thesis scenar
 TASKS = {"classify": ["b1", "b2", "b3", "b4", "h"], "special": ["b1", "b2", "b3", "b4x", "hx"]}
 
 
+SHM_PREFIX = "bftest-dataplane"
 CUDA = pytest.mark.cuda  # the same promises with every block on the GPU; skipped where none is present
 
 
@@ -34,7 +35,8 @@ CUDA = pytest.mark.cuda  # the same promises with every block on the GPU; skippe
 def pipeline(request, model_repo):
     """One pipeline per transport and device for the whole module (7 processes cost ~10 s to start here)."""
     transport, device = request.param
-    p = StandalonePipeline(model_repo, BRANCHY, TASKS, transport=transport, device=device)
+    # its own shared-memory prefix: parallel runs on one machine sweep each other's blockflow-* dirs
+    p = StandalonePipeline(model_repo, BRANCHY, TASKS, transport=transport, device=device, shm_prefix=SHM_PREFIX)
     p.tol = 1e-4 if device == "cpu" else 1e-3  # cuDNN kernels differ from the CPU ones
     yield p
     result = p.stop()
@@ -180,7 +182,7 @@ def spin_repo(tmp_path_factory):
 
 
 def test_ping_reports_a_block_stuck_in_its_model(spin_repo):
-    with StandalonePipeline(spin_repo, {"s": "toy/spin.pt"}, {"t": ["s"]}) as p:
+    with StandalonePipeline(spin_repo, {"s": "toy/spin.pt"}, {"t": ["s"]}, shm_prefix=SHM_PREFIX) as p:
         idle = p.command("s", "ping")
         assert idle["busy_s"] == 0.0 and 0.0 <= idle["beat_age_s"] < 2.0, idle
         with Client(p.address, timeout=120) as c:
