@@ -47,7 +47,7 @@ import zmq
 from blockflow.protocol import (EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP, ErrorCode,
                                 identity)
 from blockflow.tensormq.shm import HopGone
-from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, Transport, receive_limit
+from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, RESULT_KEYS, Transport, receive_limit
 from blockflow.tensormq.wire import TensorDesc, WireError, check_path, dumps, loads_header
 
 from .kpilog import KpiLog
@@ -186,6 +186,7 @@ class Block:
         self.transport = Transport(self.ctx, f"{self.name}-{spec.incarnation}", spec.transport, spec.shm_dir,
                                    window=spec.window, send_timeout=spec.send_timeout)
         self.transport.stopping = self.stopping  # a stopping block waits for no slot
+        self.transport.result_keys = os.path.join(spec.sock_dir, RESULT_KEYS)  # results over TCP: CURVE
         self.threads = [threading.Thread(target=self.control_loop, name=f"{self.name}-control", daemon=True),
                         threading.Thread(target=self.monitor_loop, name=f"{self.name}-monitor", daemon=True)]
 

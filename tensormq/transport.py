@@ -12,6 +12,7 @@ thread-safe): in a block, the inference thread.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -42,6 +43,25 @@ def receive_limit(max_tensor_bytes: int = MAX_TENSOR_BYTES, max_header_bytes: in
     still read and answered with an error that names the limit; a larger one is cut off by
     ZeroMQ before it is buffered (the sender is disconnected and gets no answer)."""
     return 2 * (max_tensor_bytes + max_header_bytes)
+
+
+#: File in the socket directory with the CURVE keys of the dispatcher's TCP result socket.
+RESULT_KEYS = "results.curve"
+
+
+def read_result_keys(path: str) -> dict | None:
+    """The CURVE keys of the dispatcher's TCP result socket (dispatcher/process.py writes them
+    into the 0700 socket directory), or None when there are none. Never follows a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        try:
+            keys = json.load(f)
+        except ValueError:
+            return None
+    return keys if isinstance(keys, dict) and {"endpoint", "server", "public", "secret"} <= set(keys) else None
 
 
 def decode_bytes(desc: TensorDesc, frame) -> torch.Tensor:
@@ -97,6 +117,9 @@ class Transport:
         self._gone: frozenset[str] = frozenset()
         #: set by the owner when it stops: every wait gives up
         self.stopping = None
+        #: where the dispatcher's CURVE keys are (set by blocks): a PUSH socket to the TCP
+        #: endpoint they name authenticates with them (see dispatcher/process.py)
+        self.result_keys: str | None = None
 
     # -- receiving ---------------------------------------------------------------------------
     def decode(self, x, frames: list):
@@ -163,6 +186,12 @@ class Transport:
             sock = self.ctx.socket(zmq.PUSH)
             sock.linger = 0
             sock.sndhwm = 1000
+            if address.startswith("tcp://") and self.result_keys:
+                keys = read_result_keys(self.result_keys)
+                if keys is not None and keys["endpoint"] == address:
+                    sock.curve_serverkey = keys["server"].encode()
+                    sock.curve_publickey = keys["public"].encode()
+                    sock.curve_secretkey = keys["secret"].encode()
             sock.connect(address)
             self.pushers[address] = sock
         return sock
