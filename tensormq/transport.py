@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from .shm import DEFAULT_WINDOW, HopGone, SlotMapper, SlotPool
-from .wire import MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, is_local
+from .wire import MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, contiguous_stride, dumps, is_local
 from blockflow import settings
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,7 @@ def decode_bytes(desc: TensorDesc, frame) -> torch.Tensor:
     if len(buf) != expected:
         raise WireError(f"payload is {len(buf)} bytes but x.shape {list(desc.shape)} "
                         f"{desc.fields['dtype']} needs {expected}")
-    contiguous = torch.empty(desc.shape, dtype=desc.dtype, device="meta").stride()
-    if desc.numel and tuple(desc.stride) != tuple(contiguous):
+    if desc.numel and tuple(desc.stride) != contiguous_stride(desc.shape):
         raise WireError("x.stride must be C-contiguous when bytes travel")
     if expected == 0:
         return torch.empty(desc.shape, dtype=desc.dtype)
