@@ -41,7 +41,8 @@ def _flood(endpoints: list[str], stop: threading.Event, sent: list) -> None:
         while not stop.is_set():
             rid += 1
             for s, e in socks:
-                for guess in (rid, int.from_bytes(os.urandom(8), "big") >> 1):  # sequential and random
+                # the ids a sequential counter would give the first requests, and random ones
+                for guess in (rid % 64 + 1, int.from_bytes(os.urandom(8), "big") >> 1):
                     try:
                         s.send_multipart(_forged(guess, e), zmq.NOBLOCK)
                         sent[0] += 1
