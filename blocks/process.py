@@ -19,9 +19,10 @@ Threads and what each owns (ZeroMQ sockets are never shared between threads)::
 - *monitor*: samples psutil/pynvml every 250 ms while enabled.
 
 Queueing and ``max_queue``: a message waits first in the PULL socket's ZeroMQ buffer (RCVHWM
-``RECEIVE_HWM``) while the model runs. Between two requests the inference thread takes
-everything waiting there into its backlog (a deque only it touches) up to ``max_queue``
-messages; anything beyond is answered ``overloaded`` at once and its slot released. So at
+``RECEIVE_HWM``) while the model runs. Between two requests the inference thread takes what
+waits there (up to ``DRAIN_LIMIT`` messages a round) into its backlog (a deque only it
+touches) up to ``max_queue`` messages; anything beyond is answered ``overloaded`` at once and
+its slot released. So at
 most ``max_queue`` requests are accepted and waiting, and a refusal comes at most one
 inference late.
 
@@ -62,6 +63,8 @@ DEFAULT_MAX_QUEUE = settings.MAX_QUEUE
 BEAT_INTERVAL = 0.5
 #: Messages ZeroMQ buffers in the data socket while the model runs (see "Queueing" above).
 RECEIVE_HWM = 1000
+#: Messages the inference thread takes off its data socket between two requests, at most.
+DRAIN_LIMIT = 256
 
 
 @dataclass
@@ -276,6 +279,8 @@ class Block:
                                    f"{timeout:.0f}s; it is busy (busy_s in ping says for how long)")
             answer = json.loads(self.mail_out.recv())
             if answer.get("seq") == seq:  # an answer to an earlier command that timed out is dropped
+                if "error" in answer:
+                    raise RuntimeError(f"block {self.name} could not apply the {kind}: {answer['error']}")
                 return answer["result"]
 
     def request_stop(self) -> None:
@@ -318,7 +323,9 @@ class Block:
             if mail_in.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self.read_mailbox()
                 continue
-            while pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            for _ in range(DRAIN_LIMIT):  # bounded: a flood must not keep the model from running
+                if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
                 self.admit(pull.recv_multipart(zmq.NOBLOCK, copy=False))
             if backlog:
                 item = backlog.popleft()
@@ -332,8 +339,12 @@ class Block:
         msg = json.loads(self.mail_in.recv())
         if msg["kind"] == "topology":  # "wake" only ends the wait: the loop then sees stopping
             args = msg["args"]
-            result = {"dropped": self.transport.set_topology(args.get("live", []), args.get("devices"))}
-            self.mail_in.send(dumps({"seq": msg["seq"], "result": result}))
+            try:
+                answer = {"result": {"dropped": self.transport.set_topology(args.get("live", []),
+                                                                             args.get("devices"))}}
+            except Exception as exc:  # a bad update is the controller's error, not the end of the block
+                answer = {"error": f"{type(exc).__name__}: {exc}"}
+            self.mail_in.send(dumps({"seq": msg["seq"], **answer}))
 
     def admit(self, frames: list) -> None:
         """Check one message's envelope once; accept it into the backlog, or answer an error."""
