@@ -5,17 +5,15 @@
         y = c.infer("classify", x, timeout=5)          # or raises BlockFlowError / TimeoutError
         fut = c.submit("classify", x); y = fut.result()
 
-One I/O thread owns the DEALER socket (ZeroMQ sockets are not thread-safe); ``submit`` hands
-requests to it through a queue and a wake-up pipe, so any thread may call the client. Every
-call has a deadline: the default ``timeout`` of the client or the one given per call.
+One I/O thread owns the DEALER socket (ZeroMQ sockets are not thread-safe, see
+blockflow/sockthread.py); ``submit`` hands requests to it through a bounded queue, so any
+thread may call the client. Every call has a deadline, the default ``timeout`` of the client
+or the one given per call, and ends by it whatever the server does (even when none listens).
 """
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -24,6 +22,8 @@ from concurrent.futures import Future
 import torch
 import zmq
 
+from blockflow.protocol import ErrorCode
+from blockflow.sockthread import QueueFull, SocketThread
 from blockflow.tensormq.transport import decode_bytes, encode_bytes
 from blockflow.tensormq.wire import TensorDesc, WireError, dumps, loads_header
 from blockflow import settings
@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds a call waits for its reply unless told otherwise.
 DEFAULT_TIMEOUT = settings.CLIENT_TIMEOUT
+#: Requests a client holds unsent (e.g. while no dispatcher listens) before submit() refuses.
+MAX_QUEUED = 1000
 
 
 class BlockFlowError(RuntimeError):
@@ -54,48 +56,61 @@ class Result:
 
 class Client:
     def __init__(self, address: str = "tcp://127.0.0.1:5580", timeout: float = DEFAULT_TIMEOUT,
-                 token: str | None = None):
+                 token: str | None = None, max_queued: int = MAX_QUEUED):
         self.address, self.timeout = address, timeout
         self.token = token if token is not None else settings.TOKEN
         self._ids = itertools.count(1)
-        self._outbox: queue.Queue = queue.Queue()
         self._waiting: dict[int, tuple[Future, float]] = {}
         self._lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
         self._closed = False
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.linger = 0
-        self._sock.connect(address)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(address)
         # Connection events tell us when the dispatcher went away: requests it held are then
         # answered at once with a 'disconnected' error instead of waiting for their deadline.
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sent: set[int] = set()
         self._answered: OrderedDict[int, None] = OrderedDict()
         #: replies the server sent twice (must stay 0) or after this client gave up on a request
         self.stats = {"duplicates": 0, "late": 0}
-        self._thread = threading.Thread(target=self._io_loop, name="blockflow-client", daemon=True)
-        self._thread.start()
+        # one I/O thread owns the socket; requests that cannot be sent before their deadline
+        # (no dispatcher listening) are dropped from its queue, and a full queue refuses at once
+        self._io = SocketThread(sock, "blockflow-client", self._on_reply, on_tick=self._expire, max_queued=max_queued)
+        self._io.watch(self._monitor, self._on_disconnect)
+        self._io.start()
 
     # -- public ------------------------------------------------------------------------------
     def submit(self, task: str, tensor: torch.Tensor, timeout: float | None = None, details: bool = False) -> Future:
-        """Send one request; the future gives the result tensor (or a ``Result`` with details)."""
+        """Send one request; the future gives the result tensor (or a ``Result`` with details).
+
+        The future is resolved by its deadline whatever the server does. Raises BlockFlowError
+        (code ``overloaded``) at once when ``max_queued`` requests are still waiting to be sent."""
         if self._closed:
             raise RuntimeError("client is closed")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
         timeout = self.timeout if timeout is None else timeout
-        rid = next(self._ids)
         desc, payload = encode_bytes(tensor)
-        header = {"v": 1, "op": "infer", "id": rid, "task": task, "x": desc.to_json(), "timeout": timeout}
+        return self._request({"op": "infer", "task": task, "x": desc.to_json(), "timeout": timeout},
+                             [payload], timeout, details)
+
+    def _request(self, fields: dict, payload: list, timeout: float, details: bool) -> Future:
+        rid = next(self._ids)
+        header = {"v": 1, "id": rid, **fields}
         if self.token:
             header["token"] = self.token
         fut: Future = Future()
         fut.details = details
+        deadline = time.monotonic() + timeout
         with self._lock:
-            self._waiting[rid] = (fut, time.monotonic() + timeout)
-        self._outbox.put([dumps(header), payload])
-        os.write(self._wake_w, b"x")
+            self._waiting[rid] = (fut, deadline)
+        try:
+            self._io.send([dumps(header), *payload], deadline, on_sent=lambda: self._sent.add(rid))
+        except QueueFull as exc:
+            with self._lock:
+                self._waiting.pop(rid, None)
+            raise BlockFlowError(f"client for {self.address}: {exc}", ErrorCode.OVERLOADED.value) from None
         return fut
 
     def infer(self, task: str, tensor: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
@@ -106,27 +121,20 @@ class Client:
         return self.submit(task, tensor, timeout, details=True).result()
 
     def ping(self, timeout: float = 5.0) -> bool:
-        rid = next(self._ids)
-        fut: Future = Future()
-        fut.details = False
-        with self._lock:
-            self._waiting[rid] = (fut, time.monotonic() + timeout)
-        header = {"v": 1, "op": "ping", "id": rid}
-        if self.token:
-            header["token"] = self.token
-        self._outbox.put([dumps(header)])
-        os.write(self._wake_w, b"x")
-        fut.result()
+        self._request({"op": "ping"}, [], timeout, False).result()
         return True
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        os.write(self._wake_w, b"x")
-        self._thread.join(timeout=5)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._io.stop()
+        with self._lock:
+            waiting, self._waiting = self._waiting, {}
+        for fut, _ in waiting.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError("client closed before the reply arrived"))
+        self._ctx.term()
 
     def __enter__(self):
         return self
@@ -134,92 +142,54 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    # -- the I/O thread ----------------------------------------------------------------------
-    def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        try:
-            while not self._closed:
-                events = dict(poller.poll(20))
-                if self._wake_r in events:
-                    os.read(self._wake_r, 4096)
-                while True:
-                    try:
-                        frames = self._outbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    self._sock.send_multipart(frames, copy=len(frames) < 2 or len(memoryview(frames[1]).cast("B")) < 65536)
-                    self._sent.add(json.loads(frames[0])["id"])
-                if self._sock in events:
-                    self._receive()
-                if self._monitor in events:
-                    self._on_disconnect()
-                self._expire()
-        finally:
-            with self._lock:
-                waiting, self._waiting = self._waiting, {}
-            for fut, _ in waiting.values():
-                if not fut.done():
-                    fut.set_exception(RuntimeError("client closed before the reply arrived"))
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._sock.close(linger=0)
-            self._ctx.term()
-
+    # -- on the I/O thread -------------------------------------------------------------------
     def _on_disconnect(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
         while self._monitor.poll(0):
             recv_monitor_message(self._monitor)
-        self._receive()  # replies that arrived before the connection dropped still count
+        self._io._receive()  # replies that arrived before the connection dropped still count
         with self._lock:
             lost = [(rid, self._waiting.pop(rid)[0]) for rid in list(self._sent) if rid in self._waiting]
         self._sent.clear()
         for rid, fut in lost:
             fut.set_exception(BlockFlowError(
                 f"the connection to the dispatcher at {self.address} dropped while request {rid} was in flight; "
-                "it may or may not have run, retry it", "disconnected"))
+                "it may or may not have run, retry it", ErrorCode.DISCONNECTED.value))
 
-    def _receive(self) -> None:
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                header = loads_header(frames[0])
-            except WireError as exc:
-                log.warning("client: dropped an unreadable reply (%s)", exc)
-                continue
-            rid = header.get("id")
-            with self._lock:
-                entry = self._waiting.pop(rid, None)
-            self._sent.discard(rid)
-            if rid in self._answered:
-                self.stats["duplicates"] += 1  # the server answered this request twice: a bug
-                continue
-            if isinstance(rid, int):
-                self._answered[rid] = None
-                if len(self._answered) > 100_000:
-                    self._answered.popitem(last=False)
-            if entry is None:
-                self.stats["late"] += 1  # answered after we gave up on it (deadline or disconnect)
-                continue
-            fut = entry[0]
-            if header.get("status") != "ok":
-                fut.set_exception(BlockFlowError(str(header.get("error", "unknown error")),
-                                                 str(header.get("code", "error")), header.get("hops")))
-                continue
-            if "x" not in header:
-                fut.set_result(None)
-                continue
-            try:
-                tensor = decode_bytes(TensorDesc.parse(header["x"]), frames[1])
-            except (WireError, IndexError) as exc:
-                fut.set_exception(BlockFlowError(f"unreadable result tensor: {exc}", "bad_result"))
-                continue
-            fut.set_result(Result(tensor, header.get("hops"), header.get("ms")) if fut.details else tensor)
+    def _on_reply(self, frames: list) -> None:
+        try:
+            header = loads_header(frames[0])
+        except WireError as exc:
+            log.warning("client: dropped an unreadable reply (%s)", exc)
+            return
+        rid = header.get("id")
+        with self._lock:
+            entry = self._waiting.pop(rid, None)
+        self._sent.discard(rid)
+        if rid in self._answered:
+            self.stats["duplicates"] += 1  # the server answered this request twice: a bug
+            return
+        if isinstance(rid, int):
+            self._answered[rid] = None
+            if len(self._answered) > 100_000:
+                self._answered.popitem(last=False)
+        if entry is None:
+            self.stats["late"] += 1  # answered after we gave up on it (deadline or disconnect)
+            return
+        fut = entry[0]
+        if header.get("status") != "ok":
+            fut.set_exception(BlockFlowError(str(header.get("error", "unknown error")),
+                                             str(header.get("code", "error")), header.get("hops")))
+            return
+        if "x" not in header:
+            fut.set_result(None)
+            return
+        try:
+            tensor = decode_bytes(TensorDesc.parse(header["x"]), frames[1])
+        except (WireError, IndexError) as exc:
+            fut.set_exception(BlockFlowError(f"unreadable result tensor: {exc}", ErrorCode.BAD_RESULT.value))
+            return
+        fut.set_result(Result(tensor, header.get("hops"), header.get("ms")) if fut.details else tensor)
 
     def _expire(self) -> None:
         now = time.monotonic()

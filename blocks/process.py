@@ -1,19 +1,33 @@
-"""The block process: one TorchScript model, its sockets, and four threads (thesis 3.5.1, 3.6.1).
+"""The block process: one TorchScript model, its sockets, and three threads (thesis 3.5.1, 3.6.1).
 
-Threads and what each owns (ZeroMQ sockets are never shared between threads):
+Threads and what each owns (ZeroMQ sockets are never shared between threads)::
 
-- *receiver* (Algorithm 1): one ``zmq.Poller`` over the data socket (PULL), the control
-  socket (DEALER) and an inproc outbox; fills the tensor queue and the control queue, and
-  sends whatever the other threads put in the outbox (control replies, overload errors).
-- *control* (Algorithm 5): blocks on the control queue, runs each command, answers.
+    upstream PUSH ──> [PULL] inference thread (main) ──[PUSH per next hop]──> next hop
+                        │  ^ mailbox (inproc PAIR): topology updates, stop
+                        v  │
+    controller ROUTER <─> [DEALER] control thread          monitor thread (psutil/pynvml)
+
+- *inference* (Algorithm 2, the process's main thread): owns the data socket it receives on
+  (PULL), the ``Transport`` (one PUSH socket and one slot pool per next hop) and one end of
+  the mailbox. It waits on the data socket and the mailbox together, takes a message, runs
+  the model and sends the output itself: one thread wake-up per hop. Between two requests it
+  looks at the mailbox, so a topology update never waits behind queued tensors.
+- *control* (Algorithm 5): owns the DEALER socket to the controller and the other end of the
+  mailbox; answers ``ping`` (with the inference thread's heartbeat), ``store``, ``monitor``
+  itself, hands ``update`` and ``stop`` to the inference thread through the mailbox, and
+  watches the parent process.
 - *monitor*: samples psutil/pynvml every 250 ms while enabled.
-- *main* (Algorithm 2): takes a tensor, runs the model, forwards the output to the next hop
-  named in the message, records the latency components of eq. 4.1.
+
+Queueing and ``max_queue``: a message waits first in the PULL socket's ZeroMQ buffer (RCVHWM
+``RECEIVE_HWM``) while the model runs. Between two requests the inference thread takes what
+waits there (up to ``DRAIN_LIMIT`` messages a round) into its backlog (a deque only it
+touches) up to ``max_queue`` messages; anything beyond is answered ``overloaded`` at once and
+its slot released. So at
+most ``max_queue`` requests are accepted and waiting, and a refusal comes at most one
+inference late.
 
 Blocks make no routing decision: every message carries its remaining path, return address
-last. Shutdown order: stop flag -> main loop ends and answers what is still queued with an
-error -> KPI logs flushed -> transport closed (own slots unlinked) -> receiver stops ->
-sockets closed -> socket file removed.
+last.
 """
 from __future__ import annotations
 
@@ -21,20 +35,20 @@ import argparse
 import json
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import torch
 import zmq
 
-from blockflow.protocol import (EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP,
+from blockflow.protocol import (EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP, ErrorCode,
                                 identity)
 from blockflow.tensormq.shm import HopGone, ShmExhausted
-from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, Transport, receive_limit
+from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, RESULT_KEYS, Transport, receive_limit
 from blockflow.tensormq.wire import WireError, check_path, dumps, loads_header
 
 from .kpilog import KpiLog
@@ -45,7 +59,12 @@ log = logging.getLogger("blockflow.block")
 
 #: Tensors a block queues before it answers new ones with an ``overloaded`` error.
 DEFAULT_MAX_QUEUE = settings.MAX_QUEUE
-_STOP = object()
+#: The inference loop goes around at least this often when idle (its heartbeat, ``beat_age_s``).
+BEAT_INTERVAL = 0.5
+#: Messages ZeroMQ buffers in the data socket while the model runs (see "Queueing" above).
+RECEIVE_HWM = 1000
+#: Messages the inference thread takes off its data socket between two requests, at most.
+DRAIN_LIMIT = 256
 
 
 @dataclass
@@ -66,7 +85,7 @@ class BlockSpec:
     incarnation: int = 0
     controller: str | None = None   # control endpoint; None: standalone (tests, benchmarks)
     parent_pid: int | None = None   # exit when this process is gone
-    window: int = 8
+    window: int = settings.WINDOW
     max_inference_s: float = 60.0   # past it in one inference the manager kills and respawns it
     verified: dict | None = None    # {file: {"sha256", "signature"}} the manager already checked
     max_queue: int = DEFAULT_MAX_QUEUE
@@ -74,6 +93,7 @@ class BlockSpec:
     monitor: bool = True
     monitor_interval: float = DEFAULT_INTERVAL
     warmup: bool = True
+    batching: dict | None = None    # BatchPolicy.to_json(); None: one request at a time
     extra: dict = field(default_factory=dict)
 
     def endpoint_hint(self) -> str:
@@ -102,8 +122,13 @@ class Block:
         self.monitor_on = threading.Event()
         self.exit_code = EXIT_OK
         self.endpoint: str | None = None
-        self.tensors: queue.Queue = queue.Queue()
-        self.controls: queue.Queue = queue.Queue()
+        #: accepted requests not started yet; only the inference thread appends and pops
+        self.backlog: deque = deque()
+        # Liveness, written by the inference thread only, read by the control thread (floats:
+        # one assignment each is atomic under the GIL). busy_since is 0.0 while idle.
+        self.busy_since = 0.0
+        self.beat = time.monotonic()
+        self._mail_seq = 0
 
     # -- start-up ----------------------------------------------------------------------------
     def init_process(self) -> None:
@@ -138,7 +163,7 @@ class Block:
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.linger = 0
-        self.pull.rcvhwm = 1000
+        self.pull.rcvhwm = RECEIVE_HWM
         self.pull.maxmsgsize = receive_limit()
         try:
             if spec.protocol == "ipc":
@@ -158,19 +183,22 @@ class Block:
             self.ctrl.linger = 0
             self.ctrl.identity = identity(self.name, spec.incarnation)
             self.ctrl.connect(spec.controller)
-        self.outbox_in = self.ctx.socket(zmq.PAIR)
-        self.outbox_in.bind(f"inproc://outbox-{id(self)}")
-        self.outbox = self.ctx.socket(zmq.PAIR)
-        self.outbox.connect(f"inproc://outbox-{id(self)}")
-        self.outbox_lock = threading.Lock()
+        # the mailbox: the inference thread's end and the control thread's end
+        self.mail_in = self.ctx.socket(zmq.PAIR)
+        self.mail_in.linger = 0
+        self.mail_in.bind(f"inproc://mailbox-{id(self)}")
+        self.mail_out = self.ctx.socket(zmq.PAIR)
+        self.mail_out.linger = 0
+        self.mail_out.connect(f"inproc://mailbox-{id(self)}")
         self.transport = Transport(self.ctx, f"{self.name}-{spec.incarnation}", spec.transport, spec.shm_dir,
                                    window=spec.window, send_timeout=spec.send_timeout)
         self.transport.stopping = self.stopping  # a stopping block waits for no slot
-        self.threads = [threading.Thread(target=self.receiver_loop, name=f"{self.name}-receiver", daemon=True),
-                        threading.Thread(target=self.control_loop, name=f"{self.name}-control", daemon=True),
+        self.transport.result_keys = os.path.join(spec.sock_dir, RESULT_KEYS)  # results over TCP: CURVE
+        self.threads = [threading.Thread(target=self.control_loop, name=f"{self.name}-control", daemon=True),
                         threading.Thread(target=self.monitor_loop, name=f"{self.name}-monitor", daemon=True)]
 
     def announce(self) -> None:
+        """READY to the controller; sent before the control thread starts, which then owns ctrl."""
         msg = {"t": "ready", "name": self.name, "inc": self.spec.incarnation, "pid": os.getpid(),
                "endpoint": self.endpoint, "device": self.spec.device}
         if self.ctrl is not None:
@@ -178,36 +206,16 @@ class Block:
         log.info("block %s ready on %s (pid %d, %s, %s)", self.name, self.endpoint, os.getpid(),
                  self.spec.device, self.spec.transport)
 
-    # -- threads -----------------------------------------------------------------------------
-    def post(self, kind: str, payload: dict, address: str | None = None) -> None:
-        """Hand a message to the receiver thread, which owns the sockets that send it."""
-        with self.outbox_lock:
-            self.outbox.send_multipart([kind.encode(), (address or "").encode(), dumps(payload)])
-
-    def receiver_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.pull, zmq.POLLIN)
-        poller.register(self.outbox_in, zmq.POLLIN)
-        if self.ctrl is not None:
-            poller.register(self.ctrl, zmq.POLLIN)
-        errors = Transport(self.ctx, f"{self.name}-err", "zeromq", None, send_timeout=1.0)
+    # -- the control thread ------------------------------------------------------------------
+    def control_loop(self) -> None:
+        """Answer the controller; owns ``ctrl`` and ``mail_out``. Ends once the block stops."""
         next_parent_check = time.monotonic() + 1.0
         try:
             while not self.stopping.is_set():
-                events = dict(poller.poll(100))
-                if self.pull in events:
-                    try:
-                        self.receive_data(errors)
-                    except Exception:  # a hostile frame must not end this thread (and the block with it)
-                        log.exception("block %s: dropped a message that could not be handled", self.name)
-                if self.ctrl is not None and self.ctrl in events:
+                if self.ctrl is not None and self.ctrl.poll(100):
                     self.receive_control()
-                if self.outbox_in in events:
-                    kind, address, payload = self.outbox_in.recv_multipart()
-                    if kind == b"ctrl" and self.ctrl is not None:
-                        self.ctrl.send(payload)
-                    elif kind == b"data":
-                        self.send_quietly(errors, address.decode(), json.loads(payload))
+                elif self.ctrl is None:
+                    self.stopping.wait(0.1)
                 if time.monotonic() >= next_parent_check:
                     next_parent_check = time.monotonic() + 1.0
                     if self.spec.parent_pid and not _alive(self.spec.parent_pid):
@@ -217,61 +225,9 @@ class Block:
         except zmq.ContextTerminated:
             pass
         finally:
-            # flush what other threads posted while we were stopping (error replies, last control answer)
-            while self.outbox_in.poll(0):
-                kind, address, payload = self.outbox_in.recv_multipart()
-                if kind == b"ctrl" and self.ctrl is not None:
-                    self.ctrl.send(payload)
-                elif kind == b"data":
-                    self.send_quietly(errors, address.decode(), json.loads(payload))
-            errors.close()
-
-    def send_quietly(self, transport: Transport, address: str, header: dict) -> None:
-        try:
-            transport.send(address, header)
-        except (TimeoutError, zmq.ZMQError) as exc:
-            log.warning("block %s: could not send %s for request %s to %s: %s",
-                        self.name, header.get("t"), header.get("rid"), address, exc)
-
-    def receive_data(self, errors: Transport) -> None:
-        """Drain the data socket: validate the envelope, queue the tensor or answer an error."""
-        for _ in range(64):
-            try:
-                frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            arrival, arrival_wall = time.perf_counter(), time.time()
-            try:
-                header = loads_header(frames[0])
-                path = check_path(header.get("path"))
-                if header.get("t") != "data":
-                    raise WireError(f"t must be 'data', got {header.get('t')!r:.20}")
-                if not isinstance(header.get("rid"), int):
-                    raise WireError("rid must be an integer")
-            except WireError as exc:
-                ret = _return_address(frames[0])
-                log.warning("block %s: dropped a malformed message (%s)%s", self.name, exc,
-                            f"; error sent to {ret[1]}" if ret else "; no requester named")
-                if ret:
-                    self.send_quietly(errors, ret[1], {"t": "error", "rid": ret[0], "block": self.name,
-                                                       "err": f"block {self.name}: malformed message: {exc}"})
-                continue
-            if self.tensors.qsize() >= self.spec.max_queue:
-                self.send_quietly(errors, path[-1][1], {
-                    "t": "error", "rid": header["rid"], "block": self.name, "code": "overloaded",
-                    "err": f"block {self.name} is overloaded: {self.spec.max_queue} requests already queued"})
-                self.release_unused(header)
-                continue
-            self.tensors.put((arrival, arrival_wall, header, frames))
-
-    def release_unused(self, header: dict) -> None:
-        """A refused request still holds a slot (shared memory or CUDA): release it through
-        the slot's header, without mapping the tensor."""
-        try:
-            self.transport.release_handle(header.get("x"))
-        except WireError as exc:
-            log.info("block %s: could not release the slot of refused request %s: %s",
-                     self.name, header.get("rid"), exc)
+            if self.ctrl is not None:
+                self.ctrl.close(linger=0)
+            self.mail_out.close(linger=0)
 
     def receive_control(self) -> None:
         while True:
@@ -284,25 +240,20 @@ class Block:
             except WireError as exc:
                 log.warning("block %s: ignored a malformed control message (%s)", self.name, exc)
                 continue
-            self.controls.put(msg)
-
-    def control_loop(self) -> None:
-        while True:
-            msg = self.controls.get()
-            if msg is _STOP:
-                return
             cmd, args = msg.get("cmd"), msg.get("args") or {}
             try:
                 result = self.handle_command(cmd, args)
                 reply = {"t": "reply", "id": msg.get("id"), "ok": True, "result": result}
             except Exception as exc:  # a bad command must not kill the block
                 reply = {"t": "reply", "id": msg.get("id"), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            self.post("ctrl", reply)
+            self.ctrl.send(dumps(reply))
 
     def handle_command(self, cmd: str, args: dict):
         if cmd == "ping":
-            return {"pid": os.getpid(), "queue": self.tensors.qsize(), "served": self.kpi.count,
-                    "in_flight": self.transport.in_flight()}
+            now, busy_since = time.monotonic(), self.busy_since
+            return {"pid": os.getpid(), "queue": len(self.backlog), "served": self.kpi.count,
+                    "in_flight": self.transport.in_flight(),
+                    "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat}
         if cmd == "store":
             return {"written": self.kpi.flush(), "paths": self.kpi.paths}
         if cmd == "monitor":
@@ -312,50 +263,139 @@ class Block:
             # tell the inference thread now which hops are gone, so that a wait for a dead
             # consumer's slots ends at once instead of holding this update for send_timeout
             self.transport.mark_live(args.get("live", []))
-            done = threading.Event()
-            box = {}
-            self.tensors.put(("topology", args, done, box))  # applied by the main thread, which owns the sockets
-            if not done.wait(10):
-                raise TimeoutError("the inference thread did not apply the topology within 10 s")
-            return box
+            return self.ask_inference("topology", args, timeout=10.0)
         if cmd == "stop":
             self.request_stop()
+            self.mail_out.send(dumps({"seq": 0, "kind": "wake", "args": {}}))
             return {"stopping": True}
         raise ValueError(f"unknown command {cmd!r}")
+
+    def ask_inference(self, kind: str, args: dict, timeout: float) -> dict:
+        """Post a command to the inference thread's mailbox and wait for its answer (control thread)."""
+        self._mail_seq += 1
+        seq = self._mail_seq
+        self.mail_out.send(dumps({"seq": seq, "kind": kind, "args": args}))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.mail_out.poll(left * 1e3):
+                raise TimeoutError(f"the inference thread of block {self.name} did not apply the {kind} within "
+                                   f"{timeout:.0f}s; it is busy (busy_s in ping says for how long)")
+            answer = json.loads(self.mail_out.recv())
+            if answer.get("seq") == seq:  # an answer to an earlier command that timed out is dropped
+                if "error" in answer:
+                    raise RuntimeError(f"block {self.name} could not apply the {kind}: {answer['error']}")
+                return answer["result"]
+
+    def request_stop(self) -> None:
+        """Safe from any thread and from a signal handler: only sets a flag. The inference thread
+        sees it within BEAT_INTERVAL (its poll timeout), or at once when the control thread
+        also posts a wake-up to the mailbox."""
+        self.stopping.set()
 
     def monitor_loop(self) -> None:
         while not self.stopping.wait(self.spec.monitor_interval):
             if self.monitor_on.is_set():
                 try:
                     rec = self.sampler.sample()
-                    rec["queue"] = self.tensors.qsize()
+                    rec["queue"] = len(self.backlog)
                     self.kpi.add("resources", rec)
                 except Exception as exc:  # psutil races at exit are not worth dying for
                     log.debug("block %s: sample failed: %s", self.name, exc)
 
-    def request_stop(self) -> None:
-        self.stopping.set()
-        self.tensors.put(_STOP)
-
-    # -- the inference loop (Algorithm 2) ------------------------------------------------------
+    # -- the inference thread (Algorithm 2) ----------------------------------------------------
     def run(self) -> int:
+        self.announce()
         for t in self.threads:
             t.start()
-        self.announce()
         try:
-            while True:
-                item = self.tensors.get()
-                if item is _STOP:
-                    break
-                if item[0] == "topology":
-                    _, args, done, box = item
-                    box["dropped"] = self.transport.set_topology(args.get("live", []), args.get("devices"))
-                    done.set()
-                    continue
-                self.infer(*item)
+            self.inference_loop()
         finally:
             self.shutdown()
         return self.exit_code
+
+    def inference_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        poller.register(self.mail_in, zmq.POLLIN)
+        pull, mail_in, backlog = self.pull, self.mail_in, self.backlog
+        beat_ms = BEAT_INTERVAL * 1e3
+        while not self.stopping.is_set():
+            self.beat = time.monotonic()
+            if not backlog and not poller.poll(beat_ms):
+                continue  # idle: the loop still goes around, so beat_age_s stays below BEAT_INTERVAL
+            if mail_in.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self.read_mailbox()
+                continue
+            for _ in range(DRAIN_LIMIT):  # bounded: a flood must not keep the model from running
+                if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                self.admit(pull.recv_multipart(zmq.NOBLOCK, copy=False))
+            if backlog:
+                item = backlog.popleft()
+                self.busy_since = time.monotonic()
+                try:
+                    self.infer(*item)
+                finally:
+                    self.busy_since = 0.0
+
+    def read_mailbox(self) -> None:
+        msg = json.loads(self.mail_in.recv())
+        if msg["kind"] == "topology":  # "wake" only ends the wait: the loop then sees stopping
+            args = msg["args"]
+            try:
+                answer = {"result": {"dropped": self.transport.set_topology(args.get("live", []),
+                                                                             args.get("devices"))}}
+            except Exception as exc:  # a bad update is the controller's error, not the end of the block
+                answer = {"error": f"{type(exc).__name__}: {exc}"}
+            self.mail_in.send(dumps({"seq": msg["seq"], **answer}))
+
+    def admit(self, frames: list) -> None:
+        """Check one message's envelope once; accept it into the backlog, or answer an error."""
+        arrival, arrival_wall = time.perf_counter(), time.time()
+        try:
+            header = loads_header(frames[0])
+            path = check_path(header.get("path"))
+            if header.get("t") != "data":
+                raise WireError(f"t must be 'data', got {header.get('t')!r:.20}")
+            rid = header.get("rid")
+            if not isinstance(rid, int) or isinstance(rid, bool):
+                raise WireError("rid must be an integer")
+        except WireError as exc:
+            ret = _return_address(frames[0])
+            log.warning("block %s: dropped a malformed message (%s)%s", self.name, exc,
+                        f"; error sent to {ret[1]}" if ret else "; no requester named")
+            if ret:
+                self.send_quietly(ret[1], {"t": "error", "rid": ret[0], "block": self.name,
+                                           "err": f"block {self.name}: malformed message: {exc}"})
+            return
+        except Exception:  # a hostile frame must not end this thread (and the block with it)
+            log.exception("block %s: dropped a message that could not be handled", self.name)
+            return
+        if len(self.backlog) >= self.spec.max_queue:
+            self.release_unused(header)
+            self.send_quietly(path[-1][1], {
+                "t": "error", "rid": rid, "block": self.name, "code": ErrorCode.OVERLOADED.value,
+                "err": f"block {self.name} is overloaded: {self.spec.max_queue} requests already queued"})
+            return
+        self.backlog.append((arrival, arrival_wall, header, frames))
+
+    def send_quietly(self, address: str, header: dict) -> None:
+        """An error reply (no tensor): best effort, a short wait, never raises."""
+        try:
+            self.transport.send(address, header, timeout=1.0)
+        except (TimeoutError, ConnectionError, zmq.ZMQError) as exc:
+            log.warning("block %s: could not send %s for request %s to %s: %s",
+                        self.name, header.get("t"), header.get("rid"), address, exc)
+
+    def release_unused(self, header: dict) -> None:
+        """A refused request still holds a slot (shared memory or CUDA): release it through
+        the slot's header, without mapping the tensor."""
+        try:
+            self.transport.release_handle(header.get("x"))
+        except WireError as exc:
+            log.info("block %s: could not release the slot of refused request %s: %s",
+                     self.name, header.get("rid"), exc)
 
     def infer(self, arrival: float, arrival_wall: float, header: dict, frames: list) -> None:
         path = header["path"]
@@ -365,10 +405,9 @@ class Block:
         lease = None
         x_desc = None  # the handle of a message not sent yet: its slot is ours to give back
         try:
-            x, lease = self.transport.decode(header.get("x"), frames)
+            x_in, lease = self.transport.decode(header.get("x"), frames)
             t1 = time.perf_counter()
-            if x.device != self.device:
-                x = x.to(self.device)
+            x = x_in if x_in.device == self.device else x_in.to(self.device)
             t2 = time.perf_counter()
             with torch.inference_mode():
                 y = self.model(x)
@@ -378,20 +417,26 @@ class Block:
                 raise TypeError(f"model returned {type(y).__name__}, not a tensor")
             t3 = time.perf_counter()
             next_name, next_addr = path[0]
-            if lease is not None and not lease.contains(y):
+            if lease is not None and y is not x_in and not lease.contains(y):
                 lease.release()  # done with the input: free its slot before we wait for ours
             hop = {"b": self.name, "wait": (t0 - arrival) * 1e3, "deser": (t1 - t0) * 1e3,
                    "dev": (t2 - t1) * 1e3, "inf": (t3 - t2) * 1e3}
-            out = {"v": 1, "t": "result" if next_name == RETURN_HOP else "data", "rid": rid,
-                   "task": header.get("task"), "path": path[1:] if next_name != RETURN_HOP else path,
-                   "hops": (header.get("hops") or [])[:63] + [hop]}
-            x_desc, payload = self.transport.encode(y, next_addr, lease)
+            # the received header goes on: only t, path, hops and x change
+            hops = header.get("hops")
+            header["hops"] = (hops[:63] if isinstance(hops, list) else []) + [hop]
+            if next_name == RETURN_HOP:
+                header["t"] = "result"
+            else:
+                header["path"] = path[1:]
+            # an output that is the input itself keeps the input's handle as it came
+            x_desc, payload = self.transport.encode(y, next_addr, lease,
+                                                    same_as=header["x"] if y is x_in else None)
             if lease is not None:
                 lease.release()  # no-op when the handle was forwarded: the duty went with it
             t4 = time.perf_counter()
             hop["share"] = (t4 - t3) * 1e3
-            out["x"] = x_desc
-            self.transport.send(next_addr, out, payload)
+            header["x"] = x_desc
+            self.transport.send(next_addr, header, payload)
             x_desc = None
             t5 = time.perf_counter()
         except Exception as exc:
@@ -404,39 +449,47 @@ class Block:
             err = {"t": "error", "rid": rid, "block": self.name, "err": msg}
             if isinstance(exc, (HopGone, ShmExhausted)):
                 err["code"] = exc.code  # block_failed: the next hop was removed; no_shared_memory
-            self.post("data", err, ret)
+            self.send_quietly(ret, err)
             self.kpi.add("latency", {"ts": arrival_wall, "rid": rid, "task": header.get("task"),
                                      "error": err.get("code", "error")})  # counted by GET /metrics
             return
         self.kpi.add("latency", {"ts": arrival_wall, "rid": rid, "task": header.get("task"),
                                  "wait": hop["wait"], "deser": hop["deser"], "dev": hop["dev"],
                                  "inf": hop["inf"], "share": hop["share"], "fwd": (t5 - t4) * 1e3,
-                                 "total": (t5 - arrival) * 1e3, "queue": self.tensors.qsize(),
+                                 "total": (t5 - arrival) * 1e3, "queue": len(self.backlog),
                                  "batch": int(y.shape[0]) if y.dim() else 1})
 
     def shutdown(self) -> None:
+        """Runs on the inference thread once its loop ends. The order matters:
+
+        1. stopping is set: the control thread leaves its loop within 0.1 s and closes its
+           sockets; every slot wait gives up.
+        2. every request accepted or still waiting in the data socket is answered with an
+           error and its slot released, through our own sockets: nothing is dropped silently.
+        3. KPI records are flushed (after 2, so the last records are in).
+        4. control and monitor threads are joined, so no thread uses a socket we close next.
+        5. the transport closes: its sockets, and our own slot files are unlinked.
+        6. our sockets close, the context terminates, the socket file is removed.
+        """
         self.stopping.set()
-        # answer what is still queued: nothing is dropped silently
-        while True:
-            try:
-                item = self.tensors.get_nowait()
-            except queue.Empty:
-                break
-            if item is _STOP or item[0] == "topology":
-                continue
-            header = item[2]
+        while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.admit(self.pull.recv_multipart(zmq.NOBLOCK, copy=False))
+        while self.backlog:
+            header = self.backlog.popleft()[2]
             self.release_unused(header)
-            self.post("data", {"t": "error", "rid": header["rid"], "block": self.name,
-                               "err": f"block {self.name} is shutting down"}, header["path"][-1][1])
+            self.send_quietly(header["path"][-1][1], {"t": "error", "rid": header["rid"], "block": self.name,
+                                                      "code": ErrorCode.SHUTDOWN.value,
+                                                      "err": f"block {self.name} is shutting down"})
         self.kpi.flush()
-        self.controls.put(_STOP)
         for t in self.threads:
             t.join(timeout=2)
         self.transport.close()
-        for sock in (self.pull, self.ctrl, self.outbox, self.outbox_in):
-            if sock is not None:
-                sock.close(linger=0)
-        self.ctx.term()
+        for sock in (self.pull, self.mail_in):
+            sock.close(linger=0)
+        if any(t.is_alive() for t in self.threads):
+            log.warning("block %s: a helper thread did not stop; leaving without terminating its sockets", self.name)
+        else:
+            self.ctx.term()
         if self.endpoint and self.endpoint.startswith("ipc://"):
             try:
                 os.unlink(self.endpoint[len("ipc://"):])

@@ -12,6 +12,13 @@ block on its path died (``fail``); then it answers the client with an error. A r
 arrives for a request already answered is dropped (and its slot released), never delivered
 twice.
 
+Results come only from the deployment's own blocks (issue 12): the result socket blocks on
+this host reach is an ipc:// socket in the ``0700`` socket directory; for paths whose blocks
+use TCP, a second result socket on loopback TCP requires ZeroMQ CURVE, and its ZAP handler
+admits only the client key written (``0600``) into that directory (``RESULT_KEYS``), which
+the blocks read. Request ids inside the pipeline are 63-bit random numbers, so a message that
+does get in cannot name a request in flight. Log lines that such junk causes are rate-limited.
+
 Unlike a block, the dispatcher does no inference, so one thread owns all its sockets and
 handles control messages between data messages; nothing here ever blocks on a full window
 (requests wait in a bounded pending queue instead), so results keep draining and the pipeline
@@ -24,6 +31,7 @@ import hmac
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -31,11 +39,13 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
+from blockflow.ratelog import RateLimitedLog
 from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP, identity
 from blockflow.dispatcher.requestlog import RequestLog
 from blockflow.tensormq.shm import ShmExhausted
-from blockflow.tensormq.transport import Transport, decode_bytes, receive_limit
+from blockflow.tensormq.transport import RESULT_KEYS, Transport, decode_bytes, read_result_keys, receive_limit
 from blockflow.tensormq.wire import MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, loads_header
 from blockflow import settings
 
@@ -45,6 +55,35 @@ log = logging.getLogger("blockflow.dispatcher")
 DEFAULT_REQUEST_TIMEOUT = settings.REQUEST_TIMEOUT
 #: Requests waiting for a free slot towards their first block before new ones are refused.
 DEFAULT_MAX_PENDING = settings.MAX_PENDING
+
+
+class _OnlyKey:
+    """ZAP credentials provider: admits the one CURVE client key of this deployment's blocks."""
+
+    def __init__(self, public: bytes):
+        self.public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self.public)
+
+
+class ResultKeys:
+    """The CURVE keys of one dispatcher incarnation's TCP result socket: its server pair and the
+    one client pair its blocks use."""
+
+    def __init__(self):
+        self.server_public, self.server_secret = zmq.curve_keypair()
+        self.client_public, self.client_secret = zmq.curve_keypair()
+
+    def write(self, sock_dir: str, endpoint: str) -> None:
+        """For the blocks: 0600 in the 0700 socket directory, created new (never through a link)."""
+        path = os.path.join(sock_dir, RESULT_KEYS)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"endpoint": endpoint, "server": self.server_public.decode(),
+                       "public": self.client_public.decode(), "secret": self.client_secret.decode()}, f)
+        os.replace(tmp, path)
 
 
 @dataclass
@@ -59,7 +98,7 @@ class DispatcherSpec:
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     max_pending: int = DEFAULT_MAX_PENDING
     max_tensor_bytes: int = MAX_TENSOR_BYTES
-    window: int = 8
+    window: int = settings.WINDOW
     token: str | None = None
     tasks: dict = field(default_factory=dict)   # initial task table, for standalone use
     run_dir: str | None = None                  # where the request log (@dispatcher.requests.jsonl) goes
@@ -91,7 +130,8 @@ class Dispatcher:
         self.table_version = 0
         self.outstanding: dict[int, Request] = {}
         self.pending: deque[tuple[int, Request]] = deque()
-        self.next_rid = 1
+        # what junk on the result sockets may log: a few lines, then a count
+        self.junk_log = RateLimitedLog(log)
         self.stopping = False
         self.exit_code = EXIT_OK
         self.stats = {"requests": 0, "ok": 0, "errors": 0, "late": 0}
@@ -116,8 +156,19 @@ class Dispatcher:
         if os.path.exists(path):
             os.unlink(path)
         self.results.bind(self.result_ipc)
-        port = self.results.bind_to_random_port("tcp://127.0.0.1")
+        # TCP results only through CURVE, from the client key the blocks read in the 0700 dir
+        self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("blockflow.dispatcher.zap"))
+        self.auth.start()
+        self.results_tcp = self.ctx.socket(zmq.PULL)
+        self.results_tcp.linger = 0
+        self.results_tcp.maxmsgsize = receive_limit(spec.max_tensor_bytes)
+        keys = ResultKeys()
+        self.auth.configure_curve_callback(domain="*", credentials_provider=_OnlyKey(keys.client_public))
+        self.results_tcp.curve_server = True  # CURVE options before bind: they apply from then on
+        self.results_tcp.curve_secretkey = keys.server_secret
+        port = self.results_tcp.bind_to_random_port("tcp://127.0.0.1")
         self.result_tcp = f"tcp://127.0.0.1:{port}"
+        keys.write(spec.sock_dir, self.result_tcp)
         self.ctrl = None
         if spec.controller:
             self.ctrl = self.ctx.socket(zmq.DEALER)
@@ -134,7 +185,7 @@ class Dispatcher:
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
         poller = zmq.Poller()
-        for sock in (self.front, self.results, self.ctrl):
+        for sock in (self.front, self.results, self.results_tcp, self.ctrl):
             if sock is not None:
                 poller.register(sock, zmq.POLLIN)
         if self.ctrl is not None:
@@ -146,7 +197,9 @@ class Dispatcher:
             while not self.stopping:
                 events = dict(poller.poll(1 if self.pending else 50))
                 if self.results in events:
-                    self.receive_results()
+                    self.receive_results(self.results)
+                if self.results_tcp in events:
+                    self.receive_results(self.results_tcp)
                 if self.front in events:
                     self.receive_requests()
                 if self.ctrl is not None and self.ctrl in events:
@@ -267,8 +320,9 @@ class Dispatcher:
             timeout = self.spec.request_timeout
         req = Request(client, cid, task, tuple(entry["blocks"]), now, now + min(timeout, self.spec.request_timeout),
                       tensor, frames)
-        rid = self.next_rid
-        self.next_rid += 1
+        rid = secrets.randbits(63)  # unguessable: a forged result cannot name a request in flight
+        while rid in self.outstanding:
+            rid = secrets.randbits(63)
         if self.pending or not self.forward(rid, req):
             self.pending.append((rid, req))
 
@@ -328,23 +382,23 @@ class Dispatcher:
             self.pending.popleft()
 
     # -- results -----------------------------------------------------------------------------
-    def receive_results(self) -> None:
+    def receive_results(self, sock: zmq.Socket) -> None:
         for _ in range(64):
             try:
-                frames = self.results.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
                 self.handle_result(frames)
             except Exception:  # a forged result must not take the dispatcher down
-                log.exception("dispatcher: dropped a result that could not be handled")
+                self.junk_log.exception("dispatcher: dropped a result that could not be handled")
 
     def handle_result(self, frames: list) -> None:
         """One message from the last block of a path: answer the client that asked."""
         try:
             header = loads_header(frames[0])
         except WireError as exc:
-            log.warning("dispatcher: dropped a malformed result (%s)", exc)
+            self.junk_log.warning("dispatcher: dropped a malformed result (%s)", exc)
             return
         rid = header.get("rid")
         req = self.outstanding.pop(rid, None) if isinstance(rid, int) else None
@@ -358,7 +412,8 @@ class Dispatcher:
                         lease.release()
                 except WireError:
                     pass
-            log.info("dispatcher: dropped a %s for request %s that was already answered", kind, rid)
+            self.junk_log.info("dispatcher: dropped a %s for request %.20s that is not in flight (answered, "
+                               "timed out, or never sent)", kind, rid)
             return
         if kind == "error":
             err = header.get("err")
@@ -447,14 +502,18 @@ class Dispatcher:
         if self.kpi is not None:
             self.kpi.flush()
         self.transport.close()
-        for sock in (self.front, self.results, self.ctrl):
+        for sock in (self.front, self.results, self.results_tcp, self.ctrl):
             if sock is not None:
                 sock.close(linger=0)
+        self.auth.stop()
         self.ctx.term()
         try:
             os.unlink(self.result_ipc[len("ipc://"):])
         except FileNotFoundError:
             pass
+        keys = os.path.join(self.spec.sock_dir, RESULT_KEYS)
+        if (read_result_keys(keys) or {}).get("endpoint") == self.result_tcp:  # not a successor's
+            os.unlink(keys)
         log.info("dispatcher stopped (%s)", self.stats)
 
 

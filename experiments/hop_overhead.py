@@ -1,13 +1,22 @@
-"""Per-hop overhead of the data plane: a chain of identity blocks, both transports.
+"""Per-hop overhead of the data plane: chains of identity and of copying blocks, both transports.
 
-A hop's overhead is what one more block on the path costs when the block itself does nothing:
-for each tensor size we time the round trip through chains of 1 and K identity blocks (real
-processes, real sockets) and report ((RTT_K - RTT_1) / (K - 1)), median and p99 over paired
-samples, plus the components the blocks record (queue wait, reconstruct, share, forward).
+A hop's overhead is what one more block on the path costs: for each tensor size we time the
+round trip through chains of 1 and K blocks (real processes, real sockets) and report
+((RTT_K - RTT_1) / (K - 1)), median and p99 over paired samples, plus the components the
+blocks record (queue wait, reconstruct, inference, share).
+
+Two kinds of block:
+
+- ``identity`` returns its input: a TensorMQ hop forwards the handle it received and moves no
+  tensor bytes, so its cost is the floor of the data plane.
+- ``copy`` returns ``x + 1``, a new tensor, as real blocks do: TensorMQ writes it into a slot
+  of its own. Its *transport cost* is the per-hop time minus the block's own compute (the
+  median ``inf`` component the blocks record).
 
 Sizes: ResNet50's stage outputs at batch 1 and 32. Run:
 
     python -m experiments.hop_overhead [--quick] [--device cpu|cuda] [--out DIR]
+        [--blocks identity,copy] [--batches 1,32] [--stages block1,block4]
 """
 from __future__ import annotations
 
@@ -28,17 +37,26 @@ log = logging.getLogger("experiments.hop_overhead")
 STAGES = {"block1": (256, 56, 56), "block2": (512, 28, 28), "block3": (1024, 14, 14), "block4": (2048, 7, 7)}
 
 
-def _identity_repo() -> str:
-    class Identity(torch.nn.Module):
-        def forward(self, x):
-            return x
+class Identity(torch.nn.Module):
+    def forward(self, x):
+        return x
 
+
+class Copy(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+KINDS = {"identity": Identity, "copy": Copy}
+
+
+def _toy_repo(kind: str) -> str:
     repo = tempfile.mkdtemp(prefix="bf-hop-")
     os.makedirs(os.path.join(repo, "toy"))
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.jit.save(torch.jit.script(Identity()), os.path.join(repo, "toy", "identity.pt"))
+        torch.jit.save(torch.jit.script(KINDS[kind]()), os.path.join(repo, "toy", f"{kind}.pt"))
     return repo
 
 
@@ -47,24 +65,27 @@ def _pct(values, q):
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def measure(transport: str, sizes: list[tuple], n: int, chain: int, device: str = "cpu") -> list[dict]:
-    repo = _identity_repo()
+def measure(transport: str, sizes: list[tuple], n: int, chain: int, device: str = "cpu",
+            kind: str = "identity") -> list[dict]:
+    repo = _toy_repo(kind)
     names = [f"i{k}" for k in range(chain)]
-    blocks = {nm: "toy/identity.pt" for nm in names}
+    blocks = {nm: f"toy/{kind}.pt" for nm in names}
     tasks = {"short": names[:1], "long": names}
     try:
-        return _measure(repo, blocks, tasks, transport, sizes, n, chain, device)
+        return _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kind)
     finally:
         shutil.rmtree(repo, ignore_errors=True)
 
 
-def _measure(repo, blocks, tasks, transport, sizes, n, chain, device) -> list[dict]:
+def _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kind) -> list[dict]:
     from blockflow.client import Client
     from blockflow.standalone import StandalonePipeline
 
     rows = []
     env = {"BLOCKFLOW_KPI_FLUSH_EVERY": "100000"}
-    with StandalonePipeline(repo, blocks, tasks, transport=transport, threads=1, env=env, device=device) as p:
+    # its own shared-memory prefix: on a shared machine, other runs' leak checks sweep blockflow-*
+    with StandalonePipeline(repo, blocks, tasks, transport=transport, threads=1, env=env, device=device,
+                            shm_prefix="bfbench-hop") as p:
         with Client(p.address, timeout=120) as c:
             for shape in sizes:
                 x = torch.randn(*shape)
@@ -85,18 +106,22 @@ def _measure(repo, blocks, tasks, transport, sizes, n, chain, device) -> list[di
                 def comp(key):
                     vals = [h.get(key, 0.0) for hs in comps for h in hs]
                     return statistics.median(vals) if vals else None
-                row = {"transport": transport, "device": device, "shape": list(shape),
+                per_hop_ms = (statistics.median(long_) - statistics.median(short)) / (chain - 1)
+                row = {"transport": transport, "block": kind, "batch": shape[0], "device": device, "shape": list(shape),
                        "mbytes": x.numel() * 4 / 1e6, "n": n, "chain": chain,
                        "rtt1_median_ms": statistics.median(short), "rttK_median_ms": statistics.median(long_),
-                       "per_hop_median_ms": (statistics.median(long_) - statistics.median(short)) / (chain - 1),
+                       "per_hop_median_ms": per_hop_ms,
                        "per_hop_paired_median_ms": statistics.median(per_hop),
                        "per_hop_p99_ms": _pct(per_hop, 0.99),
                        "hop_wait_ms": comp("wait"), "hop_deser_ms": comp("deser"), "hop_inf_ms": comp("inf"),
                        "hop_share_ms": comp("share")}
+                # what the hop costs beyond the block's own compute (inf includes x + 1)
+                row["transport_ms"] = row["per_hop_paired_median_ms"] - (row["hop_inf_ms"] or 0.0)
                 rows.append(row)
-                print(f"{transport:8s} {str(list(shape)):22s} {row['mbytes']:8.1f} MB  per hop median "
+                print(f"{transport:8s} {kind:8s} {str(list(shape)):22s} {row['mbytes']:8.1f} MB  per hop median "
                       f"{row['per_hop_median_ms']:.3f} ms (paired {row['per_hop_paired_median_ms']:.3f}, "
-                      f"p99 {row['per_hop_p99_ms']:.3f})  rtt1 {row['rtt1_median_ms']:.3f} ms", flush=True)
+                      f"p99 {row['per_hop_p99_ms']:.3f}, inf {row['hop_inf_ms'] or 0:.3f}, transport "
+                      f"{row['transport_ms']:.3f})  rtt1 {row['rtt1_median_ms']:.3f} ms", flush=True)
         left = p.stop()
         if left["left"] != {"slots": [], "sockets": []}:
             log.warning("left behind: %s", left["left"])
@@ -104,20 +129,29 @@ def _measure(repo, blocks, tasks, transport, sizes, n, chain, device) -> list[di
 
 
 def plot(rows: list[dict], out: str) -> None:
+    """One panel per kind of block; in each, one line per transport and batch size."""
     from experiments.common import pyplot, save_fig
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for t in sorted({r["transport"] for r in rows}):
-        rs = [r for r in rows if r["transport"] == t]
-        ax.plot([r["mbytes"] for r in rs], [r["per_hop_median_ms"] for r in rs], "o-", label=f"{t} median")
-        ax.plot([r["mbytes"] for r in rs], [r["per_hop_p99_ms"] for r in rs], "x:", label=f"{t} p99")
-    ax.axhline(0.10, color="grey", lw=0.8, ls="--", label="goal 0.10 ms")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("tensor size (MB)")
-    ax.set_ylabel("overhead per hop (ms)")
-    ax.set_title("Per-hop overhead, chain of identity blocks")
-    ax.legend(fontsize=8)
+    kinds = [k for k in KINDS if any(r.get("block", "identity") == k for r in rows)]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(7 * len(kinds), 4), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        for t in sorted({r["transport"] for r in rows}):
+            for b in sorted({r["shape"][0] for r in rows}):
+                rs = sorted((r for r in rows if r["transport"] == t and r["shape"][0] == b
+                             and r.get("block", "identity") == kind), key=lambda r: r["mbytes"])
+                if not rs:
+                    continue
+                key = "per_hop_paired_median_ms" if kind == "identity" else "transport_ms"
+                ax.plot([r["mbytes"] for r in rs], [max(r[key], 1e-3) for r in rs], "o-" if t == "tensormq" else "s--",
+                        label=f"{t}, batch {b}")
+        if kind == "identity":
+            ax.axhline(0.10, color="grey", lw=0.8, ls="--", label="goal 0.10 ms")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("tensor size (MB)")
+        ax.set_ylabel("per hop, median (ms)" if kind == "identity" else "per hop minus compute, median (ms)")
+        ax.set_title("identity blocks (handle forwarded)" if kind == "identity" else "copying blocks (x + 1)")
+        ax.legend(fontsize=8)
     save_fig(fig, out, "hop_overhead.png")
 
 
@@ -128,17 +162,24 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, help="samples per size (default 200, quick 20)")
     ap.add_argument("--chain", type=int, default=4, help="identity blocks in the long chain (default 4)")
     ap.add_argument("--transports", default="tensormq,zeromq")
-    ap.add_argument("--device", default="cpu", help="where the identity blocks run: cpu, cuda or cuda:N")
+    ap.add_argument("--device", default="cpu", help="where the blocks run: cpu, cuda or cuda:N")
+    ap.add_argument("--blocks", default="identity,copy", help="kinds of block: identity, copy (default both)")
+    ap.add_argument("--batches", help="batch sizes (default 1,32; quick 1)")
+    ap.add_argument("--stages", help=f"ResNet50 stage outputs to send (default all; quick block1,block4): "
+                                     f"{','.join(STAGES)}")
     ap.add_argument("--out", help="results directory (default experiments/results/<machine>)")
     args = ap.parse_args(argv)
     n = args.n or (20 if args.quick else 200)
-    batches = [1, 32] if not args.quick else [1]
-    sizes = [(b, *s) for b in batches for s in STAGES.values()]
-    if args.quick:
-        sizes = [(1, *STAGES["block1"]), (1, *STAGES["block4"])]
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1] if args.quick else [1, 32])
+    stages = args.stages.split(",") if args.stages else (["block1", "block4"] if args.quick else list(STAGES))
+    unknown = [s for s in stages if s not in STAGES] + [k for k in args.blocks.split(",") if k not in KINDS]
+    if unknown:
+        ap.error(f"unknown stage or block kind: {', '.join(unknown)}")
+    sizes = [(b, *STAGES[s]) for b in batches for s in stages]
     rows = []
-    for t in args.transports.split(","):
-        rows += measure(t, sizes, n, args.chain, args.device)
+    for kind in args.blocks.split(","):
+        for t in args.transports.split(","):
+            rows += measure(t, sizes, n, args.chain, args.device, kind)
     try:
         from experiments.common import env_info, results_dir
         out = args.out or results_dir()
@@ -150,7 +191,8 @@ def main(argv=None) -> int:
     path = os.path.join(out, "hop_overhead.json")
     with open(path, "w") as f:
         json.dump({"experiment": "hop_overhead", "env": info,
-                   "settings": {"n": n, "chain": args.chain, "quick": args.quick, "device": args.device},
+                   "settings": {"n": n, "chain": args.chain, "quick": args.quick, "device": args.device,
+                                "blocks": args.blocks, "batches": batches, "stages": stages},
                    "rows": rows}, f, indent=2)
     print(f"wrote {path}")
     try:

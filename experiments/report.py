@@ -90,9 +90,11 @@ def pipeline_latency(d: dict) -> str:
 
 
 def hop_overhead(d: dict) -> str:
-    rows = [[r["transport"], r.get("device", "cpu"), "x".join(str(v) for v in r["shape"]), _f(r["mbytes"], 2),
-             _f(r["per_hop_paired_median_ms"], 3), _f(r["per_hop_p99_ms"], 3)] for r in d["rows"]]
-    return _table(["transport", "device", "shape", "MB", "per-hop median ms", "per-hop p99 ms"], rows)
+    rows = [[r.get("block", "identity"), r["transport"], r.get("device", "cpu"), "x".join(str(v) for v in r["shape"]),
+             _f(r["mbytes"], 2), _f(r["per_hop_paired_median_ms"], 3), _f(r["per_hop_p99_ms"], 3),
+             _f(r.get("hop_inf_ms"), 3), _f(r.get("transport_ms"), 3)] for r in d["rows"]]
+    return _table(["block", "transport", "device", "shape", "MB", "per-hop median ms", "per-hop p99 ms",
+                   "block compute ms", "transport ms (median minus compute)"], rows)
 
 
 def batch_scaling(d: dict) -> str:

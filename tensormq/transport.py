@@ -13,6 +13,7 @@ thread-safe): in a block, the inference thread.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -23,7 +24,7 @@ import zmq
 
 from .shm import DEFAULT_WINDOW, HopGone, SlotMapper, SlotPool
 from blockflow.schema import canonical_device
-from .wire import MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, is_local
+from .wire import MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, contiguous_stride, dumps, is_local
 from blockflow import settings
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,25 @@ def receive_limit(max_tensor_bytes: int = MAX_TENSOR_BYTES, max_header_bytes: in
     return 2 * (max_tensor_bytes + max_header_bytes)
 
 
+#: File in the socket directory with the CURVE keys of the dispatcher's TCP result socket.
+RESULT_KEYS = "results.curve"
+
+
+def read_result_keys(path: str) -> dict | None:
+    """The CURVE keys of the dispatcher's TCP result socket (dispatcher/process.py writes them
+    into the 0700 socket directory), or None when there are none. Never follows a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        try:
+            keys = json.load(f)
+        except ValueError:
+            return None
+    return keys if isinstance(keys, dict) and {"endpoint", "server", "public", "secret"} <= set(keys) else None
+
+
 def decode_bytes(desc: TensorDesc, frame) -> torch.Tensor:
     """Rebuild a tensor over a received frame's memory (no copy)."""
     expected = desc.numel * desc.itemsize
@@ -55,8 +75,7 @@ def decode_bytes(desc: TensorDesc, frame) -> torch.Tensor:
     if len(buf) != expected:
         raise WireError(f"payload is {len(buf)} bytes but x.shape {list(desc.shape)} "
                         f"{desc.fields['dtype']} needs {expected}")
-    contiguous = torch.empty(desc.shape, dtype=desc.dtype, device="meta").stride()
-    if desc.numel and tuple(desc.stride) != tuple(contiguous):
+    if desc.numel and tuple(desc.stride) != contiguous_stride(desc.shape):
         raise WireError("x.stride must be C-contiguous when bytes travel")
     if expected == 0:
         return torch.empty(desc.shape, dtype=desc.dtype)
@@ -102,6 +121,9 @@ class Transport:
         self._gone: frozenset[str] = frozenset()
         #: set by the owner when it stops: every wait gives up
         self.stopping = None
+        #: where the dispatcher's CURVE keys are (set by blocks): a PUSH socket to the TCP
+        #: endpoint they name authenticates with them (see dispatcher/process.py)
+        self.result_keys: str | None = None
 
     # -- receiving ---------------------------------------------------------------------------
     def decode(self, x, frames: list):
@@ -130,11 +152,14 @@ class Transport:
         return self._cuda_mapper
 
     # -- sending -----------------------------------------------------------------------------
-    def encode(self, tensor: torch.Tensor, address: str, lease=None, timeout: float | None = None):
+    def encode(self, tensor: torch.Tensor, address: str, lease=None, timeout: float | None = None,
+               same_as: dict | None = None):
         """(descriptor dict, payload or None) to send ``tensor`` to ``address``.
 
         ``lease`` is the slot the input came in: an output that is a view of it is forwarded
-        by handle and the lease's release duty goes along with it.
+        by handle and the lease's release duty goes along with it. ``same_as`` is the input's
+        descriptor when ``tensor`` is the input itself: it is forwarded as it came, with no
+        new descriptor built.
         """
         if self.mode == "zeromq" or not is_local(address) or self.pool is None:
             if lease is not None and lease.contains(tensor):
@@ -142,8 +167,12 @@ class Transport:
             desc, payload = encode_bytes(tensor)
             return desc.to_json(), payload
         target = self.hop_device(address)
-        if lease is not None and lease.contains(tensor) and (getattr(lease, "loc", "shm") == "shm"
-                                                             or target == str(tensor.device)):
+        # a shared-memory slot can be forwarded to any hop; a CUDA slot only to one on its device
+        forwardable = lease is not None and (getattr(lease, "loc", "shm") == "shm" or target == str(tensor.device))
+        if forwardable and same_as is not None:
+            lease.released = True  # no longer ours to release: the duty travels with the handle
+            return same_as, None
+        if forwardable and lease.contains(tensor):
             return lease.forward_desc(tensor).to_json(), None
         timeout = self.send_timeout if timeout is None else timeout
         give_up = lambda: self.abandoned(address)  # noqa: E731
@@ -178,6 +207,12 @@ class Transport:
             sock = self.ctx.socket(zmq.PUSH)
             sock.linger = 0
             sock.sndhwm = 1000
+            if address.startswith("tcp://") and self.result_keys:
+                keys = read_result_keys(self.result_keys)
+                if keys is not None and keys["endpoint"] == address:
+                    sock.curve_serverkey = keys["server"].encode()
+                    sock.curve_publickey = keys["public"].encode()
+                    sock.curve_secretkey = keys["secret"].encode()
             sock.connect(address)
             self.pushers[address] = sock
         return sock

@@ -21,6 +21,7 @@ says where the memory is (``loc``):
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -108,7 +109,7 @@ class TensorDesc:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize  # on every hop: no tensor made to ask
 
     @property
     def numel(self) -> int:
@@ -117,12 +118,16 @@ class TensorDesc:
             n *= s
         return n
 
-    def span_bytes(self) -> int:
-        """Bytes from the first element to one past the last, following the strides."""
+    @functools.cached_property  # asked three times per hop (parse, open); the fields never change
+    def _span(self) -> int:
         if self.numel == 0:
             return 0
         last = sum((s - 1) * st for s, st in zip(self.shape, self.stride))
         return (last + 1) * self.itemsize
+
+    def span_bytes(self) -> int:
+        """Bytes from the first element to one past the last, following the strides."""
+        return self._span
 
     def to_json(self) -> dict:
         return self.fields
@@ -158,9 +163,18 @@ class TensorDesc:
         if not isinstance(loc, str) or loc not in ("bytes", "shm", "cuda"):
             raise WireError(f"x.loc {loc!r:.40} is not one of bytes, shm, cuda")
         desc = TensorDesc(DTYPES[name], tuple(shape), tuple(stride), loc, x)
-        if desc.numel * desc.itemsize > max_bytes or desc.span_bytes() > max_bytes:
+        if desc.numel * desc.dtype.itemsize > max_bytes or desc.span_bytes() > max_bytes:
             raise WireError(f"tensor of shape {shape} {name} is larger than the limit of {max_bytes} bytes")
         return desc
+
+
+def contiguous_stride(shape) -> tuple[int, ...]:
+    """C-contiguous strides (in elements) of ``shape``, as torch computes them."""
+    stride, step = [], 1
+    for dim in reversed(shape):
+        stride.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(stride))
 
 
 def check_path(path) -> list[list[str]]:

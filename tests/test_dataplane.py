@@ -24,6 +24,7 @@ BRANCHY = {  # two tasks share block1-3 and own their block4/head (thesis scenar
 TASKS = {"classify": ["b1", "b2", "b3", "b4", "h"], "special": ["b1", "b2", "b3", "b4x", "hx"]}
 
 
+SHM_PREFIX = "bftest-dataplane"
 CUDA = pytest.mark.cuda  # the same promises with every block on the GPU; skipped where none is present
 
 
@@ -34,7 +35,8 @@ CUDA = pytest.mark.cuda  # the same promises with every block on the GPU; skippe
 def pipeline(request, model_repo):
     """One pipeline per transport and device for the whole module (7 processes cost ~10 s to start here)."""
     transport, device = request.param
-    p = StandalonePipeline(model_repo, BRANCHY, TASKS, transport=transport, device=device)
+    # its own shared-memory prefix: parallel runs on one machine sweep each other's blockflow-* dirs
+    p = StandalonePipeline(model_repo, BRANCHY, TASKS, transport=transport, device=device, shm_prefix=SHM_PREFIX)
     p.tol = 1e-4 if device == "cpu" else 1e-3  # cuDNN kernels differ from the CPU ones
     yield p
     result = p.stop()
@@ -157,3 +159,46 @@ def test_kpi_logs_are_written_on_store(pipeline):
         assert key in records[-1]
     assert records[-1]["inf"] > 0 and records[-1]["total"] >= records[-1]["inf"]
 
+
+
+# -- liveness: the ping carries the inference thread's heartbeat ---------------------------------
+
+class Spin(torch.nn.Module):
+    """Runs for as many rounds as its first input element says: a model that is 'stuck' on demand."""
+
+    def forward(self, x):
+        y = x[1:]
+        for _ in range(int(x[0].item())):
+            y = torch.tanh(y + 0.001)
+        return y
+
+
+@pytest.fixture(scope="module")
+def spin_repo(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("spin_repo")
+    os.makedirs(repo / "toy")
+    torch.jit.save(torch.jit.script(Spin()), str(repo / "toy" / "spin.pt"))
+    return str(repo)
+
+
+def test_ping_reports_a_block_stuck_in_its_model(spin_repo):
+    with StandalonePipeline(spin_repo, {"s": "toy/spin.pt"}, {"t": ["s"]}, shm_prefix=SHM_PREFIX) as p:
+        idle = p.command("s", "ping")
+        assert idle["busy_s"] == 0.0 and 0.0 <= idle["beat_age_s"] < 2.0, idle
+        with Client(p.address, timeout=120) as c:
+            # tens of millions of tiny ops: seconds to minutes, longer than this test looks
+            fut = c.submit("t", torch.tensor([5e7, 0.0, 0.0, 0.0]))
+            busy, deadline = [], time.monotonic() + 30
+            while len(busy) < 3 and time.monotonic() < deadline:
+                ping = p.command("s", "ping", timeout=2.0)  # the control thread still answers
+                if ping["busy_s"] > 0:
+                    busy.append(ping)
+                    time.sleep(0.3)
+            assert len(busy) == 3, busy
+            assert busy[0]["busy_s"] < busy[1]["busy_s"] < busy[2]["busy_s"]
+            assert busy[2]["beat_age_s"] >= busy[2]["busy_s"] - 0.01  # no beat while inside the model
+            assert not fut.done()
+            p.procs["s"].kill()  # what the manager does past max_inference_s
+            p.stop()
+        with pytest.raises(Exception):
+            fut.result(10)

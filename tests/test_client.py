@@ -1,0 +1,60 @@
+"""The client against a dispatcher that is not there (issue 12, item 4): every call ends by its
+deadline, and a full send queue refuses at once instead of blocking."""
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import wait
+
+import pytest
+import torch
+
+from blockflow.client import BlockFlowError, Client
+
+
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_every_call_ends_by_its_deadline_with_no_dispatcher():
+    address = f"tcp://127.0.0.1:{_unused_port()}"  # nothing listens here
+    x = torch.zeros(1, 16)
+    with Client(address, timeout=1.0, max_queued=5000) as c:
+        t0 = time.monotonic()
+        futures = [c.submit("t", x, timeout=1.0) for _ in range(3000)]  # past ZeroMQ's 1000-message HWM
+        done, not_done = wait(futures, timeout=1.0 + 3.0)
+        elapsed = time.monotonic() - t0
+        assert not not_done, f"{len(not_done)} calls outlived their deadline by 3 s"
+        assert all(isinstance(f.exception(), TimeoutError) for f in done)
+        assert elapsed < 1.0 + 3.0
+        # the timed-out requests left the queue: the client takes new ones at once
+        assert c._io.queued() == 0
+        fut = c.submit("t", x, timeout=0.5)
+        with pytest.raises(TimeoutError):
+            fut.result(0.5 + 3.0)
+
+
+def test_a_full_send_queue_refuses_at_once():
+    address = f"tcp://127.0.0.1:{_unused_port()}"
+    x = torch.zeros(1, 16)
+    with Client(address, timeout=5.0, max_queued=50) as c:
+        # ZeroMQ itself buffers up to its high-water mark before the socket refuses: fill both
+        futures, refused = [], None
+        t0 = time.monotonic()
+        for _ in range(5000):
+            try:
+                futures.append(c.submit("t", x))
+            except BlockFlowError as exc:
+                refused = exc
+                break
+        assert refused is not None, "5000 requests were queued with a queue of 50"
+        assert refused.code == "overloaded" and "already waiting to be sent" in str(refused)
+        t1 = time.monotonic()
+        with pytest.raises(BlockFlowError, match="already waiting to be sent"):
+            c.submit("t", x)
+        assert time.monotonic() - t1 < 0.5  # at once, not after a deadline
+        assert time.monotonic() - t0 < 5.0
+        done, not_done = wait(futures, timeout=5.0 + 3.0)
+        assert not not_done
