@@ -358,7 +358,7 @@ def slot_budget(upd, window: int, shm_dir: str | None) -> dict:
     Every CPU producer keeps ``window`` slots per next hop (tensormq/shm.py), each sized for the
     tensor it carries rounded up to a power of two; the sizes come from the manifests (a file
     no manifest lists counts as unknown). Larger batches need proportionally more."""
-    from blockflow.tensormq.shm import HEADER, _round_capacity, shm_space
+    from blockflow.tensormq.shm import HEADER, round_capacity, shm_space
     from blockflow.protocol import DISPATCHER
 
     def nbytes(shape) -> int | None:
@@ -384,7 +384,7 @@ def slot_budget(upd, window: int, shm_dir: str | None) -> dict:
             entry = upd.manifests.get(model) or {}
             edges[(producer, consumer)] = nbytes(entry.get("output_shape" if decl else "input_shape"))
     known = [n for n in edges.values() if n is not None]
-    needed = sum(window * (HEADER + _round_capacity(n)) for n in known)
+    needed = sum(window * (HEADER + round_capacity(n)) for n in known)
     out = {"dir": shm_dir, "window": window, "edges": len(edges), "edges_unknown_size": len(edges) - len(known),
            "needed_bytes_batch1": needed, "size_bytes": None, "free_bytes": None, "fits": None}
     if shm_dir:

@@ -130,7 +130,7 @@ DEFAULT_WINDOW = settings.WINDOW
 MAX_MAPPINGS = 256
 
 
-def _round_capacity(nbytes: int) -> int:
+def round_capacity(nbytes: int) -> int:
     """Power of two, at least one page, so a slot can be reused across similar sizes."""
     cap = 4096
     while cap < nbytes:
@@ -271,7 +271,7 @@ class SlotPool:
             if s.capacity >= nbytes:
                 return s
         if len(slots) < self.window:  # the edge's first use: its whole window at once
-            cap = _round_capacity(nbytes)
+            cap = round_capacity(nbytes)
             fresh = []
             try:
                 for _ in range(self.window - len(slots)):
@@ -287,7 +287,7 @@ class SlotPool:
             old = free[0]
             slots.remove(old)
             old.close()  # first: its memory may be what the larger one needs
-            slot = self._new_slot(_round_capacity(nbytes))
+            slot = self._new_slot(round_capacity(nbytes))
             slots.append(slot)
             return slot
         return None
