@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from blockflow.blocks.batching import BatchPolicy, PolicyError
 from blockflow import settings
 
 TRANSPORTS = ("tensormq", "zeromq")
@@ -26,7 +27,7 @@ MAX_FUSED = 16
 MAX_BLOCKS = settings.MAX_BLOCKS
 MAX_TASKS = settings.MAX_TASKS
 
-BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads", "max_inference_s"}
+BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads", "max_inference_s", "batching"}
 #: Seconds one inference may take before the block is considered stuck, killed and respawned.
 DEFAULT_MAX_INFERENCE_S = 60.0
 #: The largest ``max_inference_s`` accepted (a day): larger values are almost surely a unit mistake.
@@ -41,6 +42,15 @@ class UpdateError(ValueError):
         self.message = message
 
 
+def _batching(obj, where: str) -> BatchPolicy | None:
+    if obj is None:
+        return None
+    try:
+        return BatchPolicy.parse(obj, where)
+    except PolicyError as exc:
+        raise UpdateError(exc.field, str(exc).split(": ", 1)[-1]) from None
+
+
 @dataclass(frozen=True)
 class BlockDecl:
     name: str
@@ -51,6 +61,7 @@ class BlockDecl:
     cpus: tuple[int, ...] | None = None
     threads: int | None = None
     max_inference_s: float = DEFAULT_MAX_INFERENCE_S
+    batching: BatchPolicy | None = None   # None: one request at a time
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -65,6 +76,8 @@ class BlockDecl:
             d["cpus"] = list(self.cpus)
         if self.threads is not None:
             d["threads"] = self.threads
+        if self.batching is not None:
+            d["batching"] = self.batching.to_json()
         return d
 
 
@@ -187,7 +200,8 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None) -> Update
             protocol=_str(b.get("protocol", protocol), f"{where}.protocol", PROTOCOLS),
             cpus=cpus, threads=threads,
             max_inference_s=_max_inference(b.get("max_inference_s", DEFAULT_MAX_INFERENCE_S),
-                                           f"{where}.max_inference_s"))
+                                           f"{where}.max_inference_s"),
+            batching=_batching(b.get("batching"), f"{where}.batching"))
 
     tasks: dict[str, list[str]] = {}
     for i, t in enumerate(tasks_in):

@@ -51,6 +51,7 @@ from blockflow.tensormq.shm import HopGone, ShmExhausted
 from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, RESULT_KEYS, Transport, receive_limit
 from blockflow.tensormq.wire import WireError, check_path, dumps, loads_header
 
+from .batching import BatchPolicy, DelayController, plan_batches, run_batch
 from .kpilog import KpiLog
 from .monitor import DEFAULT_INTERVAL, ResourceSampler
 from blockflow import settings
@@ -113,6 +114,18 @@ class BootError(RuntimeError):
     """The block cannot start; respawning would fail the same way (EXIT_BOOT_ERROR)."""
 
 
+class _Request:
+    """One request inside a block, from its input to its output (timestamps: perf_counter)."""
+
+    __slots__ = ("arrival", "arrival_wall", "header", "x_in", "x", "lease", "t0", "t1", "t2", "batch_wait")
+
+    def __init__(self, arrival: float, arrival_wall: float, header: dict):
+        self.arrival, self.arrival_wall, self.header = arrival, arrival_wall, header
+        self.x_in = self.x = self.lease = None
+        self.t0 = self.t1 = self.t2 = arrival
+        self.batch_wait = 0.0
+
+
 class Block:
     def __init__(self, spec: BlockSpec):
         # Pre-spawn: remember the spec only. Sockets, threads and the model come in init_process().
@@ -129,6 +142,9 @@ class Block:
         self.busy_since = 0.0
         self.beat = time.monotonic()
         self._mail_seq = 0
+        #: dynamic batching across tasks (blocks/batching.py); None: one request at a time
+        self.batching = BatchPolicy.parse(spec.batching) if spec.batching else None
+        self.batcher = DelayController(self.batching, spec.max_inference_s / 4) if self.batching else None
 
     # -- start-up ----------------------------------------------------------------------------
     def init_process(self) -> None:
@@ -331,13 +347,40 @@ class Block:
                 if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     break
                 self.admit(pull.recv_multipart(zmq.NOBLOCK, copy=False))
-            if backlog:
+            if backlog and self.batching is not None:
+                waited = self.fill_batch(poller)
+                items = [backlog.popleft() for _ in range(min(len(backlog), self.batching.max_batch))]
+                self.busy_since = time.monotonic()
+                try:
+                    self.infer_batch(items, waited)
+                finally:
+                    self.busy_since = 0.0
+            elif backlog:
                 item = backlog.popleft()
                 self.busy_since = time.monotonic()
                 try:
                     self.infer(*item)
                 finally:
                     self.busy_since = 0.0
+
+    def fill_batch(self, poller: zmq.Poller) -> tuple[float, float]:
+        """Wait up to the batcher's delay for more requests (fewer than max_batch are waiting);
+        a mailbox message (topology, stop) ends the wait. Returns the wait window."""
+        t_start = time.perf_counter()
+        delay = self.batcher.delay(len(self.backlog))
+        deadline = t_start + delay
+        while delay > 0 and len(self.backlog) < self.batching.max_batch and not self.stopping.is_set():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            events = dict(poller.poll(max(left * 1e3, 0.05)))
+            if self.mail_in in events:
+                break  # the loop reads the mailbox right after this batch
+            if self.pull not in events:
+                break
+            while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN and len(self.backlog) < self.batching.max_batch:
+                self.admit(self.pull.recv_multipart(zmq.NOBLOCK, copy=False))
+        return t_start, time.perf_counter()
 
     def read_mailbox(self) -> None:
         msg = json.loads(self.mail_in.recv())
@@ -379,6 +422,8 @@ class Block:
                 "err": f"block {self.name} is overloaded: {self.spec.max_queue} requests already queued"})
             return
         self.backlog.append((arrival, arrival_wall, header, frames))
+        if self.batcher is not None:
+            self.batcher.arrived(arrival)
 
     def send_quietly(self, address: str, header: dict) -> None:
         """An error reply (no tensor): best effort, a short wait, never raises."""
@@ -398,29 +443,73 @@ class Block:
                      self.name, header.get("rid"), exc)
 
     def infer(self, arrival: float, arrival_wall: float, header: dict, frames: list) -> None:
-        path = header["path"]
-        rid = header["rid"]
-        ret = path[-1][1]
-        t0 = time.perf_counter()
-        lease = None
-        x_desc = None  # the handle of a message not sent yet: its slot is ours to give back
+        """One request: its input, the model, its output on to the next hop (Algorithm 2)."""
+        req = self.take_input(arrival, arrival_wall, header, frames)
+        if req is None:
+            return
         try:
-            x_in, lease = self.transport.decode(header.get("x"), frames)
-            t1 = time.perf_counter()
-            x = x_in if x_in.device == self.device else x_in.to(self.device)
-            t2 = time.perf_counter()
             with torch.inference_mode():
-                y = self.model(x)
+                y = self.model(req.x)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
+        except Exception as exc:
+            self.fail(req, exc)
+            return
+        self.send_output(req, y, req.t2, time.perf_counter(), 1)
+
+    def infer_batch(self, items: list, waited: tuple[float, float]) -> None:
+        """Several requests as few inferences as their shapes allow (blocks/batching.py): each
+        request's output goes on along its own remaining path. ``waited`` is the batcher's wait
+        window (perf_counter start, end), recorded per request as ``batch_wait``."""
+        reqs = [r for r in (self.take_input(*item) for item in items) if r is not None]
+        if not reqs:
+            return
+        xs = [r.x for r in reqs]
+        for group in plan_batches(xs, self.batching):
+            t_inf = time.perf_counter()
+            with torch.inference_mode():
+                outs = run_batch(self.model, [xs[i] for i in group])
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            t_done = time.perf_counter()
+            self.batcher.served(len(group), t_done - t_inf)
+            for i, y in zip(group, outs):
+                r = reqs[i]
+                r.batch_wait = max(0.0, waited[1] - max(r.arrival, waited[0])) * 1e3
+                if isinstance(y, Exception):
+                    self.fail(r, y)
+                else:
+                    self.send_output(r, y, t_inf, t_done, len(group))
+
+    def take_input(self, arrival: float, arrival_wall: float, header: dict, frames: list) -> "_Request | None":
+        """Rebuild a request's tensor on this block's device; None after answering an error."""
+        req = _Request(arrival, arrival_wall, header)
+        req.t0 = time.perf_counter()
+        try:
+            req.x_in, req.lease = self.transport.decode(header.get("x"), frames)
+            req.t1 = time.perf_counter()
+            req.x = req.x_in if req.x_in.device == self.device else req.x_in.to(self.device)
+            req.t2 = time.perf_counter()
+        except Exception as exc:
+            self.fail(req, exc)
+            return None
+        return req
+
+    def send_output(self, req: "_Request", y, t_inf: float, t_done: float, batch: int) -> None:
+        """Send ``y`` on along the request's path, by handle where it is a view of the input."""
+        header, lease, x_in = req.header, req.lease, req.x_in
+        path = header["path"]
+        x_desc = None  # the handle of a message not sent yet: its slot is ours to give back
+        try:
             if not isinstance(y, torch.Tensor):
                 raise TypeError(f"model returned {type(y).__name__}, not a tensor")
             t3 = time.perf_counter()
             next_name, next_addr = path[0]
             if lease is not None and y is not x_in and not lease.contains(y):
                 lease.release()  # done with the input: free its slot before we wait for ours
-            hop = {"b": self.name, "wait": (t0 - arrival) * 1e3, "deser": (t1 - t0) * 1e3,
-                   "dev": (t2 - t1) * 1e3, "inf": (t3 - t2) * 1e3}
+            inf = (t_done - t_inf) * 1e3
+            hop = {"b": self.name, "wait": (req.t0 - req.arrival) * 1e3, "deser": (req.t1 - req.t0) * 1e3,
+                   "dev": (req.t2 - req.t1) * 1e3, "inf": inf}
             # the received header goes on: only t, path, hops and x change
             hops = header.get("hops")
             header["hops"] = (hops[:63] if isinstance(hops, list) else []) + [hop]
@@ -440,24 +529,37 @@ class Block:
             x_desc = None
             t5 = time.perf_counter()
         except Exception as exc:
-            if x_desc is not None:
-                self.transport.discard(x_desc)
-            if lease is not None:
-                lease.release()
-            msg = f"block {self.name}: {type(exc).__name__}: {exc}"
-            log.warning("%s (request %s)", msg, rid)
-            err = {"t": "error", "rid": rid, "block": self.name, "err": msg}
-            if isinstance(exc, (HopGone, ShmExhausted)):
-                err["code"] = exc.code  # block_failed: the next hop was removed; no_shared_memory
-            self.send_quietly(ret, err)
-            self.kpi.add("latency", {"ts": arrival_wall, "rid": rid, "task": header.get("task"),
-                                     "error": err.get("code", "error")})  # counted by GET /metrics
+            self.fail(req, exc, x_desc)
             return
-        self.kpi.add("latency", {"ts": arrival_wall, "rid": rid, "task": header.get("task"),
-                                 "wait": hop["wait"], "deser": hop["deser"], "dev": hop["dev"],
-                                 "inf": hop["inf"], "share": hop["share"], "fwd": (t5 - t4) * 1e3,
-                                 "total": (t5 - arrival) * 1e3, "queue": len(self.backlog),
-                                 "batch": int(y.shape[0]) if y.dim() else 1})
+        total = (t5 - req.arrival) * 1e3
+        rec = {"ts": req.arrival_wall, "rid": header["rid"], "task": header.get("task"),
+               "wait": hop["wait"], "deser": hop["deser"], "dev": hop["dev"], "inf": inf, "share": hop["share"],
+               "fwd": (t5 - t4) * 1e3, "total": total, "queue": len(self.backlog),
+               "batch": int(y.shape[0]) if y.dim() else 1}
+        if self.batching is not None:
+            # in a batch the request also waited for the batcher and for its batch-mates' inputs and
+            # outputs: that time is part of "wait", so the components still add up to "total"
+            rec["wait"] = total - (rec["deser"] + rec["dev"] + inf + rec["share"] + rec["fwd"])
+            rec["requests_in_batch"] = batch
+            rec["batch_wait"] = req.batch_wait
+        self.kpi.add("latency", rec)
+
+    def fail(self, req: "_Request", exc: Exception, x_desc: dict | None = None) -> None:
+        """Answer the request with the error, give back what it holds, count it."""
+        header = req.header
+        rid = header["rid"]
+        if x_desc is not None:
+            self.transport.discard(x_desc)
+        if req.lease is not None:
+            req.lease.release()
+        msg = f"block {self.name}: {type(exc).__name__}: {exc}"
+        log.warning("%s (request %s)", msg, rid)
+        err = {"t": "error", "rid": rid, "block": self.name, "err": msg}
+        if isinstance(exc, (HopGone, ShmExhausted)):
+            err["code"] = exc.code  # block_failed: the next hop was removed; no_shared_memory
+        self.send_quietly(header["path"][-1][1], err)
+        self.kpi.add("latency", {"ts": req.arrival_wall, "rid": rid, "task": header.get("task"),
+                                 "error": err.get("code", "error")})  # counted by GET /metrics
 
     def shutdown(self) -> None:
         """Runs on the inference thread once its loop ends. The order matters:

@@ -27,6 +27,7 @@ EXPERIMENTS = [
     "memory_model",      # Section 4.3, Tables 4.4-4.6
     "multi_gpu",         # Figs 4.15-4.16 (>= 2 GPUs only)
     "kserve_cost",       # the Open Inference Protocol against the ZeroMQ client
+    "batching",          # dynamic batching at shared blocks (issue 15)
 ]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -48,8 +48,10 @@ THESIS = {"zeromq_saturation_rps": 160.0, "tensormq_saturation_rps": 217.0}
 
 
 def poisson_run(address: str, x: torch.Tensor, rate: float, duration: float, seed: int, label: str,
-                drain_timeout: float = 300.0) -> tuple[list[dict], float]:
-    """Send for ``duration`` s at ``rate``/s (Poisson), then wait for the replies; one dict per request."""
+                drain_timeout: float = 300.0, tasks: list[str] | None = None) -> tuple[list[dict], float]:
+    """Send for ``duration`` s at ``rate``/s (Poisson), then wait for the replies; one dict per request.
+    With several ``tasks``, requests take them in turn."""
+    tasks = tasks or [common.TASK]
     from blockflow.client import BlockFlowError, Client
     rng = random.Random(seed)
     recs: list[dict] = []
@@ -66,8 +68,8 @@ def poisson_run(address: str, x: torch.Tensor, rate: float, duration: float, see
                 if now - t_start >= duration:
                     break
                 if now >= next_t:
-                    rec = {"sent": now - t_start}
-                    fut = c.submit(common.TASK, x)
+                    rec = {"sent": now - t_start, "task": tasks[len(recs) % len(tasks)]}
+                    fut = c.submit(rec["task"], x)
 
                     def done(f, rec=rec):
                         t = time.monotonic() - t_start
@@ -101,11 +103,12 @@ def poisson_run(address: str, x: torch.Tensor, rate: float, duration: float, see
     return recs, drain
 
 
-def measure_rate(server, watch: dict, x, rate: float, duration: float, quick: bool, seed: int, label: str) -> dict:
+def measure_rate(server, watch: dict, x, rate: float, duration: float, quick: bool, seed: int, label: str,
+                 tasks: list[str] | None = None) -> dict:
     with common.CpuSampler(watch, 0.25) as cpu, GpuSampler(watch, 0.25) as gpu:
         t_cpu0 = cpu.t0
         t_run0 = time.monotonic()
-        recs, drain = poisson_run(server.dispatcher, x, rate, duration, seed, label)
+        recs, drain = poisson_run(server.dispatcher, x, rate, duration, seed, label, tasks=tasks)
     offset = t_run0 - t_cpu0
     in_window = [s for s in cpu.samples if offset <= s["t"] <= offset + duration]
     rss = [sum(s.get(n + ".rss_mb") or 0.0 for n in watch) for s in in_window]

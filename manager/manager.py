@@ -272,6 +272,7 @@ class Manager:
                          cpus=list(decl.cpus) if decl.cpus else None, incarnation=inc,
                          controller=self.controller.endpoint, parent_pid=os.getpid(), window=self.window,
                          max_inference_s=decl.max_inference_s,
+                         batching=decl.batching.to_json() if decl.batching else None,
                          verified=self.catalog.verified(decl.files))
         proc = self.mp.Process(target=serve_block, args=(spec,), name=f"blockflow-{decl.name}", daemon=True)
         proc.start()

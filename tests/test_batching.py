@@ -1,6 +1,8 @@
 """Dynamic batching, the pure parts: policy parsing, grouping, split, fallback, adaptive delay."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -83,3 +85,115 @@ def test_auto_delay_is_zero_when_the_block_keeps_up_and_bounded_under_load():
     assert d.delay(1) < wait
     fixed = DelayController(BatchPolicy.parse({"max_batch": 4, "max_queue_delay_us": 250}))
     assert fixed.delay(1) == pytest.approx(0.00025) and fixed.delay(4) == 0.0
+
+
+# -- served: real server, real block processes ------------------------------------------------------
+
+def _kpi_records(srv, block: str) -> list[dict]:
+    import json
+    import os
+    srv.call("POST", f"/blocks/{block}/kpi")  # writes the block's records out
+    run_dir = srv.call("GET", "/system")["run_dir"]
+    with open(os.path.join(run_dir, f"{block}.latency.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _shared_resnet18(batching: dict | None) -> dict:
+    blocks = [{"name": n, "model": f"resnet18/{f}.pt", "threads": 1}
+              for n, f in (("b1", "block1"), ("b2", "block2"), ("b3", "block3"), ("b4", "block4"), ("h", "head"),
+                           ("b4x", "block4-x"), ("hx", "head-x"))]
+    if batching:
+        for b in blocks[:3]:
+            b["batching"] = batching
+    return {"blocks": blocks, "tasks": [{"id": "classify", "path": ["b1", "b2", "b3", "b4", "h"]},
+                                        {"id": "special", "path": ["b1", "b2", "b3", "b4x", "hx"]}]}
+
+
+def test_batched_results_equal_unbatched_across_two_tasks_sharing_blocks(server_factory, model_repo):
+    from blockflow import Client
+    from blockflow.blocks.repository import load_block
+
+    srv = server_factory(model_repo)
+    # a fixed delay long enough that concurrent requests meet in the shared blocks' batches
+    srv.call("POST", "/system/update", _shared_resnet18({"max_batch": 8, "max_queue_delay_us": 200_000}),
+             timeout=120)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(1, 3, 224, 224, generator=gen) for _ in range(12)]
+    tasks = ["classify" if i % 2 == 0 else "special" for i in range(12)]
+    with Client(srv.dispatcher, timeout=60) as c:
+        futs = [c.submit(t, x) for t, x in zip(tasks, xs)]
+        ys = [f.result(timeout=60) for f in futs]
+    chains = {"classify": ["block1", "block2", "block3", "block4", "head"],
+              "special": ["block1", "block2", "block3", "block4-x", "head-x"]}
+    mods = {f: load_block(model_repo, f"resnet18/{f}.pt") for f in set(sum(chains.values(), []))}
+    with torch.inference_mode():
+        for t, x, y in zip(tasks, xs, ys):
+            ref = x
+            for f in chains[t]:
+                ref = mods[f](ref)
+            torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    sizes = [r.get("requests_in_batch", 1) for r in _kpi_records(srv, "b1") if "error" not in r]
+    assert len(sizes) == 12 and max(sizes) > 1, f"b1 never batched: {sizes}"
+
+
+class _Picky(torch.nn.Module):
+    def forward(self, x):
+        if bool((x < 0).any()):
+            raise RuntimeError("negative input")
+        return x * 2
+
+
+def test_mixed_shapes_and_a_bad_request_in_one_batch(server_factory, tmp_path):
+    from blockflow import BlockFlowError, Client
+
+    os.makedirs(tmp_path / "toy")
+    torch.jit.save(torch.jit.script(_Picky()), str(tmp_path / "toy" / "picky.pt"))
+    srv = server_factory(str(tmp_path))
+    srv.call("POST", "/system/update", {
+        "blocks": [{"name": "p", "model": "toy/picky.pt",
+                    "batching": {"max_batch": 8, "max_queue_delay_us": 300_000}}],
+        "tasks": [{"id": "t", "path": ["p"]}]})
+    inputs = [torch.ones(1, 4), torch.full((2, 4), 3.0), torch.ones(1, 5), -torch.ones(1, 4), torch.ones(3, 4)]
+    with Client(srv.dispatcher, timeout=60) as c:
+        futs = [c.submit("t", x) for x in inputs]
+        outs = []
+        for f in futs:
+            try:
+                outs.append(f.result(timeout=60))
+            except BlockFlowError as exc:
+                outs.append(exc)
+    for x, y in zip(inputs, outs):
+        if bool((x < 0).any()):
+            assert isinstance(y, BlockFlowError) and "negative input" in str(y)
+        else:
+            assert torch.equal(y, x * 2)
+    recs = [r for r in _kpi_records(srv, "p") if "error" not in r]
+    assert max(r.get("requests_in_batch", 1) for r in recs) > 1
+
+
+def test_topology_update_while_requests_wait_in_a_batch(server_factory, identity_repo):
+    from blockflow import BlockFlowError, Client
+
+    srv = server_factory(identity_repo)
+    slow_batch = {"max_batch": 64, "max_queue_delay_us": 500_000}
+    srv.call("POST", "/system/update", {
+        "blocks": [{"name": "a", "model": "toy/double.pt", "batching": slow_batch},
+                   {"name": "b", "model": "toy/identity.pt"}],
+        "tasks": [{"id": "t", "path": ["a", "b"]}]})
+    replies = {}
+    with Client(srv.dispatcher, timeout=60) as c:
+        futs = [c.submit("t", torch.full((1, 3), float(i))) for i in range(10)]
+        srv.call("POST", "/system/update", {
+            "blocks": [{"name": "a", "model": "toy/double.pt", "batching": slow_batch},
+                       {"name": "c", "model": "toy/identity.pt"}],
+            "tasks": [{"id": "t", "path": ["a", "c"]}]}, timeout=60)
+        for i, f in enumerate(futs):
+            try:
+                replies[i] = f.result(timeout=60)
+            except BlockFlowError as exc:
+                replies[i] = exc
+        after = c.infer("t", torch.ones(1, 3))
+    assert len(replies) == 10  # each request got exactly one reply (a second one would be an unknown id)
+    for i, y in replies.items():
+        assert isinstance(y, BlockFlowError) or torch.equal(y, torch.full((1, 3), 2.0 * i))
+    assert torch.equal(after, torch.full((1, 3), 2.0))

@@ -150,3 +150,9 @@ def test_pip_install_adds_only_blockflow(tmp_path):
     installed = {p for p in os.listdir(target / "blockflow")}
     assert {"blocks", "dispatcher", "manager", "tensormq", "cli.py"} <= installed, installed
     assert "experiments" not in installed and "tests" not in installed
+
+
+def test_bench_lists_exactly_the_experiments_of_the_checkout():
+    from blockflow.cli import EXPERIMENT_NAMES
+    from experiments import EXPERIMENTS
+    assert sorted(EXPERIMENT_NAMES) == sorted(EXPERIMENTS)
