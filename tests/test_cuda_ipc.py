@@ -48,18 +48,18 @@ def ctx():
 
 
 # -- defect 1: 'cuda' means 'cuda:0', once, in the schema and in the device map ----------------
-def test_schema_spells_cuda_as_cuda_0(identity_repo):
+def test_schema_spells_cuda_as_cuda_0():
     from blockflow.schema import validate_update
     body = {"blocks": [{"name": "a", "model": "toy/identity.pt", "device": "cuda"},
                        {"name": "b", "model": "toy/identity.pt", "device": "cuda:01"},
                        {"name": "c", "model": "toy/identity.pt", "device": "cpu"}],
             "tasks": [{"id": "t", "path": ["a", "b", "c"]}]}
-    upd = validate_update(body, identity_repo, gpus=2)
+    upd = validate_update(body, gpus=2)
     assert [upd.blocks[n].device for n in "abc"] == ["cuda:0", "cuda:1", "cpu"]
     # so that an update that only re-spells a device changes nothing
     again = validate_update(dict(body, blocks=[dict(b, device=d) for b, d in
                                                zip(body["blocks"], ["cuda:0", "cuda:1", "cpu"])]),
-                            identity_repo, gpus=2)
+                            gpus=2)
     assert again.blocks == upd.blocks
 
 

@@ -76,9 +76,13 @@ def test_forged_results_never_reach_the_client(identity_repo, protocol, capfd):
                     y = c.infer("t", x)
                     assert torch.allclose(y, expected), f"request {i} got a forged result"
             finally:
+                # the flood goes on until it has sent enough to mean something, however slow the machine
+                until = time.monotonic() + 60
+                while sent[0] < 300 and attacker.is_alive() and time.monotonic() < until:
+                    time.sleep(0.01)
                 stop.set()
                 attacker.join()
-        assert sent[0] > 1000, sent
+        assert sent[0] >= 300, sent
         stats = p.command(DISPATCHER, "ping")
         assert stats["ok"] == 11 and stats["errors"] == 0, stats
         code = p.stop()

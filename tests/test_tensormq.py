@@ -295,6 +295,7 @@ import json, sys
 from blockflow.tensormq.shm import SlotMapper
 from blockflow.tensormq.wire import TensorDesc, WireError
 mapper, opened, refused = SlotMapper(sys.argv[1]), 0, []
+print("ready", flush=True)
 for line in sys.stdin:
     try:
         _t, lease = mapper.open(TensorDesc.parse(json.loads(line)))
@@ -327,6 +328,8 @@ def test_a_release_never_frees_a_slot_the_producer_has_reused(shm_dir):
     x = torch.arange(4, dtype=torch.float32)
     sent = 0
     try:
+        # the race starts once the consumer has imported torch (seconds on oversubscribed cores)
+        assert consumer.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 6.0
         while time.monotonic() < deadline and sent < 100_000:
             desc = pool.put("edge", x, timeout=10.0)
