@@ -587,25 +587,8 @@ def _check_digest(path: Path, actual: str, expected: str) -> None:
 def load_block(repo: str | os.PathLike, relpath: str,
                device: str = "cpu") -> nn.Module:
     """Verify and load one block file: an eval-mode TorchScript module (``.pt``)
-    or the module of a ``torch.export`` program (``.pt2``)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"cannot load {relpath} on {device}: CUDA is not available")
-    entry = verify_block(repo, relpath)
-    path = _resolve(repo, relpath).resolve()  # the file that was checked, not a link that may move
-    if path.suffix == SUFFIX["export"]:
-        return _load_program(path, dev, entry)
-    try:
-        mod = torch.jit.load(str(path), map_location=dev)
-    except Exception as exc:  # the loader raises RuntimeError/ValueError/...
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise BlockFileError(
-            f"block file {path} is not a loadable TorchScript file ({reason}); "
-            f"replace it with a torch.jit.save'd module or re-export it with "
-            f"`blockflow export --model {path.parent.name}`", path) from exc
-    log.debug("loaded %s on %s (%s)", path, dev,
-              "unlisted" if entry is None else f"sha256 {entry['sha256'][:12]} ok")
-    return mod.eval()
+    or the module of a ``torch.export`` program (``.pt2``); see :func:`open_block`."""
+    return open_block(repo, relpath, device)[0]
 
 
 def _load_program(path: Path, dev: torch.device, entry: dict | None, data: bytes | None = None) -> nn.Module:

@@ -149,3 +149,21 @@ def kill_tree(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except (psutil.NoSuchProcess, ProcessLookupError):
         pass
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Poll ``predicate`` until it returns something true (returned) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(interval)
+    raise AssertionError(f"{what} did not happen within {timeout:.0f}s")
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

@@ -28,28 +28,11 @@ from blockflow.client import BlockFlowError, Client
 from blockflow.manager.state import OWNER_SUFFIX, StateDir, UnsafePath, process_record
 from blockflow.restclient import RestError
 
-from conftest import kill_tree
+from conftest import gone, kill_tree, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IPC = {"blocks": [{"name": "a", "model": "toy/identity.pt"}, {"name": "d", "model": "toy/double.pt"}],
        "tasks": [{"id": "t", "path": ["a", "d"]}]}
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"{what} did not happen within {timeout:.0f}s")
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def tree(pid: int) -> list[int]:

@@ -29,29 +29,12 @@ from blockflow.manager.state import StateDir
 from blockflow.tensormq.shm import SlotMapper
 from blockflow.tensormq.wire import TensorDesc
 
-from conftest import kill_tree
+from conftest import gone, kill_tree, wait_for
 
 TOY = {"a": "toy/identity.pt", "d": "toy/double.pt"}
 SIMPLE = {"blocks": [{"name": "a", "model": "toy/identity.pt", "protocol": "tcp"},
                      {"name": "d", "model": "toy/double.pt"}],
           "tasks": [{"id": "t", "path": ["a", "d"]}]}
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"{what} did not happen within {timeout:.0f}s")
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def mode(path: str) -> int:
