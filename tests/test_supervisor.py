@@ -214,10 +214,10 @@ def test_requests_of_a_killed_block_are_answered_at_once(server_factory, slow_re
     deadline = 8.0
     with Client(srv.dispatcher, timeout=deadline) as c:
         inside = c.submit("t", x)
-        # The request reaches s within milliseconds and stays about 2 s: whether it is in s's
-        # queue or in its model when s dies, it is s's to answer. (Not a wait for a condition:
-        # a kill before the request left the dispatcher would test something else.)
-        time.sleep(0.5)
+        # kill s while the request is inside its model (the ping's busy_s says so), however
+        # slow the machine: a kill before the request arrived would test something else
+        wait_for(lambda: (srv.call("GET", "/blocks/s/ping").get("busy_s") or 0) > 0, 20,
+                 "the request reaching the model of s", interval=0.01)
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(BlockFlowError) as e:
