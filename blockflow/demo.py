@@ -25,15 +25,24 @@ def start_server(repo: str, state_dir: str, extra: list[str] | None = None, time
     cmd = [sys.executable, "-m", "blockflow.cli", "serve", "--port", "0", "--dispatcher-port", "0",
            "--repo", repo, "--state-dir", state_dir, "--ready-file", ready, "--quiet", *(extra or [])]
     proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc, wait_ready_file(proc, ready, timeout)
+    except TimeoutError:
+        proc.kill()
+        raise
+
+
+def wait_ready_file(proc: subprocess.Popen, ready: str, timeout: float) -> dict:
+    """The contents of ``blockflow serve``'s ready file once it is written. RuntimeError when the
+    process exits first, TimeoutError after ``timeout`` s (the caller decides what to kill)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if os.path.exists(ready):
             with open(ready) as f:
-                return proc, json.load(f)
+                return json.load(f)
         if proc.poll() is not None:
             raise RuntimeError(f"blockflow serve exited with code {proc.returncode} before it was ready")
         time.sleep(0.05)
-    proc.kill()
     raise TimeoutError(f"blockflow serve was not ready within {timeout:.0f}s")
 
 

@@ -154,12 +154,13 @@ def kill_tree(pid: int) -> None:
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
     """Poll ``predicate`` until it returns something true (returned) or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
+    last = None
     while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
+        last = predicate()
+        if last:
+            return last
         time.sleep(interval)
-    raise AssertionError(f"{what} did not happen within {timeout:.0f}s")
+    raise AssertionError(f"{what} did not happen within {timeout:.0f}s (last: {last!r})")
 
 
 def gone(pid: int) -> bool:

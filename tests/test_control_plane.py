@@ -21,6 +21,7 @@ import torch
 
 from blockflow.client import BlockFlowError, Client
 from blockflow.restclient import RestError
+from conftest import wait_for
 
 #: Error codes a request may legitimately end with when a change caught it in flight.
 ALLOWED_CODES = {"unknown_task", "block_failed", "unavailable", "shutdown"}
@@ -47,15 +48,6 @@ def rest_error(server, method, path, body=None, **kw) -> RestError:
     return err
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"{what} did not happen within {timeout:.0f}s (last: {last!r})")
 
 
 def block_of(system: dict, name: str) -> dict | None:

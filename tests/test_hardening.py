@@ -28,6 +28,7 @@ from blockflow.client import BlockFlowError, Client
 from blockflow.manager.state import OWNER_SUFFIX, StateDir, UnsafePath, process_record
 from blockflow.restclient import RestError
 
+from blockflow.demo import wait_ready_file
 from conftest import gone, kill_tree, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,16 +288,13 @@ def start_detached(cmd: list[str], ready: str, log_path: str, timeout: float = 1
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, start_new_session=True, stdout=log, stderr=log,
                                 env=dict(os.environ, BLOCKFLOW_LOG="INFO"))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if os.path.exists(ready):
-            with open(ready) as f:
-                return proc, json.load(f)
-        if proc.poll() is not None:
-            raise RuntimeError(f"blockflow serve exited with {proc.returncode}: {open(log_path).read()[-2000:]}")
-        time.sleep(0.05)
-    kill_tree(proc.pid)
-    raise TimeoutError("blockflow serve was not ready")
+    try:
+        return proc, wait_ready_file(proc, ready, timeout)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}: {open(log_path).read()[-2000:]}") from None
+    except TimeoutError:
+        kill_tree(proc.pid)
+        raise
 
 
 def test_restarted_server_reapplies_the_last_update(identity_repo, short_tmp, leak_check):

@@ -29,6 +29,7 @@ from blockflow.manager.state import StateDir
 from blockflow.tensormq.shm import SlotMapper
 from blockflow.tensormq.wire import TensorDesc
 
+from blockflow.demo import wait_ready_file
 from conftest import gone, kill_tree, wait_for
 
 TOY = {"a": "toy/identity.pt", "d": "toy/double.pt"}
@@ -197,16 +198,11 @@ def start_detached(repo: str, state_dir: str, timeout: float = 120.0, extra: lis
     cmd = [sys.executable, "-m", "blockflow.cli", "serve", "--port", "0", "--dispatcher-port", "0",
            "--repo", repo, "--state-dir", state_dir, "--ready-file", ready, "--quiet", *(extra or [])]
     proc = subprocess.Popen(cmd, start_new_session=True, env=dict(os.environ, BLOCKFLOW_LOG="WARNING"))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if os.path.exists(ready):
-            with open(ready) as f:
-                return proc, json.load(f)
-        if proc.poll() is not None:
-            raise RuntimeError(f"blockflow serve exited with {proc.returncode} before it was ready")
-        time.sleep(0.05)
-    proc.kill()
-    raise TimeoutError("blockflow serve was not ready")
+    try:
+        return proc, wait_ready_file(proc, ready, timeout)
+    except TimeoutError:
+        proc.kill()
+        raise
 
 
 def tree(pid: int) -> list[int]:
