@@ -19,8 +19,9 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 	@echo "==> upgrading pip"
 	$(PY) -m pip install --upgrade --progress-bar on pip
 ifneq ($(CPU),)
-	@echo "==> installing PyTorch's CPU wheels from $(TORCH_CPU_INDEX)"
-	$(PY) -m pip install --progress-bar on -c constraints.txt --index-url $(TORCH_CPU_INDEX) torch torchvision
+	@echo "==> installing PyTorch's CPU wheels from $(TORCH_CPU_INDEX) (their dependencies come next, from the usual index)"
+	$(PY) -m pip install --progress-bar on --no-deps --index-url $(TORCH_CPU_INDEX) \
+		torch==$$(sed -n 's/^torch==//p' constraints.txt) torchvision==$$(sed -n 's/^torchvision==//p' constraints.txt)
 endif
 	@echo "==> installing blockflow and its test and bench extras (several GB with CUDA wheels: minutes)"
 	$(PY) -m pip install --progress-bar on -c constraints.txt -e '.[test,bench]'

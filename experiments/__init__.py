@@ -28,6 +28,7 @@ EXPERIMENTS = [
     "multi_gpu",         # Figs 4.15-4.16 (>= 2 GPUs only)
     "kserve_cost",       # the Open Inference Protocol against the ZeroMQ client
     "batching",          # dynamic batching at shared blocks (issue 15)
+    "validation_cost",   # hand-written checks vs pydantic/msgspec (issue 11)
 ]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
