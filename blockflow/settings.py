@@ -85,8 +85,11 @@ READY_TIMEOUT: float = _read("BLOCKFLOW_READY_TIMEOUT", 60.0, _seconds,
                              "time a new process has to load its model and announce READY", "60 s")
 PING_INTERVAL: float = _read("BLOCKFLOW_PING_INTERVAL", 0.25, _seconds,
                              "period of the controller's health pings", "0.25 s")
-HANG_TIMEOUT: float = _read("BLOCKFLOW_HANG_TIMEOUT", 0.9, _seconds,
-                            "silence after which a process is considered hung and killed", "0.9 s")
+# 3 s, not less: on a loaded 2-core machine a healthy dispatcher went 1.09 s without answering a
+# ping (blocks loading their models beside it) and was killed with a request in flight. A frozen
+# model does not need this timeout: the ping's busy_s catches it (max_inference_s).
+HANG_TIMEOUT: float = _read("BLOCKFLOW_HANG_TIMEOUT", 3.0, _seconds,
+                            "silence after which a process is considered hung and killed", "3 s")
 MAX_RESTARTS: int = _read("BLOCKFLOW_MAX_RESTARTS", 5, _positive_int,
                           "respawns of a crash-looping process before it is marked failed")
 RESTART_WINDOW: float = _read("BLOCKFLOW_RESTART_WINDOW", 10.0, _seconds,
