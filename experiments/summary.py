@@ -1,0 +1,312 @@
+"""The figures in the top-level README.md, generated from the committed results.
+
+    python -m experiments.summary [DIR]            # print every generated section
+    python -m experiments.summary --readme [DIR]   # rewrite them in README.md
+    python -m experiments.summary --check [DIR]    # exit 1 when README.md differs (tests/test_readme.py)
+
+README.md holds each generated section between ``<!-- summary:NAME -->`` and
+``<!-- /summary:NAME -->``. Every figure names the JSON file it comes from and that file's date, so
+nothing in the README is copied by hand; experiments/README.md is generated the same way by
+``experiments.report``. DIR defaults to ``experiments/results/x86_64-2cpu`` (the machine CI and
+the developers share); a missing file shows as "not run".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+README = os.path.join(ROOT, "README.md")
+DEFAULT_DIR = os.path.join(HERE, "results", "x86_64-2cpu")
+
+
+class Results:
+    def __init__(self, path: str):
+        self.path = path
+        self._cache: dict[str, dict | None] = {}
+
+    def __call__(self, name: str) -> dict | None:
+        if name not in self._cache:
+            p = os.path.join(self.path, f"{name}.json")
+            try:
+                with open(p) as f:
+                    self._cache[name] = json.load(f)
+            except (OSError, ValueError):
+                self._cache[name] = None
+        return self._cache[name]
+
+    def source(self, name: str) -> str:
+        """``name.json, <date>`` for a figure's provenance."""
+        d = self(name) or {}
+        when = d.get("created") or (d.get("env") or {}).get("time") or "undated"
+        commit = d.get("commit") or (d.get("env") or {}).get("git_commit")
+        return f"`{name}.json`, {when[:10]}" + (f", {commit[:7]}" if commit else "")
+
+
+def _ms(v, digits: int = 2) -> str:
+    return "–" if v is None else f"{v:.{digits}f} ms"
+
+
+def _x(v, digits: int = 2) -> str:
+    return "–" if v is None else f"{v:.{digits}f}x"
+
+
+def _met(ok) -> str:
+    return "–" if ok is None else ("met" if ok else "**not met**")
+
+
+def _table(head: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def _dur(seconds) -> str:
+    if seconds is None:
+        return "–"
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m} min {s} s" if m else f"{s} s"
+
+
+# -- rows of "Measured here" ---------------------------------------------------------------------
+def _hop_rows(r: Results) -> list[list]:
+    d = r("hop_overhead")
+    if d is None:
+        return [["hops (identity and copying blocks)", "not run", "", "`python -m experiments.hop_overhead`"]]
+    summ = d.get("summary") or {}
+    ident, copy = summ.get("identity") or {}, summ.get("copy") or {}
+    rows = []
+    if ident:
+        vals = " / ".join(f"batch {b}: {_ms(v.get('tensormq'))}" for b, v in sorted(ident.items(), key=lambda kv: int(kv[0])))
+        ok = all((v.get("tensormq") or 1e9) <= 0.10 for v in ident.values())
+        floor = summ.get("floor_ms")
+        rows.append(["TensorMQ identity hop, per hop, median" + (f" (raw pyzmq floor {_ms(floor, 3)})" if floor else ""),
+                     f"{vals} ({r.source('hop_overhead')})", f"≤ 0.10 ms: {_met(ok)}",
+                     "`python -m experiments.hop_overhead`"])
+    if copy:
+        vals = " / ".join(f"{mb}: {_x(v.get('ratio'))}" for mb, v in copy.items())
+        ok = all((v.get("ratio") or 9) <= 0.5 for v in copy.values())
+        rows.append(["copying hop (`x + 1`): TensorMQ transport cost / ZeroMQ's", vals, f"≤ 0.5x: {_met(ok)}",
+                     "same"])
+    return rows or [["hops", "the JSON has no summary (old format)", "", "`python -m experiments.hop_overhead`"]]
+
+
+def _fused_rows(r: Results) -> list[list]:
+    d = r("fused")
+    if d is None:
+        return [["fused blocks vs monolithic", "not run", "", "`python -m experiments.fused`"]]
+    rows = []
+    for label, s in d["series"].items():
+        rows.append([f"ResNet50 {label} / monolithic `full.pt` (p50, batch 1, 1 thread, interleaved)",
+                     f"{_x(s['ratio_p50'], 3)}: {s['rtt_ms']['p50']:.1f} vs {s['monolithic_interleaved_ms']['p50']:.1f} ms"
+                     f" ({r.source('fused')})", f"≤ {s['goal_ratio']:.2f}x: {_met(s['meets_goal'])}",
+                     "`python -m experiments.fused`"])
+    return rows
+
+
+def _batching_rows(r: Results) -> list[list]:
+    d = r("batching")
+    if d is None:
+        return [["dynamic batching", "not run", "", "`python -m experiments.batching`"]]
+    s = d["summary"]
+    g = s.get("goals", {})
+    return [["dynamic batching at shared blocks: saturation batched / unbatched",
+             f"{_x(s['saturation_gain'])} ({r.source('batching')})",
+             f"≥ {g.get('saturation_gain_cpu', 1.3)}x on a CPU: {_met(s['saturation_gain'] >= g.get('saturation_gain_cpu', 1.3))}",
+             "`python -m experiments.batching`"],
+            ["... p99 at half the unbatched saturation, `auto` / unbatched", _x(s.get("p99_ratio_at_half_load")),
+             f"≤ {g.get('p99_ratio_at_half_load', 1.1)}x: "
+             f"{_met((s.get('p99_ratio_at_half_load') or 9) <= g.get('p99_ratio_at_half_load', 1.1))}", "same"]]
+
+
+def _kserve_rows(r: Results) -> list[list]:
+    d = r("kserve_cost")
+    if d is None:
+        return []
+    k = d["rtt_ms"]
+    return [["KServe v2 (binary tensors) over the ZeroMQ client, p50 extra per request",
+             f"+{k['v2_binary']['extra_ms_p50']:.1f} ms on {k['zeromq']['p50']:.0f} ms ({r.source('kserve_cost')})",
+             "–", "`python -m experiments.kserve_cost`"]]
+
+
+def _validation_rows(r: Results) -> list[list]:
+    d = r("validation_cost")
+    if d is None:
+        return []
+    by = {row["library"]: row for row in d["rows"]}
+    hw = by.get("hand-written", {})
+    others = ", ".join(f"{lib} {row['header_us']:.1f} µs" for lib, row in by.items()
+                       if lib != "hand-written" and "header_us" in row)
+    return [["parse and check one wire header (hand-written)", f"{hw.get('header_us', 0):.1f} µs; {others} "
+             f"({r.source('validation_cost')})", "decision below", "`python -m experiments.validation_cost`"]]
+
+
+def _peers_rows(r: Results) -> list[list]:
+    d = r("peers")
+    if d is None or d.get("skipped"):
+        why = (d or {}).get("reason", "not run")
+        return [["BlockFlow vs Ray Serve (same blocks, same machine)", f"not measured: {why}", "ahead on every row",
+                 "`python -m experiments.peers`"]]
+    s = d.get("summary") or {}
+    ahead, total = s.get("blockflow_ahead"), s.get("rows")
+    return [["BlockFlow vs Ray Serve (same blocks, same machine)",
+             f"ahead on {ahead} of {total} rows ({r.source('peers')}; table in experiments/README.md)",
+             f"every row: {_met(ahead == total if total else None)}", "`python -m experiments.peers`"]]
+
+
+def _clock_rows(r: Results) -> list[list]:
+    rows = []
+    for name, what, goal, limit, cmd in (
+            ("clock_make_test", "`make test` from a fresh clone, install included", "< 15 min", 900, "make test"),
+            ("clock_make_demo", "`make demo` (export included, on an installed clone)", "< 2 min", 120, "make demo")):
+        d = r(name)
+        if d is None:
+            rows.append([what, "not run", goal, f"`python -m experiments.clock {name[6:]} --out DIR -- {cmd}`"])
+            continue
+        rows.append([what, f"{_dur(d['seconds'])}, exit {d['exit_code']} ({r.source(name)})",
+                     f"{goal}: {_met(d['seconds'] < limit and d['exit_code'] == 0)}",
+                     f"`python -m experiments.clock {name[6:]} --out DIR -- {cmd}`"])
+    return rows
+
+
+def measured_here(r: Results) -> str:
+    rows = (_clock_rows(r) + _hop_rows(r) + _fused_rows(r) + _batching_rows(r) + _peers_rows(r)
+            + _kserve_rows(r) + _validation_rows(r))
+    return _table(["what", "measured (source, date, commit)", "goal", "command"], rows)
+
+
+# -- the reliability tables -----------------------------------------------------------------------
+def chaos(r: Results) -> str:
+    d = r("chaos")
+    if d is None:
+        return "not run"
+    errs = ", ".join(f"{n} `{code}`" for code, n in sorted(d["errors"].items(), key=lambda kv: -kv[1]))
+    rec = d["recovery_s"]
+    s = d.get("settings") or {}
+    head = (f"{d['sent']} requests at {d['rate']:g} req/s for {d['duration_s']:.0f} s through two tasks sharing "
+            f"blocks, {len(d['faults'])} faults injected, seed {d['seed']}"
+            + (", shared blocks batched" if s.get("batching") or d.get("batching") else "")
+            + f" ({r.source('chaos')}):\n\n")
+    return head + _table(
+        ["sent", "ok", "error replies", "never answered", "duplicates", "wrong results", "recovery (fault to next ok)"],
+        [[d["sent"], d["ok"], f"{d['errors_total']} ({errs})" if errs else "0", d["never_answered"], d["duplicates"],
+          d["wrong"], f"median {rec['median']:.2f} s, max {rec['max']:.2f} s" if rec.get("max") is not None else "–"]])
+
+
+def fuzz(r: Results) -> str:
+    d = r("fuzz")
+    if d is None:
+        return "not run"
+    s = d["summary"]
+    return (f"{s['frames']:,} frames in {s['seconds']} s at a dispatcher and a 2-block pipeline ({r.source('fuzz')}): "
+            f"{s['crashes']} crashes; {s['dispatcher_replies']:,} of {s['dispatcher_frames']:,} dispatcher frames and "
+            f"{s['block_replies']:,} of {s['block_expected_replies']:,} block frames that name a requester answered; "
+            f"{s['correct_ok']} of {s['correct_requests']} correct requests interleaved with the garbage succeeded; "
+            f"RSS {s['rss_mb']['warm']} → {s['rss_mb']['end']} MB ({s['rss_growth_pct']:+.1f}%); "
+            f"left behind: {len(s['left_behind']['slots'])} slots, {len(s['left_behind']['sockets'])} sockets; "
+            f"pickle executed: {'yes' if s['pickle_executed'] else 'no'}.")
+
+
+def soak(r: Results) -> str:
+    d = r("soak")
+    if d is None:
+        return "not run"
+    c, g = d["counts"], d["growth"]
+    left = d.get("left_behind") or {}
+    nothing = not (left.get("processes") or left.get("sockets") or left.get("shm"))
+    head = (f"{d['duration_s'] / 60:.0f} minutes at {d['rate_rps']} req/s (80% of the measured saturation, "
+            f"{d['saturation_rps']} req/s, {d['settings'].get('model', '?')} in 5 blocks), a topology update every "
+            f"{d['settings'].get('update_every_s', '?'):g} s ({len(d.get('updates', []))} in all) ({r.source('soak')}):\n\n")
+    errors = sum((c.get("errors") or {}).values()) if isinstance(c.get("errors"), dict) else (c.get("errors") or 0)
+    return head + _table(
+        ["sent", "ok", "error replies", "unanswered", "RSS growth after warm-up", "shared-memory growth",
+         "left after shutdown"],
+        [[f"{c['sent']:,}", f"{c['ok']:,}", errors, d["unanswered"],
+          f"{g['rss_mb']['pct']:+.2f}% ({g['rss_mb']['after_warmup']:.0f} → {g['rss_mb']['end']:.0f} MB)",
+          f"{g['shm_mb']['pct']:+.1f}% ({g['shm_mb']['after_warmup']:.1f} → {g['shm_mb']['end']:.1f} MB)",
+          f"{'nothing' if nothing else 'something'} (exit {d.get('server_exit_code')})"]])
+
+
+def kserve(r: Results) -> str:
+    d = r("kserve_cost")
+    if d is None:
+        return "not run"
+    k, s = d["rtt_ms"], d.get("settings", {})
+    return (f"{s.get('model', 'resnet18')} in blocks, one 1x3x224x224 input, {s.get('n')} turns, medians after "
+            f"warm-up ({r.source('kserve_cost')}): ZeroMQ client {k['zeromq']['p50']:.1f} ms, **KServe v2 with "
+            f"binary tensors {k['v2_binary']['p50']:.1f} ms (+{k['v2_binary']['extra_ms_p50']:.1f} ms)**, KServe v2 "
+            f"with JSON tensors {k['v2_json']['p50']:.1f} ms (+{k['v2_json']['extra_ms_p50']:.0f} ms: the floats are "
+            f"written and parsed as text).")
+
+
+def formats(r: Results) -> str:
+    d = r("offline_blocks_formats") or r("offline_blocks")
+    if d is None:
+        return "not run"
+    name = "offline_blocks_formats" if r("offline_blocks_formats") else "offline_blocks"
+    rows = []
+    label = {"script": "TorchScript (script)", "trace": "TorchScript (trace)", "export": "torch.export (`.pt2`)"}
+    for m in ("script", "export"):
+        mine = [row for row in d["rows"] if row["method"] == m and row["block"] != "full"]
+        if not mine:
+            continue
+        loads = sorted(row["load_s"] for row in mine)
+        b4 = next((row for row in mine if row["block"] == "block4"), None)
+        rows.append([label[m], f"{loads[len(loads) // 2]:.2f} s",
+                     f"{b4['rss_load_delta_mb']:.0f} MB" if b4 else "–",
+                     _ms(d["offline_sum_ms"].get(m), 0), _ms(d["full_model_ms"].get(m), 0)])
+    return (f"ResNet50, one fresh interpreter per block, 1 thread ({r.source(name)}):\n\n"
+            + _table(["format", "load time per block, median", "RSS added by loading block4",
+                      "sum of block mean latencies", "full model mean"], rows))
+
+
+SECTIONS = {"measured-here": measured_here, "chaos": chaos, "fuzz": fuzz, "soak": soak, "kserve": kserve,
+            "formats": formats}
+
+
+def render(results_dir: str) -> dict[str, str]:
+    r = Results(results_dir)
+    return {name: fn(r) for name, fn in SECTIONS.items()}
+
+
+def rewrite(text: str, sections: dict[str, str]) -> str:
+    for name, body in sections.items():
+        pat = re.compile(rf"(<!-- summary:{re.escape(name)} -->\n).*?(\n<!-- /summary:{re.escape(name)} -->)", re.S)
+        if not pat.search(text):
+            raise SystemExit(f"README.md has no <!-- summary:{name} --> ... <!-- /summary:{name} --> markers")
+        text = pat.sub(lambda m: m.group(1) + body + m.group(2), text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.summary", description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", nargs="?", default=DEFAULT_DIR, help=f"results directory (default {DEFAULT_DIR})")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--readme", action="store_true", help="rewrite the generated sections of README.md")
+    mode.add_argument("--check", action="store_true", help="exit 1 when README.md is not what the results say")
+    args = ap.parse_args(argv)
+    sections = render(args.dir)
+    if not (args.check or args.readme):
+        for name, body in sections.items():
+            print(f"## {name}\n\n{body}\n")
+        return 0
+    with open(README) as f:
+        text = f.read()
+    new = rewrite(text, sections)
+    if args.check:
+        if new != text:
+            print("README.md's generated sections differ from the results; run: python -m experiments.summary --readme",
+                  file=sys.stderr)
+            return 1
+        return 0
+    with open(README, "w") as f:
+        f.write(new)
+    print(f"rewrote {len(sections)} sections of {README}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
