@@ -95,17 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     common.setup_logging(args.verbose)
     import torch
     torch.set_num_threads(1)
-    n = args.n or (12 if args.quick else 200)
+    n = args.n or (8 if args.quick else 200)
     out = common.results_dir(args.out)
     repo = common.ensure_repo(args.repo)
     full = torch.jit.load(os.path.join(repo, "resnet50", "full.pt")).eval()
     x = common.input_tensor()
     settings = {"n": n, "quick": args.quick, "threads": 1, "batch": 1, "transport": "tensormq",
                 "client": "1 synchronous client, each request followed by full.pt in the client process",
-                "series": {s: [[name, stems] for name, stems in blocks] for s, blocks in SERIES.items()}}
+                "series": {s: [[name, stems] for name, stems in blocks] for s, blocks in SERIES.items()
+                           if not args.quick or s == "two fused"}}
     result = {"experiment": "fused", "env": common.env_info(settings), "settings": settings, "series": {}}
+    # --quick (the smoke test) runs the two-fused deployment only: one update, a few requests
+    series = {"two fused": SERIES["two fused"]} if args.quick else SERIES
     with common.blockflow_server(repo) as server:
-        for label, blocks in SERIES.items():
+        for label, blocks in series.items():
             res = server.update(update_for(blocks))
             common.log.info("%s: update applied in %.2fs", label, res["seconds"])
             row = measure(server, full, x, n, args.quick)
