@@ -42,7 +42,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from blockflow.ratelog import RateLimitedLog
-from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP, identity
+from blockflow.protocol import DISPATCHER, ErrorCode, EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP, identity
 from blockflow.dispatcher.requestlog import RequestLog
 from blockflow.tensormq.shm import ShmExhausted
 from blockflow.tensormq.transport import RESULT_KEYS, Transport, decode_bytes, read_result_keys, receive_limit
@@ -356,6 +356,13 @@ class Dispatcher:
             return False
         except ShmExhausted as exc:  # this request fails; the others (and the dispatcher) go on
             self.answer(req, "error", code=exc.code, error=f"task {req.task}: {exc}")
+            return True
+        except OSError as exc:  # e.g. the slot directory was deleted under us: answer, never go silent
+            log.error("dispatcher: cannot place request %s in shared memory: %s", rid, exc)
+            self.answer(req, "error", code=ErrorCode.UNAVAILABLE.value,
+                        error=f"task {req.task}: the dispatcher cannot write its shared-memory slot "
+                              f"({exc.strerror}: {exc.filename}); was {self.spec.shm_dir} removed? "
+                              "restart `blockflow serve`")
             return True
         header = {"v": 1, "t": "data", "rid": rid, "task": req.task,
                   "path": [list(h) for h in path[1:]] + [[RETURN_HOP, ret]], "x": x, "hops": []}

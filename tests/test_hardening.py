@@ -447,3 +447,20 @@ def test_update_with_a_file_outside_the_repository(server_factory, linked_repo):
     srv.call("POST", "/system/update", body, timeout=60)
     with Client(srv.dispatcher, timeout=20) as c:
         assert torch.equal(c.infer("t", torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_a_request_the_dispatcher_cannot_place_is_answered(server_factory, identity_repo):
+    # Found by killing the dispatcher while another job deleted /dev/shm/blockflow-* (what a
+    # careless cleanup script does): the new dispatcher could not create its slot file, logged the
+    # exception and never answered, so the client waited for its whole deadline.
+    srv = server_factory(identity_repo)
+    srv.call("POST", "/system/update", IPC, timeout=60)
+    shm_dir = srv.call("GET", "/system")["shm"]["dir"]
+    shutil.rmtree(shm_dir)  # before the first request: no slot exists yet
+    t0 = time.monotonic()
+    with Client(srv.dispatcher, timeout=30) as c:
+        with pytest.raises(BlockFlowError) as e:
+            c.infer("t", torch.ones(1024))
+    assert time.monotonic() - t0 < 10, "answered at once, not at the client's deadline"
+    assert e.value.code == "unavailable" and shm_dir in str(e.value), (e.value.code, str(e.value))
+    os.makedirs(shm_dir, mode=0o700)  # so the server's own clean-up finds what it expects
