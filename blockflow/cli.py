@@ -362,8 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experiment name or 'all': " + ", ".join(EXPERIMENT_NAMES))
     b.add_argument("--checkout", help="repository checkout holding experiments/ (default: the current directory)")
     b.add_argument("--quick", action="store_true", help="short settings for a smoke run")
-    b.add_argument("--out", help="results directory (default experiments/results/<machine>, where the "
-                                 "committed results live; give another one for smoke runs)")
+    b.add_argument("--out", help="results directory (default: the git-ignored scratch directory "
+                                 "experiments/results/_runs/<machine>); committing results is explicit: "
+                                 "--out experiments/results/<machine>")
     b.set_defaults(fn=_bench)
 
     bl = sub.add_parser("block", help="run one block process by hand (the manager normally does)")

@@ -11,7 +11,6 @@ model; must be 0), and the time from each fault to the first ok reply after it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -209,20 +208,17 @@ def main(argv=None) -> int:
     ap.add_argument("--fault-every", type=float, default=4.0, help="mean seconds between faults")
     ap.add_argument("--repo", default="model_repo")
     ap.add_argument("--quick", action="store_true", help="20 s instead of the default")
-    ap.add_argument("--out", help="results directory")
+    ap.add_argument("--out", help="results directory (default: the git-ignored experiments/results/_runs/<machine>; "
+                                  "committing results is explicit: --out experiments/results/<machine>)")
     args = ap.parse_args(argv)
     if not os.path.exists(os.path.join(args.repo, MODEL, "block4-x.pt")):
         from blockflow.blocks.repository import export_model
         export_model(MODEL, args.repo, blocks=4, variants={"x": ["block4", "head"]})
     report = run_chaos(args.repo, 20.0 if args.quick else args.duration, args.rate, args.seed, args.fault_every)
-    try:
-        from experiments.common import results_dir
-        out = args.out or results_dir()
-    except ImportError:
-        out = args.out or os.path.join(os.path.dirname(__file__), "results", "local")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "chaos.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    from experiments.common import env_info, write_json
+    settings = {"duration_s": 20.0 if args.quick else args.duration, "rate": args.rate, "seed": args.seed,
+                "fault_every_s": args.fault_every, "quick": args.quick, "model": MODEL}
+    write_json(args.out, "chaos", {"env": env_info(settings), "settings": settings, **report})
     bad = report["never_answered"] or report["duplicates"] or report["wrong"]
     return 1 if bad else 0
 
