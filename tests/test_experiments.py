@@ -10,14 +10,18 @@ process or a shared-memory directory behind.
 from __future__ import annotations
 
 import csv
+import glob
 import gzip
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+
+from experiments import EXPERIMENTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -170,3 +174,57 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
     table = section(out, "pipeline_latency")
     p50 = s["transports"]["tensormq"]["rtt_ms"]["p50"]
     assert f"| tensormq pipeline, 5 blocks | {p50:,.2f} |" in table and "| 16.04 |" in table, table
+
+
+#: The code a result measures: a committed result older than the last change here is stale.
+MEASURED_DIRS = ("tensormq", "blocks", "dispatcher")
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=30)
+
+
+def _stale_reason(path: str, data: dict) -> str | None:
+    """Why the committed result ``path`` does not measure the code at HEAD, or None when it does."""
+    commit = data.get("commit")
+    if not commit:
+        return "records no commit"
+    if _git("merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
+        return f"was made at {commit[:10]}, which is not HEAD nor an ancestor of it"
+    changed = _git("log", "--format=%h %s", f"{commit}..HEAD", "--", *MEASURED_DIRS).stdout.splitlines()
+    if changed:
+        return (f"was made at {commit[:10]}; {len(changed)} later commit(s) changed {'/'.join(MEASURED_DIRS)}, "
+                f"the latest: {changed[0][:100]}")
+    dirty = [f for f in data.get("dirty") or [] if f.split("/", 1)[0] in MEASURED_DIRS]
+    if dirty:
+        return f"was made with uncommitted changes to {', '.join(dirty)}"
+    return None
+
+
+def test_committed_results_measure_the_current_code():
+    """Every committed JSON under experiments/results/<machine>/ was made by the code at HEAD: its
+    commit is HEAD or an ancestor, and nothing under tensormq/, blocks/ or dispatcher/ changed since."""
+    if not os.path.isdir(os.path.join(ROOT, ".git")) and not os.path.isfile(os.path.join(ROOT, ".git")):
+        pytest.skip("no .git here (an sdist?): the commits of the results cannot be checked")
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed: the commits of the results cannot be checked")
+    listed = _git("ls-files", "--", "experiments/results").stdout.splitlines()
+    paths = sorted(p for p in listed if p.endswith(".json") and p.count("/") == 3
+                   and not p.split("/")[2].startswith("_"))
+    assert paths, "no committed results under experiments/results/<machine>/"
+    stale = []
+    for rel in paths:
+        with open(os.path.join(ROOT, rel)) as f:
+            data = json.load(f)
+        reason = _stale_reason(rel, data)
+        if reason:
+            machine, name = rel.split("/")[2], data.get("experiment") or os.path.basename(rel)[:-5]
+            out = f"experiments/results/{machine}"
+            again = (f"blockflow bench {name} --out {out}" if name in EXPERIMENTS
+                     else f"python -m experiments.{name} --out {out}")
+            if os.path.basename(rel)[:-5] != name:
+                again += f" (it wrote {name}.json; {rel} is no experiment's output: regenerate or delete it)"
+            stale.append(f"{rel} {reason}; regenerate it with: {again}")
+    assert not stale, ("committed results older than the code they measure (rerun everything at the final commit "
+                       "with `blockflow bench all --out experiments/results/<machine>` and commit them):\n  "
+                       + "\n  ".join(stale))
