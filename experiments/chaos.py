@@ -55,8 +55,8 @@ def topology_body(i: int) -> tuple[str, dict]:
 
 def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 1, fault_every: float = 4.0,
               timeout: float = 20.0, log=print) -> dict:
-    from blockflow.client import BlockFlowError, Client
     from blockflow.demo import start_server, stop_server
+    from blockflow.loadgen import DEADLINE, UNANSWERED, generate_load
     from blockflow.restclient import RestError, call
     from blockflow.blocks.repository import load_block
 
@@ -77,48 +77,19 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
     state_dir = tempfile.mkdtemp(prefix="bf-chaos-")
     proc, info = start_server(repo, state_dir)
     url = info["rest"]
-    counts = {"sent": 0, "ok": 0, "wrong": 0, "errors": {}, "never_answered": 0, "deadline_expired": 0}
     faults: list[dict] = []
-    ok_times: list[float] = []
-    lock = threading.Lock()
-    futures = []
     try:
         call("POST", f"{url}/system/update", topology_body(0)[1])
-        client = Client(info["dispatcher"], timeout=timeout)
         t_start = time.monotonic()
         stop_at = t_start + duration
 
-        def on_done(fut, task, k):
-            now = time.monotonic()
-            with lock:
-                exc = fut.exception()
-                if exc is None:
-                    counts["ok"] += 1
-                    ok_times.append(now)
-                    if not torch.allclose(fut.result(), expected[task][k], atol=1e-4, rtol=1e-4):
-                        counts["wrong"] += 1
-                elif isinstance(exc, TimeoutError):
-                    # the client's deadline passed without any reply: counted as never answered
-                    counts["deadline_expired"] += 1
-                else:
-                    code = exc.code if isinstance(exc, BlockFlowError) else type(exc).__name__
-                    counts["errors"][code] = counts["errors"].get(code, 0) + 1
+        def pick(rng_load, n):
+            return ("classify" if rng_load.random() < 0.5 else "special"), rng_load.randrange(len(inputs))
 
-        def load():
-            next_t = time.monotonic()
-            while time.monotonic() < stop_at:
-                next_t += rng_load.expovariate(rate)
-                time.sleep(max(0.0, next_t - time.monotonic()))
-                task = "classify" if rng_load.random() < 0.5 else "special"
-                k = rng_load.randrange(len(inputs))
-                fut = client.submit(task, inputs[k])
-                with lock:
-                    counts["sent"] += 1
-                    futures.append(fut)
-                fut.add_done_callback(lambda f, t=task, k=k: on_done(f, t, k))
-
-        rng_load = random.Random(seed + 1)
-        loader = threading.Thread(target=load, daemon=True)
+        runs = []  # Poisson load through both tasks (blockflow.loadgen); replies are checked after the run
+        loader = threading.Thread(target=lambda: runs.append(generate_load(
+            info["dispatcher"], ["classify", "special"], inputs=inputs, rate=rate, duration=duration, seed=seed + 1,
+            timeout=timeout, drain=timeout + 5, choose=pick, keep_results=True)), name="chaos-load", daemon=True)
         loader.start()
         stopped: list[tuple[int, float]] = []
         topo = 0
@@ -166,18 +137,25 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        loader.join()
-        deadline = time.monotonic() + timeout + 5
-        for f in list(futures):
-            try:
-                f.exception(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                pass
-        with lock:
-            counts["never_answered"] = sum(1 for f in futures if not f.done()) + counts["deadline_expired"]
-        counts["duplicates"] = client.stats["duplicates"]
-        counts["late_replies"] = client.stats["late"]
-        client.close()
+        loader.join(duration + timeout + 60)
+        if not runs:
+            raise RuntimeError("the chaos run's load generator stopped without a result (its traceback is above)")
+        run = runs[0]
+        counts = {"sent": len(run.records), "ok": 0, "wrong": 0, "errors": {}, "never_answered": 0,
+                  "deadline_expired": 0, "duplicates": run.duplicates, "late_replies": run.late}
+        ok_times = []
+        for r in run.records:
+            if r.ok:
+                counts["ok"] += 1
+                ok_times.append(run.t0 + r.done)
+                if not torch.allclose(r.result, expected[r.task][r.input], atol=1e-4, rtol=1e-4):
+                    counts["wrong"] += 1
+            elif r.status in (DEADLINE, UNANSWERED):
+                # the client's deadline passed without any reply: counted as never answered
+                counts["never_answered"] += 1
+                counts["deadline_expired"] += r.status == DEADLINE
+            else:
+                counts["errors"][r.status] = counts["errors"].get(r.status, 0) + 1
         for f in faults:
             after = [t for t in ok_times if t > f["_t"]]
             f["recovery_s"] = (min(after) - f["_t"]) if after else None

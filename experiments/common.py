@@ -297,6 +297,11 @@ class Progress:
             sys.stderr.write(f"{self.label}: {self.n}/{self.total} ({time.monotonic() - self.t0:.1f}s)\n")
             sys.stderr.flush()
 
+    def to(self, n: float) -> None:
+        """Move to ``n`` (e.g. the seconds elapsed), never backwards."""
+        if int(n) > self.n:
+            self.update(int(n) - self.n)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

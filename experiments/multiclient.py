@@ -20,8 +20,6 @@ from __future__ import annotations
 import logging
 import statistics
 import sys
-import threading
-import time
 
 import torch
 
@@ -38,43 +36,16 @@ THESIS = {"tensormq_1_to_4_clients_ms": 18.0, "zeromq_1_client_ms": 45.0, "zerom
 
 def run_clients(address: str, k: int, duration: float, x: torch.Tensor,
                 timeout: float = 120.0) -> tuple[list[list[tuple]], float]:
-    """``k`` synchronous clients for ``duration`` seconds; per client a list of (t_sent, rtt_ms, ok)."""
-    from blockflow.client import BlockFlowError, Client
-    records: list[list[tuple]] = [[] for _ in range(k)]
-    start = threading.Barrier(k + 1)
-    stop_at = [0.0]
-
-    def client(cid: int):
-        with Client(address, timeout=timeout) as c:
-            c.ping()
-            start.wait()
-            while time.monotonic() < stop_at[0]:
-                t0 = time.monotonic()
-                try:
-                    c.infer(common.TASK, x, timeout=timeout)
-                    ok = True
-                except (BlockFlowError, TimeoutError) as exc:
-                    log.warning("client %d: %s", cid, exc)
-                    ok = False
-                records[cid].append((t0, (time.monotonic() - t0) * 1e3, ok))
-
-    threads = [threading.Thread(target=client, args=(i,), name=f"client-{i}", daemon=True) for i in range(k)]
-    for t in threads:
-        t.start()
-    t_start = time.monotonic()
-    stop_at[0] = t_start + duration
-    start.wait()
+    """``k`` synchronous clients for ``duration`` seconds (blockflow.loadgen), each waiting for its
+    last reply; per client a list of (t_sent in s from the start, rtt_ms or None, ok)."""
+    from blockflow.loadgen import generate_load
     with common.Progress(int(duration), f"{k} client(s)") as bar:
-        shown = 0
-        while any(t.is_alive() for t in threads):
-            time.sleep(0.2)
-            now = min(int(time.monotonic() - t_start), int(duration))
-            if now > shown:
-                bar.update(now - shown)
-                shown = now
-    for t in threads:
-        t.join()
-    return records, time.monotonic() - t_start
+        run = generate_load(address, common.TASK, inputs=x, clients=k, duration=duration, timeout=timeout,
+                            drain=timeout, progress=bar.to)
+    for status, n in run.statuses().items():
+        if status != "ok":
+            log.warning("%d client(s): %d request(s) %s", k, n, status)
+    return [[(r.sent, r.rtt_ms, r.ok) for r in rs] for rs in run.by_client()], run.elapsed_s
 
 
 def summarise(records: list[list[tuple]], elapsed: float, quick: bool) -> dict:
@@ -146,8 +117,8 @@ def main(argv=None) -> int:
                 records, elapsed = run_clients(server.dispatcher, k, duration, x, 30.0 if args.quick else 120.0)
                 row = {"transport": t, **summarise(records, elapsed, args.quick)}
                 rows.append(row)
-                t0 = min((r[0] for rs in records for r in rs), default=0.0)
-                csv_rows += [[t, k, cid, r[0] - t0, r[1], int(r[2])] for cid, rs in enumerate(records) for r in rs]
+                csv_rows += [[t, k, cid, r[0], "" if r[1] is None else r[1], int(r[2])]
+                             for cid, rs in enumerate(records) for r in rs]
                 log.info("%s, %d client(s): mean RTT per client %.1f ms, %.2f req/s", t, k,
                          row["mean_rtt_per_client_ms"] or float("nan"), row["throughput_rps"])
     common.write_json(args.out, NAME, {"env": env, "settings": settings, "rows": rows, "thesis_gv100": THESIS})

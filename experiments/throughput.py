@@ -26,9 +26,7 @@ gives no length). --quick: rates 5, 15, 40 for 4 s each.
 from __future__ import annotations
 
 import logging
-import random
 import sys
-import threading
 import time
 
 import torch
@@ -49,58 +47,16 @@ THESIS = {"zeromq_saturation_rps": 160.0, "tensormq_saturation_rps": 217.0}
 
 def poisson_run(address: str, x: torch.Tensor, rate: float, duration: float, seed: int, label: str,
                 drain_timeout: float = 300.0, tasks: list[str] | None = None) -> tuple[list[dict], float]:
-    """Send for ``duration`` s at ``rate``/s (Poisson), then wait for the replies; one dict per request.
-    With several ``tasks``, requests take them in turn."""
-    tasks = tasks or [common.TASK]
-    from blockflow.client import BlockFlowError, Client
-    rng = random.Random(seed)
-    recs: list[dict] = []
-    lock = threading.Lock()
-    with Client(address, timeout=drain_timeout) as c:
-        c.ping()
-        t_start = time.monotonic()
-        next_t = t_start + rng.expovariate(rate)
-        futures = []
-        with common.Progress(int(duration), label) as bar:
-            shown = 0
-            while True:
-                now = time.monotonic()
-                if now - t_start >= duration:
-                    break
-                if now >= next_t:
-                    rec = {"sent": now - t_start, "task": tasks[len(recs) % len(tasks)]}
-                    fut = c.submit(rec["task"], x)
-
-                    def done(f, rec=rec):
-                        t = time.monotonic() - t_start
-                        exc = f.exception()
-                        with lock:
-                            rec["done"] = t
-                            rec["status"] = "ok" if exc is None else (
-                                exc.code if isinstance(exc, BlockFlowError) else type(exc).__name__)
-                    fut.add_done_callback(done)
-                    futures.append(fut)
-                    recs.append(rec)
-                    next_t += rng.expovariate(rate)
-                else:
-                    time.sleep(min(next_t - now, 0.005))
-                elapsed = min(int(now - t_start), int(duration))
-                if elapsed > shown:
-                    bar.update(elapsed - shown)
-                    shown = elapsed
-        deadline = time.monotonic() + drain_timeout
-        for f in futures:
-            try:
-                f.exception(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                pass
-        drain = time.monotonic() - t_start - duration
-    with lock:
-        for r in recs:
-            r.setdefault("status", "unanswered")
-            if "done" in r:
-                r["rtt"] = (r["done"] - r["sent"]) * 1e3
-    return recs, drain
+    """Send for ``duration`` s at ``rate``/s (Poisson, blockflow.loadgen), then wait for the replies;
+    one dict per request (sent/done in s from the start, rtt in ms, status, task). With several
+    ``tasks``, requests take them in turn."""
+    from blockflow.loadgen import generate_load
+    with common.Progress(int(duration), label) as bar:
+        run = generate_load(address, tasks or [common.TASK], inputs=x, rate=rate, duration=duration, seed=seed,
+                            timeout=drain_timeout, drain=drain_timeout, progress=bar.to)
+    recs = [{"sent": r.sent, "task": r.task, "status": r.status,
+             **({"done": r.done, "rtt": r.rtt_ms} if r.done is not None else {})} for r in run.records]
+    return recs, run.drain_s
 
 
 def measure_rate(server, watch: dict, x, rate: float, duration: float, quick: bool, seed: int, label: str,
