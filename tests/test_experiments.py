@@ -1,11 +1,16 @@
-"""The experiment scripts, run for real in their smallest settings (about 45 s on 2 cores).
+"""The experiment scripts, run for real in their smallest settings, and the committed results.
 
-Each script runs as ``python -m experiments.NAME --quick --n K --out TMP`` in its own interpreter,
-exactly as ``blockflow bench`` runs it, with real processes, sockets and ResNet50 blocks; the
-tests then read what it wrote and check the content: the expected blocks/transports/kinds are
-there, latencies are positive and finite, warm-up samples were dropped, the machine and settings
-were recorded, the plots are real PNG files. ``leak_check`` fails a test that leaves a child
-process or a shared-memory directory behind.
+Each script runs as ``python -m experiments.NAME --quick [tiny settings] --out TMP`` in its own
+interpreter, exactly as ``blockflow bench`` runs it, with real processes, sockets and ResNet50
+blocks. Three have a detailed test (offline_blocks, rtt, pipeline_latency: the expected
+blocks/transports/kinds are there, latencies are positive and finite, warm-up samples were
+dropped, the plots are real PNG files); every other one in ``experiments.EXPERIMENTS`` gets a
+smoke test: exit 0, a JSON with the code's provenance, and the keys experiments/report.py reads
+(or ``skipped`` with a reason where it needs a GPU or an optional extra). ``leak_check`` fails a
+test that leaves a child process or a shared-memory directory behind.
+
+test_committed_results_measure_the_current_code checks that every committed result under
+experiments/results/<machine>/ was made by the code at HEAD.
 """
 from __future__ import annotations
 
@@ -176,6 +181,60 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
     assert f"| tensormq pipeline, 5 blocks | {p50:,.2f} |" in table and "| 16.04 |" in table, table
 
 
+#: Experiments with a detailed test (above, or in the file named) run for real; every other one
+#: in EXPERIMENTS gets test_smoke.
+DETAILED = {"offline_blocks": "test_offline_blocks", "rtt": "test_rtt", "pipeline_latency": "test_pipeline_latency",
+            "chaos": "tests/test_chaos.py", "fuzz": "tests/test_fuzz.py", "soak": "tests/test_soak.py"}
+#: The smallest settings that still exercise each script's whole path (--quick is added); an
+#: experiment not named here (one added later) runs with --quick alone.
+SMOKE_ARGS = {
+    "hop_overhead": ["--n", "5", "--stages", "block1", "--blocks", "identity", "--transports", "tensormq"],
+    "batch_scaling": ["--batches", "1", "--transports", "tensormq"],
+    "multiclient": ["--clients", "2", "--duration", "1", "--transports", "tensormq"],
+    "throughput": ["--rates", "4", "--duration", "1", "--transports", "tensormq"],
+    "utilization": ["--duration", "1", "--transports", "tensormq"],
+    "memory_model": ["--models", "resnet50", "--n", "1"],
+    "kserve_cost": ["--n", "3"],
+    "batching": ["--rates", "4", "--duration", "1", "--max-batch", "2"],
+}
+PROVENANCE = ("commit", "commit_date", "dirty", "created", "command")
+
+
+def test_every_detailed_experiment_is_listed():
+    assert set(DETAILED) <= set(EXPERIMENTS), set(DETAILED) - set(EXPERIMENTS)
+    assert set(SMOKE_ARGS) <= set(EXPERIMENTS), set(SMOKE_ARGS) - set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", [n for n in EXPERIMENTS if n not in DETAILED])
+def test_smoke(name, tmp_path, resnet_repo, leak_check):
+    """``python -m experiments.NAME --quick`` exits 0 and writes a JSON that records its code and
+    that experiments/report.py can read (or says why it was skipped here)."""
+    out = str(tmp_path)
+    run_experiment(name, out, *SMOKE_ARGS.get(name, []))
+    data = load(out, name)
+    for key in PROVENANCE:
+        assert key in data, f"{name}.json lacks {key!r}"
+    assert data["command"].startswith(f"python -m experiments.{name} --quick") and isinstance(data["dirty"], list)
+    assert "machine" in data["env"] and isinstance(data.get("settings"), dict), f"{name}.json lacks env/settings"
+    if data.get("skipped"):
+        assert data.get("reason"), f"{name}.json says skipped but gives no reason"
+        return
+    from experiments.report import SECTIONS, section
+    if name in dict(SECTIONS):
+        text = section(out, name)  # raises KeyError when a key the report reads is missing
+        assert "not run" not in text and "|" in text, text
+
+
+def test_a_run_without_out_writes_to_the_ignored_scratch_directory():
+    from experiments import common
+    path = common.results_dir(None)
+    assert path == os.path.join(common.RESULTS_ROOT, "_runs", common.machine_label())
+    if os.path.exists(os.path.join(ROOT, ".git")) and shutil.which("git"):
+        probe = os.path.relpath(os.path.join(path, "rtt.json"), ROOT)
+        assert subprocess.run(["git", "-C", ROOT, "check-ignore", "-q", probe]).returncode == 0, \
+            f"{probe} is not ignored by git: a run without --out could be committed by mistake"
+
+
 #: The code a result measures: a committed result older than the last change here is stale.
 MEASURED_DIRS = ("tensormq", "blocks", "dispatcher")
 
@@ -220,8 +279,12 @@ def test_committed_results_measure_the_current_code():
         if reason:
             machine, name = rel.split("/")[2], data.get("experiment") or os.path.basename(rel)[:-5]
             out = f"experiments/results/{machine}"
-            again = (f"blockflow bench {name} --out {out}" if name in EXPERIMENTS
-                     else f"python -m experiments.{name} --out {out}")
+            if name == "bench_all":
+                again = f"blockflow bench all --out {out}"
+            elif name in EXPERIMENTS:
+                again = f"blockflow bench {name} --out {out}"
+            else:
+                again = f"python -m experiments.{name} --out {out}"
             if os.path.basename(rel)[:-5] != name:
                 again += f" (it wrote {name}.json; {rel} is no experiment's output: regenerate or delete it)"
             stale.append(f"{rel} {reason}; regenerate it with: {again}")
