@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "directory experiments/results/_runs/<machine>); to replace the committed "
                                   "results: --out experiments/results/<machine>")
     args = ap.parse_args(argv)
-    return run_all(args.name, quick=args.quick, args=["--out", args.out] if args.out else None)
+    return run_all(args.name, quick=args.quick, out=args.out)
 
 
 if __name__ == "__main__":
