@@ -19,7 +19,7 @@ offered rate whose delivered throughput is still at least 90 % of the rate actua
 On the GV100 the thesis saw ZeroMQ saturate near 160 tensors/s and TensorMQ near 217 tensors/s.
 Here a 2-core CPU saturates around 2 cores / (CPU time of one inference), about 20 req/s, so
 the default rates are 2..40 req/s on a CPU and 20..400 on a GPU; D = 60 s per rate (the thesis
-gives no length). --quick: rates 5, 15, 40 for 4 s each.
+gives no length). --quick (a smoke run): one rate, 6 req/s, for 2 s.
 
     python -m experiments.throughput [--quick] [--rates 2,4,...] [--duration S] [--threads T]
 """
@@ -39,7 +39,7 @@ log = logging.getLogger("experiments.throughput")
 NAME = "throughput"
 CPU_RATES = (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 25, 30, 40)
 GPU_RATES = tuple(range(20, 401, 20))
-QUICK_RATES = (5, 15, 40)
+QUICK_RATES = (6,)
 KNEE = 0.90
 #: Fig. 4.12 text (GV100): maximum delivered throughput, tensors/s.
 THESIS = {"zeromq_saturation_rps": 160.0, "tensormq_saturation_rps": 217.0}
@@ -138,14 +138,14 @@ def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
     ap.add_argument("--rates", type=lambda s: [float(v) for v in s.split(",") if v],
                     help="comma-separated offered rates in req/s (default: 2..40 on CPU, 20..400 on GPU)")
-    ap.add_argument("--duration", type=float, help="seconds per rate (default 60, --quick 4)")
+    ap.add_argument("--duration", type=float, help="seconds per rate (default 60, --quick 2)")
     common.add_pipeline_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
     device, transports = common.device_and_transports(args)
     rates = args.rates or list(QUICK_RATES if args.quick else (GPU_RATES if device.startswith("cuda") else CPU_RATES))
-    duration = args.duration or (4.0 if args.quick else 60.0)
+    duration = args.duration or (2.0 if args.quick else 60.0)
     repo = common.ensure_repo(args.repo)
     settings = {"rates": rates, "duration_s": duration, "transports": transports, "threads": args.threads,
                 "device": device, "batch": 1, "seed": args.seed, "quick": args.quick, "n": args.n,
