@@ -15,7 +15,6 @@ experiments/results/<machine>/ was made by the code at HEAD.
 from __future__ import annotations
 
 import csv
-import glob
 import gzip
 import json
 import math
@@ -195,7 +194,7 @@ SMOKE_ARGS = {
     "utilization": ["--duration", "1", "--transports", "tensormq"],
     "memory_model": ["--models", "resnet50", "--n", "1"],
     "kserve_cost": ["--n", "3"],
-    "batching": ["--rates", "4", "--duration", "1", "--max-batch", "2"],
+    "batching": ["--rates", "2", "--duration", "3", "--max-batch", "2"],
 }
 PROVENANCE = ("commit", "commit_date", "dirty", "created", "command")
 
@@ -291,3 +290,45 @@ def test_committed_results_measure_the_current_code():
     assert not stale, ("committed results older than the code they measure (rerun everything at the final commit "
                        "with `blockflow bench all --out experiments/results/<machine>` and commit them):\n  "
                        + "\n  ".join(stale))
+
+
+def test_the_load_generator_records_every_request(server_factory, identity_repo):
+    """blockflow.loadgen.generate_load, the loop every experiment uses: Poisson and synchronous
+    clients, per-request task and input choice, seeded schedules, one record per request."""
+    import random
+
+    import torch
+
+    from blockflow.loadgen import UNANSWERED, generate_load
+    srv = server_factory(identity_repo)
+    srv.call("POST", "/system/update", {
+        "blocks": [{"name": "a", "model": "toy/identity.pt"}, {"name": "d", "model": "toy/double.pt"}],
+        "tasks": [{"id": "t", "path": ["a", "d"]}, {"id": "u", "path": ["a"]}]}, timeout=60)
+    inputs = [torch.full((4,), float(k)) for k in range(3)]
+
+    def choose(rng: random.Random, n: int):
+        return ("t" if rng.random() < 0.5 else "u"), rng.randrange(len(inputs))
+
+    runs = [generate_load(srv.dispatcher, ["t", "u"], inputs=inputs, rate=40, duration=1.5, seed=3, timeout=10,
+                          drain=10, choose=choose, keep_results=True) for _ in range(2)]
+    for run in runs:
+        assert 20 <= len(run.records) <= 110, len(run.records)  # Poisson, 40/s for 1.5 s
+        assert run.statuses() == {"ok": len(run.records)} and run.duplicates == 0
+        for r in run.records:
+            assert 0 <= r.sent < 1.5 and r.done > r.sent and r.rtt_ms > 0
+            want = inputs[r.input] * (2 if r.task == "t" else 1)  # each reply is its own request's
+            assert torch.equal(r.result, want), (r.task, r.input, r.result)
+        assert {r.task for r in run.records} == {"t", "u"}
+    # the same seed draws the same tasks and inputs in the same order
+    assert [(r.task, r.input) for r in runs[0].records][:20] == [(r.task, r.input) for r in runs[1].records][:20]
+
+    # synchronous clients: each waits for its reply before the next request; errors keep their code
+    run = generate_load(srv.dispatcher, ["t", "nope"], inputs=inputs[0], clients=2, duration=1.0, timeout=10,
+                        drain=10)
+    assert [len(c) > 2 for c in run.by_client()] == [True, True]
+    for reqs in run.by_client():
+        assert all(a.done <= b.sent for a, b in zip(reqs, reqs[1:]))
+        assert {r.task for r in reqs} == {"t", "nope"}  # the tasks in turn
+    statuses = run.statuses()
+    assert set(statuses) == {"ok", "unknown_task"} and UNANSWERED not in statuses, statuses
+    assert all("nope" in r.message for r in run.records if r.status == "unknown_task")
