@@ -213,7 +213,7 @@ def _demo(args) -> int:
 #: The experiments are not installed with the product: they live in a checkout's experiments/.
 EXPERIMENT_NAMES = ["offline_blocks", "rtt", "pipeline_latency", "hop_overhead", "batch_scaling", "multiclient",
                     "throughput", "utilization", "energy", "memory_model", "multi_gpu", "kserve_cost", "batching",
-                    "validation_cost"]
+                    "fused", "validation_cost", "chaos", "fuzz", "soak"]
 
 
 def _experiments_dir(given: str | None) -> str | None:
@@ -363,8 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experiment name or 'all': " + ", ".join(EXPERIMENT_NAMES))
     b.add_argument("--checkout", help="repository checkout holding experiments/ (default: the current directory)")
     b.add_argument("--quick", action="store_true", help="short settings for a smoke run")
-    b.add_argument("--out", help="results directory (default experiments/results/<machine>, where the "
-                                 "committed results live; give another one for smoke runs)")
+    b.add_argument("--out", help="results directory (default: the git-ignored scratch directory "
+                                 "experiments/results/_runs/<machine>); committing results is explicit: "
+                                 "--out experiments/results/<machine>")
     b.set_defaults(fn=_bench)
 
     bl = sub.add_parser("block", help="run one block process by hand (the manager normally does)")

@@ -1,9 +1,15 @@
 """The thesis's chapter 4 experiments, one module each (``python -m experiments.NAME [--quick]``).
 
-``blockflow bench NAME|all [--quick]`` calls :func:`run_all`. Each experiment runs in its own
-interpreter (``python -m experiments.NAME``) so that torch thread settings, CherryPy engines and
-memory measurements of one cannot leak into the next. Results go to
-``experiments/results/<machine>/`` (see experiments/common.py and experiments/README.md).
+``blockflow bench NAME|all [--quick] [--out DIR]`` calls :func:`run_all`. Each experiment runs in
+its own interpreter (``python -m experiments.NAME``) so that torch thread settings, CherryPy
+engines and memory measurements of one cannot leak into the next. Without ``--out`` results go
+to the git-ignored ``experiments/results/_runs/<machine>/``; the committed results are replaced
+only by ``--out experiments/results/<machine>`` (see experiments/common.py and experiments/README.md).
+
+Without ``--quick`` on a machine without a GPU, an experiment runs with the settings of
+:data:`CPU_SETTINGS` (unless the command line gives its own), sized so that ``all`` finishes in
+about 30 minutes on a 2-core CPU; every setting used is recorded in the result's ``settings``.
+``all`` writes ``<out>/bench_all.json``: the commit and each experiment's exit code and seconds.
 """
 from __future__ import annotations
 
@@ -13,7 +19,8 @@ import subprocess
 import sys
 import time
 
-#: In the order ``all`` runs them (cheap and independent first, the memory model last but one).
+#: In the order ``all`` runs them (cheap and independent first, the memory model last but one,
+#: then the reliability runs whose numbers the top-level README quotes).
 EXPERIMENTS = [
     "offline_blocks",    # Table 4.2, Fig 4.2
     "rtt",               # Table 4.3
@@ -28,8 +35,35 @@ EXPERIMENTS = [
     "multi_gpu",         # Figs 4.15-4.16 (>= 2 GPUs only)
     "kserve_cost",       # the Open Inference Protocol against the ZeroMQ client
     "batching",          # dynamic batching at shared blocks (issue 15)
+    "fused",             # fused blocks vs the monolithic model (issue 11)
     "validation_cost",   # hand-written checks vs pydantic/msgspec (issue 11)
+    "chaos",             # faults under load (reliability)
+    "fuzz",              # garbage at the data plane (reliability)
+    "soak",              # steady load with topology updates (reliability)
 ]
+
+#: Settings of a full run on a CPU-only machine, sized (from single runs on the 2-core VM) so that
+#: ``all`` takes about 30 minutes there; the approximate minutes are in the comments. The thesis's
+#: own settings (1000 inferences, 120 s series, ...) would take hours on 2 cores. A GPU machine
+#: runs the scripts' defaults, which are the thesis's.
+CPU_SETTINGS = {
+    "offline_blocks": ["--n", "300"],                                         # 2
+    "rtt": ["--n", "3000"],                                                   # 1.5
+    "pipeline_latency": ["--duration", "20"],                                 # 2.5
+    "hop_overhead": ["--n", "100"],                                           # 3
+    "batch_scaling": ["--n", "12"],                                           # 3.5
+    "multiclient": ["--clients", "1,2,3,4,6,8,10", "--duration", "10"],       # 3
+    "throughput": ["--rates", "2,4,6,8,10,12,16,20", "--duration", "10"],     # 4
+    "utilization": ["--duration", "30"],                                      # 1.5
+    "memory_model": [],                                                       # 3
+    "kserve_cost": [],                                                        # 1
+    "fused": [],                                                              # 2.5
+    "validation_cost": [],                                                    # 0.2
+    "batching": ["--rates", "6,12,20", "--duration", "10"],                   # 2
+    "chaos": ["--duration", "60"],                                            # 1.5
+    "fuzz": [],                                                               # 0.5
+    "soak": ["--minutes", "2"],                                               # 2.5
+}
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,15 +72,31 @@ def available(name: str) -> bool:
     return importlib.util.find_spec(f"experiments.{name}") is not None
 
 
-def run_one(name: str, quick: bool, args: list[str] | None = None) -> int:
-    cmd = [sys.executable, "-m", f"experiments.{name}", *(["--quick"] if quick else []), *(args or [])]
+def _has_gpu() -> bool:
+    from experiments.common import gpu_names
+    return bool(gpu_names())
+
+
+def command(name: str, quick: bool, out: str | None = None, args: list[str] | None = None,
+            gpu: bool = False) -> list[str]:
+    """The command line that runs ``name``: sized settings for a full run on a CPU-only machine."""
+    sized = [] if quick or gpu else CPU_SETTINGS.get(name, [])
+    return [sys.executable, "-m", f"experiments.{name}", *(["--quick"] if quick else []), *sized,
+            *(["--out", out] if out else []), *(args or [])]
+
+
+def run_one(name: str, quick: bool, args: list[str] | None = None, out: str | None = None,
+            gpu: bool = False) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = command(name, quick, out, args, gpu)
+    print("$ " + " ".join(["python", *cmd[1:]]), file=sys.stderr, flush=True)
     return subprocess.call(cmd, cwd=ROOT, env=env)
 
 
-def run_all(name: str, quick: bool = False, args: list[str] | None = None) -> int:
-    """Run experiment ``name`` (or every one for ``all``); 0 when all of them succeeded."""
+def run_all(name: str, quick: bool = False, args: list[str] | None = None, out: str | None = None) -> int:
+    """Run experiment ``name`` (or every one for ``all``) into ``out``; 0 when all of them succeeded.
+    ``all`` also writes ``<out>/bench_all.json`` (exit code and seconds per experiment, the commit)."""
     if name == "all":
         names = list(EXPERIMENTS)
     elif name in EXPERIMENTS or (name and available(name)):
@@ -54,6 +104,7 @@ def run_all(name: str, quick: bool = False, args: list[str] | None = None) -> in
     else:
         print(f"unknown experiment {name!r}; choose 'all' or one of: {', '.join(EXPERIMENTS)}", file=sys.stderr)
         return 2
+    gpu = _has_gpu()
     results = []
     t_all = time.monotonic()
     for n in names:
@@ -63,7 +114,7 @@ def run_all(name: str, quick: bool = False, args: list[str] | None = None) -> in
             continue
         print(f"== {n}{' (quick)' if quick else ''}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        code = run_one(n, quick, args)
+        code = run_one(n, quick, args, out, gpu)
         results.append((n, code, time.monotonic() - t0))
     total = time.monotonic() - t_all
     if len(names) > 1:
@@ -71,8 +122,20 @@ def run_all(name: str, quick: bool = False, args: list[str] | None = None) -> in
         for n, code, secs in results:
             print(f"{n:18s} {code!s:>6s} {secs:9.1f}", file=sys.stderr)
         print(f"{'total':18s} {'':>6s} {total:9.1f}", file=sys.stderr)
+        write_summary(out, quick, gpu, results, total, args)
     failed = [n for n, code, _ in results if code not in (0, "missing")]
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def write_summary(out: str | None, quick: bool, gpu: bool, results: list[tuple], total: float,
+                  args: list[str] | None = None) -> str:
+    """``<out>/bench_all.json``: what ran, with which command, how it ended and how long it took."""
+    from experiments.common import write_json
+    return write_json(out, "bench_all", {
+        "quick": quick, "total_s": round(total, 1),
+        "experiments": [{"name": n, "exit_code": code, "seconds": round(secs, 1),
+                         "command": " ".join(["python", *command(n, quick, out, args, gpu)[1:]])}
+                        for n, code, secs in results]})

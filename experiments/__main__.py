@@ -12,9 +12,11 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Run one experiment or all of them: " + ", ".join(EXPERIMENTS))
     ap.add_argument("name", help="experiment name or 'all'")
     ap.add_argument("--quick", action="store_true", help="short settings for a smoke run")
-    ap.add_argument("--out", help="results directory (default experiments/results/<machine>)")
+    ap.add_argument("--out", help="results directory of every experiment (default: the git-ignored scratch "
+                                  "directory experiments/results/_runs/<machine>); to replace the committed "
+                                  "results: --out experiments/results/<machine>")
     args = ap.parse_args(argv)
-    return run_all(args.name, quick=args.quick, args=["--out", args.out] if args.out else None)
+    return run_all(args.name, quick=args.quick, out=args.out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ model; must be 0), and the time from each fault to the first ok reply after it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -56,8 +55,8 @@ def topology_body(i: int) -> tuple[str, dict]:
 
 def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 1, fault_every: float = 4.0,
               timeout: float = 20.0, log=print) -> dict:
-    from blockflow.client import BlockFlowError, Client
     from blockflow.demo import start_server, stop_server
+    from blockflow.loadgen import DEADLINE, UNANSWERED, generate_load
     from blockflow.restclient import RestError, call
     from blockflow.blocks.repository import load_block
 
@@ -78,48 +77,19 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
     state_dir = tempfile.mkdtemp(prefix="bf-chaos-")
     proc, info = start_server(repo, state_dir)
     url = info["rest"]
-    counts = {"sent": 0, "ok": 0, "wrong": 0, "errors": {}, "never_answered": 0, "deadline_expired": 0}
     faults: list[dict] = []
-    ok_times: list[float] = []
-    lock = threading.Lock()
-    futures = []
     try:
         call("POST", f"{url}/system/update", topology_body(0)[1])
-        client = Client(info["dispatcher"], timeout=timeout)
         t_start = time.monotonic()
         stop_at = t_start + duration
 
-        def on_done(fut, task, k):
-            now = time.monotonic()
-            with lock:
-                exc = fut.exception()
-                if exc is None:
-                    counts["ok"] += 1
-                    ok_times.append(now)
-                    if not torch.allclose(fut.result(), expected[task][k], atol=1e-4, rtol=1e-4):
-                        counts["wrong"] += 1
-                elif isinstance(exc, TimeoutError):
-                    # the client's deadline passed without any reply: counted as never answered
-                    counts["deadline_expired"] += 1
-                else:
-                    code = exc.code if isinstance(exc, BlockFlowError) else type(exc).__name__
-                    counts["errors"][code] = counts["errors"].get(code, 0) + 1
+        def pick(rng_load, n):
+            return ("classify" if rng_load.random() < 0.5 else "special"), rng_load.randrange(len(inputs))
 
-        def load():
-            next_t = time.monotonic()
-            while time.monotonic() < stop_at:
-                next_t += rng_load.expovariate(rate)
-                time.sleep(max(0.0, next_t - time.monotonic()))
-                task = "classify" if rng_load.random() < 0.5 else "special"
-                k = rng_load.randrange(len(inputs))
-                fut = client.submit(task, inputs[k])
-                with lock:
-                    counts["sent"] += 1
-                    futures.append(fut)
-                fut.add_done_callback(lambda f, t=task, k=k: on_done(f, t, k))
-
-        rng_load = random.Random(seed + 1)
-        loader = threading.Thread(target=load, daemon=True)
+        runs = []  # Poisson load through both tasks (blockflow.loadgen); replies are checked after the run
+        loader = threading.Thread(target=lambda: runs.append(generate_load(
+            info["dispatcher"], ["classify", "special"], inputs=inputs, rate=rate, duration=duration, seed=seed + 1,
+            timeout=timeout, drain=timeout + 5, choose=pick, keep_results=True)), name="chaos-load", daemon=True)
         loader.start()
         stopped: list[tuple[int, float]] = []
         topo = 0
@@ -167,18 +137,25 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        loader.join()
-        deadline = time.monotonic() + timeout + 5
-        for f in list(futures):
-            try:
-                f.exception(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                pass
-        with lock:
-            counts["never_answered"] = sum(1 for f in futures if not f.done()) + counts["deadline_expired"]
-        counts["duplicates"] = client.stats["duplicates"]
-        counts["late_replies"] = client.stats["late"]
-        client.close()
+        loader.join(duration + timeout + 60)
+        if not runs:
+            raise RuntimeError("the chaos run's load generator stopped without a result (its traceback is above)")
+        run = runs[0]
+        counts = {"sent": len(run.records), "ok": 0, "wrong": 0, "errors": {}, "never_answered": 0,
+                  "deadline_expired": 0, "duplicates": run.duplicates, "late_replies": run.late}
+        ok_times = []
+        for r in run.records:
+            if r.ok:
+                counts["ok"] += 1
+                ok_times.append(run.t0 + r.done)
+                if not torch.allclose(r.result, expected[r.task][r.input], atol=1e-4, rtol=1e-4):
+                    counts["wrong"] += 1
+            elif r.status in (DEADLINE, UNANSWERED):
+                # the client's deadline passed without any reply: counted as never answered
+                counts["never_answered"] += 1
+                counts["deadline_expired"] += r.status == DEADLINE
+            else:
+                counts["errors"][r.status] = counts["errors"].get(r.status, 0) + 1
         for f in faults:
             after = [t for t in ok_times if t > f["_t"]]
             f["recovery_s"] = (min(after) - f["_t"]) if after else None
@@ -209,20 +186,17 @@ def main(argv=None) -> int:
     ap.add_argument("--fault-every", type=float, default=4.0, help="mean seconds between faults")
     ap.add_argument("--repo", default="model_repo")
     ap.add_argument("--quick", action="store_true", help="20 s instead of the default")
-    ap.add_argument("--out", help="results directory")
+    ap.add_argument("--out", help="results directory (default: the git-ignored experiments/results/_runs/<machine>; "
+                                  "committing results is explicit: --out experiments/results/<machine>)")
     args = ap.parse_args(argv)
     if not os.path.exists(os.path.join(args.repo, MODEL, "block4-x.pt")):
         from blockflow.blocks.repository import export_model
         export_model(MODEL, args.repo, blocks=4, variants={"x": ["block4", "head"]})
     report = run_chaos(args.repo, 20.0 if args.quick else args.duration, args.rate, args.seed, args.fault_every)
-    try:
-        from experiments.common import results_dir
-        out = args.out or results_dir()
-    except ImportError:
-        out = args.out or os.path.join(os.path.dirname(__file__), "results", "local")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "chaos.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    from experiments.common import env_info, write_json
+    settings = {"duration_s": 20.0 if args.quick else args.duration, "rate": args.rate, "seed": args.seed,
+                "fault_every_s": args.fault_every, "quick": args.quick, "model": MODEL}
+    write_json(args.out, "chaos", {"env": env_info(settings), "settings": settings, **report})
     bad = report["never_answered"] or report["duplicates"] or report["wrong"]
     return 1 if bad else 0
 

@@ -1,21 +1,28 @@
-"""Shared helpers for the experiments: where results go, what machine made them, a progress
-bar, warm-up handling, the model repository, a real ``blockflow serve`` and small statistics.
+"""Shared helpers for the experiments: where results go, what machine and code made them, a
+progress bar, warm-up handling, the model repository, a real ``blockflow serve`` and small statistics.
 
-Every experiment writes ``experiments/results/<machine>/<name>.json`` (plus CSV/PNG files) where
-``<machine>`` is a stable label such as ``x86_64-2cpu`` or ``x86_64-16cpu-nvidia-h100-80gb-hbm3``:
-no host name, so results from two runs on the same kind of machine land in the same place.
+An experiment writes ``<out>/<name>.json`` (plus CSV/PNG files). Without ``--out`` that is the
+git-ignored scratch directory ``experiments/results/_runs/<machine>/``; the committed results in
+``experiments/results/<machine>/`` are written only when ``--out`` names that directory, so a
+smoke run never overwrites them. ``<machine>`` is a stable label such as ``x86_64-2cpu`` or
+``x86_64-16cpu-nvidia-h100-80gb-hbm3``: no host name, so results from two runs on the same kind
+of machine land in the same place. Every JSON records the commit that produced it
+(:func:`provenance`); tests/test_experiments.py fails when a committed one is older than the
+code it measures.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import csv
+import datetime
 import json
 import logging
 import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -28,6 +35,10 @@ log = logging.getLogger("experiments")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS_ROOT = os.path.join(HERE, "results")
+#: Where a run without ``--out`` writes (git-ignored): ``_runs/<machine>/`` under RESULTS_ROOT.
+SCRATCH_ROOT = os.path.join(RESULTS_ROOT, "_runs")
+#: The folders whose code a result measures; ``dirty`` lists their modified tracked files.
+CODE_DIRS = ("blockflow", "blocks", "dispatcher", "manager", "tensormq", "experiments")
 DEFAULT_REPO = os.path.join(ROOT, "model_repo")
 
 #: Warm-up samples dropped before statistics (thesis 4.1.2 and 4.2.2: "discarding the first 250").
@@ -64,11 +75,59 @@ def machine_label() -> str:
     return label
 
 
+def committed_dir() -> str:
+    """``experiments/results/<machine>``: the committed results of this kind of machine."""
+    return os.path.join(RESULTS_ROOT, machine_label())
+
+
+_told_scratch: list[str] = []
+
+
 def results_dir(out: str | None = None) -> str:
-    """``out`` if given, else ``experiments/results/<machine>``; created if missing."""
-    path = out or os.path.join(RESULTS_ROOT, machine_label())
+    """``out`` if given, else the scratch directory ``experiments/results/_runs/<machine>``
+    (git-ignored; said once on stderr); created if missing. Committed results are written only
+    by naming their directory: ``--out experiments/results/<machine>``."""
+    path = out or os.path.join(SCRATCH_ROOT, machine_label())
     os.makedirs(path, exist_ok=True)
+    if not out and not _told_scratch:
+        _told_scratch.append(path)
+        print(f"no --out given: writing to the scratch directory {os.path.relpath(path)} (git-ignored); "
+              f"to replace the committed results pass --out {os.path.relpath(committed_dir())}", file=sys.stderr)
     return path
+
+
+def _git(*args: str, strip: bool = True) -> str | None:
+    try:
+        proc = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    return proc.stdout.strip() if strip else proc.stdout
+
+
+def command_line() -> str:
+    """This process's command line as one would type it again (``python -m experiments.X ...``)."""
+    import __main__
+    spec = getattr(__main__, "__spec__", None)
+    argv = ["python", "-m", spec.name, *sys.argv[1:]] if spec is not None else ["python", *sys.argv]
+    return shlex.join(argv)
+
+
+def provenance() -> dict:
+    """Which code made a result: ``commit`` (HEAD of the checkout, None outside git),
+    ``commit_date``, ``dirty`` (modified tracked files under CODE_DIRS, results excluded; empty
+    when clean), ``created`` (UTC) and the ``command``."""
+    commit = _git("rev-parse", "HEAD")
+    dirty = []
+    if commit:
+        status = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE_DIRS, strip=False) or ""
+        results = os.path.relpath(RESULTS_ROOT, ROOT) + os.sep
+        dirty = sorted(line[3:].split(" -> ")[-1] for line in status.splitlines()
+                       if line[3:] and not line[3:].startswith(results))
+    return {"commit": commit, "commit_date": _git("show", "-s", "--format=%cI", "HEAD") if commit else None,
+            "dirty": dirty, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command_line()}
 
 
 def _cpu_model() -> str | None:
@@ -115,19 +174,17 @@ def env_info(settings: dict | None = None) -> dict:
         info["pyzmq"], info["libzmq"], info["cherrypy"] = zmq.__version__, zmq.zmq_version(), cherrypy.__version__
     except Exception:
         pass
-    try:  # read-only: which commit produced the numbers
-        info["git_commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                            text=True, timeout=5).stdout.strip() or None
-    except Exception:
-        info["git_commit"] = None
+    info["git_commit"] = _git("rev-parse", "HEAD")  # the full record is the JSON's provenance keys
     if settings is not None:
         info["settings"] = settings
     return info
 
 
-def write_json(out: str, name: str, data: dict) -> str:
-    """Write ``<out>/<name>.json``; ``data`` should carry ``env`` (env_info) and ``settings``."""
-    data.setdefault("experiment", name)
+def write_json(out: str | None, name: str, data: dict) -> str:
+    """Write ``<out>/<name>.json`` (``out`` None: the scratch directory) with the provenance keys
+    (commit, commit_date, dirty, created, command) first; ``data`` should carry ``env``
+    (env_info) and ``settings``."""
+    data = {"experiment": name, **provenance(), **data}
     if "env" in data:
         data["env"]["loadavg_at_end"] = [round(v, 2) for v in os.getloadavg()]
     path = os.path.join(results_dir(out), f"{name}.json")
@@ -175,13 +232,17 @@ def save_fig(fig, out: str, filename: str, dpi: int = 80) -> str:
 
 
 # -- command line --------------------------------------------------------------------------
+OUT_HELP = ("results directory (default: the git-ignored scratch directory experiments/results/_runs/<machine>); "
+            "committing results is explicit: --out experiments/results/<machine>")
+
+
 def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"python -m experiments.{name}", description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short settings (smoke run)")
     ap.add_argument("--repo", default=DEFAULT_REPO, help=f"model repository (default {DEFAULT_REPO}); "
                                                          "ResNet50 blocks are exported into it if missing")
-    ap.add_argument("--out", help="results directory (default experiments/results/<machine>)")
+    ap.add_argument("--out", help=OUT_HELP)
     ap.add_argument("--n", type=int, help="override the number of samples per measurement")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return ap
@@ -235,6 +296,11 @@ class Progress:
             self._last_decile = decile
             sys.stderr.write(f"{self.label}: {self.n}/{self.total} ({time.monotonic() - self.t0:.1f}s)\n")
             sys.stderr.flush()
+
+    def to(self, n: float) -> None:
+        """Move to ``n`` (e.g. the seconds elapsed), never backwards."""
+        if int(n) > self.n:
+            self.update(int(n) - self.n)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -21,7 +21,6 @@ Sizes: ResNet50's stage outputs at batch 1 and 32. Run:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -180,21 +179,13 @@ def main(argv=None) -> int:
     for kind in args.blocks.split(","):
         for t in args.transports.split(","):
             rows += measure(t, sizes, n, args.chain, args.device, kind)
-    try:
-        from experiments.common import env_info, results_dir
-        out = args.out or results_dir()
-        info = env_info()
-    except ImportError:
-        out = args.out or os.path.join(os.path.dirname(__file__), "results", "local")
-        info = {"torch": torch.__version__, "cpus": os.cpu_count()}
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "hop_overhead.json")
-    with open(path, "w") as f:
-        json.dump({"experiment": "hop_overhead", "env": info,
-                   "settings": {"n": n, "chain": args.chain, "quick": args.quick, "device": args.device,
-                                "blocks": args.blocks, "batches": batches, "stages": stages},
-                   "rows": rows}, f, indent=2)
-    print(f"wrote {path}")
+    from experiments.common import env_info, results_dir, write_json
+    out = results_dir(args.out)
+    write_json(out, "hop_overhead", {"env": env_info(),
+                                     "settings": {"n": n, "chain": args.chain, "quick": args.quick,
+                                                  "device": args.device, "blocks": args.blocks, "batches": batches,
+                                                  "stages": stages},
+                                     "rows": rows})
     try:
         plot(rows, out)
     except ImportError:  # matplotlib is in the [bench] extra

@@ -23,10 +23,7 @@ the skip, and exits 0.
 from __future__ import annotations
 
 import logging
-import random
 import sys
-import threading
-import time
 
 import torch
 
@@ -48,32 +45,13 @@ def devices_for(gpus: int) -> list[str]:
 
 
 def poisson_details(address: str, x: torch.Tensor, rate: float, duration: float, seed: int, label: str) -> list:
-    from blockflow.client import Client
-    rng = random.Random(seed)
-    futures = []
-    with Client(address, timeout=120) as c:
-        c.ping()
-        t_start = time.monotonic()
-        next_t = t_start + rng.expovariate(rate)
-        with common.Progress(int(duration), label) as bar:
-            shown = 0
-            while (now := time.monotonic()) - t_start < duration:
-                if now >= next_t:
-                    futures.append(c.submit(common.TASK, x, details=True))
-                    next_t += rng.expovariate(rate)
-                else:
-                    time.sleep(min(next_t - now, 0.002))
-                elapsed = min(int(now - t_start), int(duration))
-                if elapsed > shown:
-                    bar.update(elapsed - shown)
-                    shown = elapsed
-        out = []
-        for f in futures:
-            try:
-                out.append(f.result(timeout=300))
-            except Exception as exc:
-                out.append(exc)
-    return out
+    """Poisson load (blockflow.loadgen) asking for the hops' details: one Result or exception per request."""
+    from blockflow.client import BlockFlowError
+    from blockflow.loadgen import generate_load
+    with common.Progress(int(duration), label) as bar:
+        run = generate_load(address, common.TASK, inputs=x, rate=rate, duration=duration, seed=seed, timeout=120,
+                            drain=300, details=True, keep_results=True, progress=bar.to)
+    return [r.result if r.ok else BlockFlowError(r.message or r.status, r.status) for r in run.records]
 
 
 def summarise(results: list, quick: bool) -> dict:

@@ -11,7 +11,7 @@ from 45 to 35 ms) and a linear rise from 5 clients on. On a 2-core CPU the pipel
 cores with 2 clients already, so the rise starts early: K clients wait about K/2 inference times.
 
 Defaults: K = 1..10, D = 120 s per K (the thesis's test length; it gives none for this figure);
---quick: K = 1, 2, 5, 10 for 3 s each.
+--quick (a smoke run): K = 1, 2 for 2 s each.
 
     python -m experiments.multiclient [--quick] [--clients 1,2,...] [--duration S] [--threads T]
 """
@@ -20,8 +20,6 @@ from __future__ import annotations
 import logging
 import statistics
 import sys
-import threading
-import time
 
 import torch
 
@@ -31,50 +29,23 @@ log = logging.getLogger("experiments.multiclient")
 
 NAME = "multiclient"
 CLIENTS = tuple(range(1, 11))
-QUICK_CLIENTS = (1, 2, 5, 10)
+QUICK_CLIENTS = (1, 2)
 #: Read off the thesis's Fig. 4.11 text (GV100): mean RTT per client, ms.
 THESIS = {"tensormq_1_to_4_clients_ms": 18.0, "zeromq_1_client_ms": 45.0, "zeromq_4_clients_ms": 35.0}
 
 
 def run_clients(address: str, k: int, duration: float, x: torch.Tensor,
                 timeout: float = 120.0) -> tuple[list[list[tuple]], float]:
-    """``k`` synchronous clients for ``duration`` seconds; per client a list of (t_sent, rtt_ms, ok)."""
-    from blockflow.client import BlockFlowError, Client
-    records: list[list[tuple]] = [[] for _ in range(k)]
-    start = threading.Barrier(k + 1)
-    stop_at = [0.0]
-
-    def client(cid: int):
-        with Client(address, timeout=timeout) as c:
-            c.ping()
-            start.wait()
-            while time.monotonic() < stop_at[0]:
-                t0 = time.monotonic()
-                try:
-                    c.infer(common.TASK, x, timeout=timeout)
-                    ok = True
-                except (BlockFlowError, TimeoutError) as exc:
-                    log.warning("client %d: %s", cid, exc)
-                    ok = False
-                records[cid].append((t0, (time.monotonic() - t0) * 1e3, ok))
-
-    threads = [threading.Thread(target=client, args=(i,), name=f"client-{i}", daemon=True) for i in range(k)]
-    for t in threads:
-        t.start()
-    t_start = time.monotonic()
-    stop_at[0] = t_start + duration
-    start.wait()
+    """``k`` synchronous clients for ``duration`` seconds (blockflow.loadgen), each waiting for its
+    last reply; per client a list of (t_sent in s from the start, rtt_ms or None, ok)."""
+    from blockflow.loadgen import generate_load
     with common.Progress(int(duration), f"{k} client(s)") as bar:
-        shown = 0
-        while any(t.is_alive() for t in threads):
-            time.sleep(0.2)
-            now = min(int(time.monotonic() - t_start), int(duration))
-            if now > shown:
-                bar.update(now - shown)
-                shown = now
-    for t in threads:
-        t.join()
-    return records, time.monotonic() - t_start
+        run = generate_load(address, common.TASK, inputs=x, clients=k, duration=duration, timeout=timeout,
+                            drain=timeout, progress=bar.to)
+    for status, n in run.statuses().items():
+        if status != "ok":
+            log.warning("%d client(s): %d request(s) %s", k, n, status)
+    return [[(r.sent, r.rtt_ms, r.ok) for r in rs] for rs in run.by_client()], run.elapsed_s
 
 
 def summarise(records: list[list[tuple]], elapsed: float, quick: bool) -> dict:
@@ -116,14 +87,14 @@ def plot(rows: list[dict], out: str, machine: str) -> None:
 def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
     ap.add_argument("--clients", type=lambda s: [int(v) for v in s.split(",") if v],
-                    help="comma-separated client counts (default 1..10; --quick 1,2,5,10)")
-    ap.add_argument("--duration", type=float, help="seconds per client count (default 120, --quick 3)")
+                    help="comma-separated client counts (default 1..10; --quick 1,2)")
+    ap.add_argument("--duration", type=float, help="seconds per client count (default 120, --quick 2)")
     common.add_pipeline_args(ap)
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
     device, transports = common.device_and_transports(args)
     ks = args.clients or list(QUICK_CLIENTS if args.quick else CLIENTS)
-    duration = args.duration or (3.0 if args.quick else 120.0)
+    duration = args.duration or (2.0 if args.quick else 120.0)
     repo = common.ensure_repo(args.repo)
     settings = {"clients": ks, "duration_s": duration, "transports": transports, "threads": args.threads,
                 "device": device, "batch": 1, "quick": args.quick, "n": args.n,
@@ -146,8 +117,8 @@ def main(argv=None) -> int:
                 records, elapsed = run_clients(server.dispatcher, k, duration, x, 30.0 if args.quick else 120.0)
                 row = {"transport": t, **summarise(records, elapsed, args.quick)}
                 rows.append(row)
-                t0 = min((r[0] for rs in records for r in rs), default=0.0)
-                csv_rows += [[t, k, cid, r[0] - t0, r[1], int(r[2])] for cid, rs in enumerate(records) for r in rs]
+                csv_rows += [[t, k, cid, r[0], "" if r[1] is None else r[1], int(r[2])]
+                             for cid, rs in enumerate(records) for r in rs]
                 log.info("%s, %d client(s): mean RTT per client %.1f ms, %.2f req/s", t, k,
                          row["mean_rtt_per_client_ms"] or float("nan"), row["throughput_rps"])
     common.write_json(args.out, NAME, {"env": env, "settings": settings, "rows": rows, "thesis_gv100": THESIS})

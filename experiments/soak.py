@@ -15,13 +15,12 @@
 
     python -m experiments.soak [--minutes 10] [--rate R] [--quick]
 
-Writes experiments/results/<machine>/soak.json. Exit code 0 when every limit held.
+Writes soak.json into --out (default the scratch directory experiments/results/_runs/<machine>). Exit code 0 when every limit held.
 """
 from __future__ import annotations
 
 import logging
 import os
-import random
 import statistics
 import sys
 import threading
@@ -29,8 +28,7 @@ import time
 
 import psutil
 
-from experiments.common import (blockflow_server, env_info, input_tensor, parser, results_dir, setup_logging,
-                                write_json)
+from experiments.common import blockflow_server, env_info, input_tensor, parser, setup_logging, write_json
 
 log = logging.getLogger("experiments.soak")
 
@@ -92,28 +90,14 @@ def vram_mb() -> float | None:
 
 
 def saturation(address: str, clients: int, seconds: float) -> float:
-    """Requests per second that ``clients`` synchronous clients get through (closed loop)."""
+    """Requests per second that ``clients`` synchronous clients get through (closed loop, blockflow.loadgen)."""
     from blockflow.client import Client
+    from blockflow.loadgen import generate_load
     x = input_tensor()
-    done = []
-    stop = time.monotonic() + seconds
-
-    def loop():
-        with Client(address, timeout=60) as c:
-            c.infer("classify", x)  # warm-up, not counted
-            n = 0
-            t0 = time.monotonic()
-            while time.monotonic() < stop:
-                c.infer("classify", x)
-                n += 1
-            done.append(n / max(1e-6, time.monotonic() - t0))
-
-    threads = [threading.Thread(target=loop, daemon=True) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(seconds + 120)
-    return sum(done)
+    with Client(address, timeout=60) as c:
+        c.infer("classify", x)  # warm-up, not counted
+    run = generate_load(address, "classify", inputs=x, clients=clients, duration=seconds, timeout=60, drain=60)
+    return sum(1 for r in run.ok if r.done <= seconds) / seconds
 
 
 def growth(samples: list[dict], key: str, warm_until: float, window: float) -> dict:
@@ -132,11 +116,10 @@ def growth(samples: list[dict], key: str, warm_until: float, window: float) -> d
 
 def run_soak(repo: str, minutes: float, rate: float | None, update_every: float, sample_every: float,
              clients: int, load: float, saturate_s: float, warmup_s: float, window_s: float, seed: int) -> dict:
-    from blockflow.client import BlockFlowError, Client
     from blockflow.demo import stop_server
+    from blockflow.loadgen import DEADLINE, UNANSWERED, generate_load
     from blockflow.manager.state import StateDir
 
-    rng = random.Random(seed)
     x = input_tensor()
     result: dict = {"settings": {"minutes": minutes, "update_every_s": update_every, "sample_every_s": sample_every,
                                  "warmup_s": warmup_s, "window_s": window_s, "seed": seed, "model": MODEL}}
@@ -150,39 +133,21 @@ def run_soak(repo: str, minutes: float, rate: float | None, update_every: float,
             log.info("saturation %.2f req/s with %d clients; soaking at %.2f req/s", sat, clients, rate)
         result["rate_rps"] = round(rate, 2)
 
-        counts = {"sent": 0, "ok": 0, "errors": {}, "timeouts": 0}
-        lock = threading.Lock()
-        futures = []
+        live = {"ok": 0}  # replies so far, for the samples
         updates = []
         samples: list[dict] = []
         duration = minutes * 60
         t0 = time.monotonic()
         stop_at = t0 + duration
 
-        def on_done(fut):
-            exc = fut.exception()
-            with lock:
-                if exc is None:
-                    counts["ok"] += 1
-                elif isinstance(exc, BlockFlowError):
-                    counts["errors"][exc.code] = counts["errors"].get(exc.code, 0) + 1
-                else:
-                    counts["timeouts"] += 1
+        def on_reply(rec, fut):
+            if rec.ok:
+                live["ok"] += 1
 
-        client = Client(srv.dispatcher, timeout=60)
-
-        def load_loop():
-            next_t = time.monotonic()
-            while time.monotonic() < stop_at:
-                next_t += rng.expovariate(rate)
-                time.sleep(max(0.0, next_t - time.monotonic()))
-                fut = client.submit("classify", x)
-                with lock:
-                    counts["sent"] += 1
-                futures.append(fut)
-                fut.add_done_callback(on_done)
-
-        loader = threading.Thread(target=load_loop, name="soak-load", daemon=True)
+        runs = []  # every request answered (or timed out on the client) before shutdown: 90 s drain
+        loader = threading.Thread(target=lambda: runs.append(generate_load(
+            srv.dispatcher, "classify", inputs=x, rate=rate, duration=duration, seed=seed, timeout=60, drain=90,
+            on_reply=on_reply)), name="soak-load", daemon=True)
         loader.start()
         phase, next_update, next_sample = 0, t0 + update_every, t0
         while time.monotonic() < stop_at:
@@ -192,7 +157,7 @@ def run_soak(repo: str, minutes: float, rate: float | None, update_every: float,
                 pids = tree_pids(srv.proc.pid)
                 samples.append({"t": round(now - t0, 1), "rss_mb": round(rss_mb(pids), 1),
                                 "shm_mb": round(dir_mb(state.shm), 2), "vram_mb": vram_mb(),
-                                "procs": len(pids), "ok": counts["ok"], "phase": phase})
+                                "procs": len(pids), "ok": live["ok"], "phase": phase})
             if now >= next_update:
                 next_update += update_every
                 phase += 1
@@ -204,13 +169,17 @@ def run_soak(repo: str, minutes: float, rate: float | None, update_every: float,
                 except Exception as exc:  # recorded; a failed update fails the run
                     updates.append({"t": round(t - t0, 1), "phase": phase, "error": str(exc)[:300]})
             time.sleep(0.2)
-        loader.join(10)
-        # every request answered (or timed out on the client) before shutdown
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not all(f.done() for f in futures):
-            time.sleep(0.2)
-        unanswered = sum(1 for f in futures if not f.done())
-        client.close()
+        loader.join(90 + 30)
+        if not runs:
+            raise RuntimeError("the soak's load generator stopped without a result (its traceback is above)")
+        run = runs[0]
+        counts = {"sent": len(run.records), "ok": len(run.ok), "errors": {}, "timeouts": 0}
+        for status, n in run.statuses().items():
+            if status == DEADLINE:
+                counts["timeouts"] += n
+            elif status not in ("ok", UNANSWERED):
+                counts["errors"][status] = n
+        unanswered = run.statuses().get(UNANSWERED, 0)
 
         pids = tree_pids(srv.proc.pid)
         code = stop_server(srv.proc)
@@ -267,7 +236,7 @@ def main(argv=None) -> int:
           f"timeouts {res['counts']['timeouts']}, unanswered {res['unanswered']}, updates {len(res['updates'])}; "
           f"RSS {g['rss_mb']}, shm {g['shm_mb']}, VRAM {g['vram_mb']}; exit {res['server_exit_code']}, "
           f"left {res['left_behind']}; passed {res['passed']}")
-    write_json(args.out or results_dir(), "soak", {"env": env_info(res["settings"]), **res})
+    write_json(args.out, "soak", {"env": env_info(res["settings"]), **res})
     return 0 if res["passed"] else 1
 
 

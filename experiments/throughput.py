@@ -19,16 +19,14 @@ offered rate whose delivered throughput is still at least 90 % of the rate actua
 On the GV100 the thesis saw ZeroMQ saturate near 160 tensors/s and TensorMQ near 217 tensors/s.
 Here a 2-core CPU saturates around 2 cores / (CPU time of one inference), about 20 req/s, so
 the default rates are 2..40 req/s on a CPU and 20..400 on a GPU; D = 60 s per rate (the thesis
-gives no length). --quick: rates 5, 15, 40 for 4 s each.
+gives no length). --quick (a smoke run): one rate, 6 req/s, for 2 s.
 
     python -m experiments.throughput [--quick] [--rates 2,4,...] [--duration S] [--threads T]
 """
 from __future__ import annotations
 
 import logging
-import random
 import sys
-import threading
 import time
 
 import torch
@@ -41,7 +39,7 @@ log = logging.getLogger("experiments.throughput")
 NAME = "throughput"
 CPU_RATES = (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 25, 30, 40)
 GPU_RATES = tuple(range(20, 401, 20))
-QUICK_RATES = (5, 15, 40)
+QUICK_RATES = (6,)
 KNEE = 0.90
 #: Fig. 4.12 text (GV100): maximum delivered throughput, tensors/s.
 THESIS = {"zeromq_saturation_rps": 160.0, "tensormq_saturation_rps": 217.0}
@@ -49,58 +47,16 @@ THESIS = {"zeromq_saturation_rps": 160.0, "tensormq_saturation_rps": 217.0}
 
 def poisson_run(address: str, x: torch.Tensor, rate: float, duration: float, seed: int, label: str,
                 drain_timeout: float = 300.0, tasks: list[str] | None = None) -> tuple[list[dict], float]:
-    """Send for ``duration`` s at ``rate``/s (Poisson), then wait for the replies; one dict per request.
-    With several ``tasks``, requests take them in turn."""
-    tasks = tasks or [common.TASK]
-    from blockflow.client import BlockFlowError, Client
-    rng = random.Random(seed)
-    recs: list[dict] = []
-    lock = threading.Lock()
-    with Client(address, timeout=drain_timeout) as c:
-        c.ping()
-        t_start = time.monotonic()
-        next_t = t_start + rng.expovariate(rate)
-        futures = []
-        with common.Progress(int(duration), label) as bar:
-            shown = 0
-            while True:
-                now = time.monotonic()
-                if now - t_start >= duration:
-                    break
-                if now >= next_t:
-                    rec = {"sent": now - t_start, "task": tasks[len(recs) % len(tasks)]}
-                    fut = c.submit(rec["task"], x)
-
-                    def done(f, rec=rec):
-                        t = time.monotonic() - t_start
-                        exc = f.exception()
-                        with lock:
-                            rec["done"] = t
-                            rec["status"] = "ok" if exc is None else (
-                                exc.code if isinstance(exc, BlockFlowError) else type(exc).__name__)
-                    fut.add_done_callback(done)
-                    futures.append(fut)
-                    recs.append(rec)
-                    next_t += rng.expovariate(rate)
-                else:
-                    time.sleep(min(next_t - now, 0.005))
-                elapsed = min(int(now - t_start), int(duration))
-                if elapsed > shown:
-                    bar.update(elapsed - shown)
-                    shown = elapsed
-        deadline = time.monotonic() + drain_timeout
-        for f in futures:
-            try:
-                f.exception(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                pass
-        drain = time.monotonic() - t_start - duration
-    with lock:
-        for r in recs:
-            r.setdefault("status", "unanswered")
-            if "done" in r:
-                r["rtt"] = (r["done"] - r["sent"]) * 1e3
-    return recs, drain
+    """Send for ``duration`` s at ``rate``/s (Poisson, blockflow.loadgen), then wait for the replies;
+    one dict per request (sent/done in s from the start, rtt in ms, status, task). With several
+    ``tasks``, requests take them in turn."""
+    from blockflow.loadgen import generate_load
+    with common.Progress(int(duration), label) as bar:
+        run = generate_load(address, tasks or [common.TASK], inputs=x, rate=rate, duration=duration, seed=seed,
+                            timeout=drain_timeout, drain=drain_timeout, progress=bar.to)
+    recs = [{"sent": r.sent, "task": r.task, "status": r.status,
+             **({"done": r.done, "rtt": r.rtt_ms} if r.done is not None else {})} for r in run.records]
+    return recs, run.drain_s
 
 
 def measure_rate(server, watch: dict, x, rate: float, duration: float, quick: bool, seed: int, label: str,
@@ -182,14 +138,14 @@ def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
     ap.add_argument("--rates", type=lambda s: [float(v) for v in s.split(",") if v],
                     help="comma-separated offered rates in req/s (default: 2..40 on CPU, 20..400 on GPU)")
-    ap.add_argument("--duration", type=float, help="seconds per rate (default 60, --quick 4)")
+    ap.add_argument("--duration", type=float, help="seconds per rate (default 60, --quick 2)")
     common.add_pipeline_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
     device, transports = common.device_and_transports(args)
     rates = args.rates or list(QUICK_RATES if args.quick else (GPU_RATES if device.startswith("cuda") else CPU_RATES))
-    duration = args.duration or (4.0 if args.quick else 60.0)
+    duration = args.duration or (2.0 if args.quick else 60.0)
     repo = common.ensure_repo(args.repo)
     settings = {"rates": rates, "duration_s": duration, "transports": transports, "threads": args.threads,
                 "device": device, "batch": 1, "seed": args.seed, "quick": args.quick, "n": args.n,

@@ -1,11 +1,16 @@
-"""The experiment scripts, run for real in their smallest settings (about 45 s on 2 cores).
+"""The experiment scripts, run for real in their smallest settings, and the committed results.
 
-Each script runs as ``python -m experiments.NAME --quick --n K --out TMP`` in its own interpreter,
-exactly as ``blockflow bench`` runs it, with real processes, sockets and ResNet50 blocks; the
-tests then read what it wrote and check the content: the expected blocks/transports/kinds are
-there, latencies are positive and finite, warm-up samples were dropped, the machine and settings
-were recorded, the plots are real PNG files. ``leak_check`` fails a test that leaves a child
-process or a shared-memory directory behind.
+Each script runs as ``python -m experiments.NAME --quick [tiny settings] --out TMP`` in its own
+interpreter, exactly as ``blockflow bench`` runs it, with real processes, sockets and ResNet50
+blocks. Three have a detailed test (offline_blocks, rtt, pipeline_latency: the expected
+blocks/transports/kinds are there, latencies are positive and finite, warm-up samples were
+dropped, the plots are real PNG files); every other one in ``experiments.EXPERIMENTS`` gets a
+smoke test: exit 0, a JSON with the code's provenance, and the keys experiments/report.py reads
+(or ``skipped`` with a reason where it needs a GPU or an optional extra). ``leak_check`` fails a
+test that leaves a child process or a shared-memory directory behind.
+
+test_committed_results_measure_the_current_code checks that every committed result under
+experiments/results/<machine>/ was made by the code at HEAD.
 """
 from __future__ import annotations
 
@@ -14,10 +19,13 @@ import gzip
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+
+from experiments import EXPERIMENTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -170,3 +178,157 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
     table = section(out, "pipeline_latency")
     p50 = s["transports"]["tensormq"]["rtt_ms"]["p50"]
     assert f"| tensormq pipeline, 5 blocks | {p50:,.2f} |" in table and "| 16.04 |" in table, table
+
+
+#: Experiments with a detailed test (above, or in the file named) run for real; every other one
+#: in EXPERIMENTS gets test_smoke.
+DETAILED = {"offline_blocks": "test_offline_blocks", "rtt": "test_rtt", "pipeline_latency": "test_pipeline_latency",
+            "chaos": "tests/test_chaos.py", "fuzz": "tests/test_fuzz.py", "soak": "tests/test_soak.py"}
+#: The smallest settings that still exercise each script's whole path (--quick is added); an
+#: experiment not named here (one added later) runs with --quick alone.
+SMOKE_ARGS = {
+    "hop_overhead": ["--n", "5", "--stages", "block1", "--blocks", "identity", "--transports", "tensormq"],
+    "batch_scaling": ["--batches", "1", "--transports", "tensormq"],
+    "multiclient": ["--clients", "2", "--duration", "1", "--transports", "tensormq"],
+    "throughput": ["--rates", "4", "--duration", "1", "--transports", "tensormq"],
+    "utilization": ["--duration", "1", "--transports", "tensormq"],
+    "memory_model": ["--models", "resnet50", "--n", "1"],
+    "kserve_cost": ["--n", "3"],
+    "batching": ["--rates", "2", "--duration", "3", "--max-batch", "2"],
+}
+PROVENANCE = ("commit", "commit_date", "dirty", "created", "command")
+
+
+def test_every_detailed_experiment_is_listed():
+    assert set(DETAILED) <= set(EXPERIMENTS), set(DETAILED) - set(EXPERIMENTS)
+    assert set(SMOKE_ARGS) <= set(EXPERIMENTS), set(SMOKE_ARGS) - set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", [n for n in EXPERIMENTS if n not in DETAILED])
+def test_smoke(name, tmp_path, resnet_repo, leak_check):
+    """``python -m experiments.NAME --quick`` exits 0 and writes a JSON that records its code and
+    that experiments/report.py can read (or says why it was skipped here)."""
+    out = str(tmp_path)
+    run_experiment(name, out, *SMOKE_ARGS.get(name, []))
+    data = load(out, name)
+    for key in PROVENANCE:
+        assert key in data, f"{name}.json lacks {key!r}"
+    assert data["command"].startswith(f"python -m experiments.{name} --quick") and isinstance(data["dirty"], list)
+    assert "machine" in data["env"] and isinstance(data.get("settings"), dict), f"{name}.json lacks env/settings"
+    if data.get("skipped"):
+        assert data.get("reason"), f"{name}.json says skipped but gives no reason"
+        return
+    from experiments.report import SECTIONS, section
+    if name in dict(SECTIONS):
+        text = section(out, name)  # raises KeyError when a key the report reads is missing
+        assert "not run" not in text and "|" in text, text
+
+
+def test_a_run_without_out_writes_to_the_ignored_scratch_directory():
+    from experiments import common
+    path = common.results_dir(None)
+    assert path == os.path.join(common.RESULTS_ROOT, "_runs", common.machine_label())
+    if os.path.exists(os.path.join(ROOT, ".git")) and shutil.which("git"):
+        probe = os.path.relpath(os.path.join(path, "rtt.json"), ROOT)
+        assert subprocess.run(["git", "-C", ROOT, "check-ignore", "-q", probe]).returncode == 0, \
+            f"{probe} is not ignored by git: a run without --out could be committed by mistake"
+
+
+#: The code a result measures: a committed result older than the last change here is stale.
+MEASURED_DIRS = ("tensormq", "blocks", "dispatcher")
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=30)
+
+
+def _stale_reason(path: str, data: dict) -> str | None:
+    """Why the committed result ``path`` does not measure the code at HEAD, or None when it does."""
+    commit = data.get("commit")
+    if not commit:
+        return "records no commit"
+    if _git("merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
+        return f"was made at {commit[:10]}, which is not HEAD nor an ancestor of it"
+    changed = _git("log", "--format=%h %s", f"{commit}..HEAD", "--", *MEASURED_DIRS).stdout.splitlines()
+    if changed:
+        return (f"was made at {commit[:10]}; {len(changed)} later commit(s) changed {'/'.join(MEASURED_DIRS)}, "
+                f"the latest: {changed[0][:100]}")
+    dirty = [f for f in data.get("dirty") or [] if f.split("/", 1)[0] in MEASURED_DIRS]
+    if dirty:
+        return f"was made with uncommitted changes to {', '.join(dirty)}"
+    return None
+
+
+def test_committed_results_measure_the_current_code():
+    """Every committed JSON under experiments/results/<machine>/ was made by the code at HEAD: its
+    commit is HEAD or an ancestor, and nothing under tensormq/, blocks/ or dispatcher/ changed since."""
+    if not os.path.isdir(os.path.join(ROOT, ".git")) and not os.path.isfile(os.path.join(ROOT, ".git")):
+        pytest.skip("no .git here (an sdist?): the commits of the results cannot be checked")
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed: the commits of the results cannot be checked")
+    listed = _git("ls-files", "--", "experiments/results").stdout.splitlines()
+    paths = sorted(p for p in listed if p.endswith(".json") and p.count("/") == 3
+                   and not p.split("/")[2].startswith("_"))
+    assert paths, "no committed results under experiments/results/<machine>/"
+    stale = []
+    for rel in paths:
+        with open(os.path.join(ROOT, rel)) as f:
+            data = json.load(f)
+        reason = _stale_reason(rel, data)
+        if reason:
+            machine, name = rel.split("/")[2], data.get("experiment") or os.path.basename(rel)[:-5]
+            out = f"experiments/results/{machine}"
+            if name == "bench_all":
+                again = f"blockflow bench all --out {out}"
+            elif name in EXPERIMENTS:
+                again = f"blockflow bench {name} --out {out}"
+            else:
+                again = f"python -m experiments.{name} --out {out}"
+            if os.path.basename(rel)[:-5] != name:
+                again += f" (it wrote {name}.json; {rel} is no experiment's output: regenerate or delete it)"
+            stale.append(f"{rel} {reason}; regenerate it with: {again}")
+    assert not stale, ("committed results older than the code they measure (rerun everything at the final commit "
+                       "with `blockflow bench all --out experiments/results/<machine>` and commit them):\n  "
+                       + "\n  ".join(stale))
+
+
+def test_the_load_generator_records_every_request(server_factory, identity_repo):
+    """blockflow.loadgen.generate_load, the loop every experiment uses: Poisson and synchronous
+    clients, per-request task and input choice, seeded schedules, one record per request."""
+    import random
+
+    import torch
+
+    from blockflow.loadgen import UNANSWERED, generate_load
+    srv = server_factory(identity_repo)
+    srv.call("POST", "/system/update", {
+        "blocks": [{"name": "a", "model": "toy/identity.pt"}, {"name": "d", "model": "toy/double.pt"}],
+        "tasks": [{"id": "t", "path": ["a", "d"]}, {"id": "u", "path": ["a"]}]}, timeout=60)
+    inputs = [torch.full((4,), float(k)) for k in range(3)]
+
+    def choose(rng: random.Random, n: int):
+        return ("t" if rng.random() < 0.5 else "u"), rng.randrange(len(inputs))
+
+    runs = [generate_load(srv.dispatcher, ["t", "u"], inputs=inputs, rate=40, duration=1.5, seed=3, timeout=10,
+                          drain=10, choose=choose, keep_results=True) for _ in range(2)]
+    for run in runs:
+        assert 20 <= len(run.records) <= 110, len(run.records)  # Poisson, 40/s for 1.5 s
+        assert run.statuses() == {"ok": len(run.records)} and run.duplicates == 0
+        for r in run.records:
+            assert 0 <= r.sent < 1.5 and r.done > r.sent and r.rtt_ms > 0
+            want = inputs[r.input] * (2 if r.task == "t" else 1)  # each reply is its own request's
+            assert torch.equal(r.result, want), (r.task, r.input, r.result)
+        assert {r.task for r in run.records} == {"t", "u"}
+    # the same seed draws the same tasks and inputs in the same order
+    assert [(r.task, r.input) for r in runs[0].records][:20] == [(r.task, r.input) for r in runs[1].records][:20]
+
+    # synchronous clients: each waits for its reply before the next request; errors keep their code
+    run = generate_load(srv.dispatcher, ["t", "nope"], inputs=inputs[0], clients=2, duration=1.0, timeout=10,
+                        drain=10)
+    assert [len(c) > 2 for c in run.by_client()] == [True, True]
+    for reqs in run.by_client():
+        assert all(a.done <= b.sent for a, b in zip(reqs, reqs[1:]))
+        assert {r.task for r in reqs} == {"t", "nope"}  # the tasks in turn
+    statuses = run.statuses()
+    assert set(statuses) == {"ok", "unknown_task"} and UNANSWERED not in statuses, statuses
+    assert all("nope" in r.message for r in run.records if r.status == "unknown_task")
