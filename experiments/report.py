@@ -74,12 +74,17 @@ def _signed(v, digits: int = 0) -> str:
 
 # -- offline_blocks (Table 4.2, Fig 4.2) ----------------------------------------------------
 def offline_blocks(d: dict) -> str:
+    gpu = any("torch_allocated_mb" in r for r in d["rows"])  # Table 4.2's GPU columns, when measured
     rows = []
     for r in d["rows"]:
         lat = r["latency_ms"]
         rows.append([r["method"], r["block"], _f(lat.get("mean")), _f(lat.get("std")), _f(r.get("params", 0) / 1e6, 2),
-                     _f(r.get("rss_load_delta_mb"), 1), _f(r.get("rss_total_delta_mb"), 1)])
-    return _table(["method", "block", "mean ms", "std ms", "params M", "RSS Δ load MB", "RSS Δ total MB"], rows)
+                     _f(r.get("rss_load_delta_mb"), 1), _f(r.get("rss_total_delta_mb"), 1)]
+                    + ([_f((r.get("torch_allocated_mb") or {}).get("mean"), 1),
+                        _f((r.get("torch_reserved_mb") or {}).get("mean"), 0), _f(r.get("process_vram_mb"), 0)]
+                       if gpu else []))
+    return _table(["method", "block", "mean ms", "std ms", "params M", "RSS Δ load MB", "RSS Δ total MB"]
+                  + (["torch allocated MB", "torch reserved MB", "process VRAM MB"] if gpu else []), rows)
 
 
 def offline_blocks_text(d: dict) -> str:
