@@ -119,8 +119,8 @@ def plot(rows: list[dict], out: str, machine: str) -> None:
 def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
     ap.add_argument("--clients", type=lambda s: [int(v) for v in s.split(",") if v],
-                    help="comma-separated client counts (default 1..10; --quick 1,2,5,10)")
-    ap.add_argument("--duration", type=float, help="seconds per client count (default 120, --quick 3)")
+                    help="comma-separated client counts (default 1,2,3,4,6,8,10; --quick 1,2,5,10)")
+    ap.add_argument("--duration", type=float, help=f"seconds per client count (default {DEFAULT_DURATION:g}, --quick 3)")
     common.add_pipeline_args(ap)
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)

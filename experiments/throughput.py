@@ -183,8 +183,8 @@ def plot(results: dict, sat: dict, out: str, machine: str, has_gpu: bool) -> Non
 def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
     ap.add_argument("--rates", type=lambda s: [float(v) for v in s.split(",") if v],
-                    help="comma-separated offered rates in req/s (default: 2..40 on CPU, 20..400 on GPU)")
-    ap.add_argument("--duration", type=float, help="seconds per rate (default 60, --quick 4)")
+                    help="comma-separated offered rates in req/s (default: 2..25 on CPU, 20..400 on GPU)")
+    ap.add_argument("--duration", type=float, help=f"seconds per rate (default {DEFAULT_DURATION:g}, --quick 4)")
     common.add_pipeline_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

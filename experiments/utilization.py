@@ -178,12 +178,12 @@ def plot(results: dict, out: str, machine: str) -> None:
             axes[0].plot([s["t"] for s in r["gpu_timeline"]], [s["gpu_util"] for s in r["gpu_timeline"]],
                          color=colors[t], label=t, lw=1)
     ax_cpu.set_xlabel("time (s)")
-    ax_cpu.set_ylabel("CPU % per block (sum / blocks)")
+    ax_cpu.set_ylabel("CPU per block (%, sum / blocks)")
     ax_cpu.set_title(f"CPU utilisation (Fig. 4.6 right) - {machine}", fontsize=9)
     ax_cpu.legend(fontsize=8)
     if has_gpu:
         axes[0].set_xlabel("time (s)")
-        axes[0].set_ylabel("GPU utilisation %")
+        axes[0].set_ylabel("GPU utilisation (%)")
         axes[0].set_title("GPU utilisation (Fig. 4.6 left)", fontsize=9)
         axes[0].legend(fontsize=8)
     common.save_fig(fig, out, f"{NAME}_fig4_6.png")
