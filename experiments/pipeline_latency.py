@@ -1,4 +1,4 @@
-"""Pipeline latency of the served 4-block ResNet50 (thesis 4.2.2, Figs. 4.3, 4.4 and 4.5).
+"""Pipeline latency of the served 4-block ResNet50 (thesis 4.2.2, Figs. 4.3-4.5, 4.9, 4.14, Appendix B).
 
 One synchronous client (the next request leaves when the previous reply is back) sends a seeded
 batch-1 input through ``blockflow serve`` deploying block1..block4 + head as five processes,
@@ -41,7 +41,7 @@ in this process, so that both see the same background load. The script prints
 
 for each transport. The first min(250, N/4) samples of every series are dropped as warm-up (5 in
 --quick), as in the thesis. The thesis ran each transport for 120 s; the default here is
-``DEFAULT_DURATION`` s per series (five series must fit in 3 minutes on a 2-core machine);
+22 s per series (``DEFAULT_DURATION``: five series fit in 3 minutes on a 2-core machine);
 --duration S or --n N (exactly N requests per series) change it.
 
     python -m experiments.pipeline_latency [--quick] [--n N | --duration S] [--threads T]
