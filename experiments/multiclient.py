@@ -10,7 +10,7 @@ On the GV100 the thesis saw a plateau for 1-4 clients (about 18 ms with TensorMQ
 from 45 to 35 ms) and a linear rise from 5 clients on. On a 2-core CPU the pipeline saturates the
 cores with 2 clients already, so the rise starts early: K clients wait about K/2 inference times.
 
-Defaults: K = 1, 2, 3, 4, 6, 8, 10 (the thesis: 1..10), D = 7 s per K (the thesis gives no
+Defaults: K = 1, 2, 3, 4, 6, 8, 10 (the thesis: 1..10), D = 6 s per K (the thesis gives no
 length for this figure; the run fits in 2 minutes on a 2-core machine); --quick: K = 1, 2, 5, 10
 for 3 s each.
 
@@ -33,7 +33,7 @@ log = logging.getLogger("experiments.multiclient")
 NAME = "multiclient"
 #: Default client counts and seconds per count: 14 windows fit in 2 minutes on a 2-core machine.
 CLIENTS = (1, 2, 3, 4, 6, 8, 10)
-DEFAULT_DURATION = 7.0
+DEFAULT_DURATION = 6.0
 QUICK_CLIENTS = (1, 2, 5, 10)
 #: Read off the thesis's Fig. 4.11 text (GV100): mean RTT per client, ms.
 THESIS = {"tensormq_1_to_4_clients_ms": 18.0, "zeromq_1_client_ms": 45.0, "zeromq_4_clients_ms": 35.0}
@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
     ap.add_argument("--clients", type=lambda s: [int(v) for v in s.split(",") if v],
                     help="comma-separated client counts (default 1,2,3,4,6,8,10; --quick 1,2,5,10)")
-    ap.add_argument("--duration", type=float, help=f"seconds per client count (default {DEFAULT_DURATION:g}, --quick 3)")
+    ap.add_argument("--duration", type=float,
+                    help=f"seconds per client count (default {DEFAULT_DURATION:g}, --quick 3)")
     common.add_pipeline_args(ap)
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)

@@ -9,7 +9,7 @@ bytes from the manifest, and torch allocated/reserved memory when the block runs
 The sum of the scripted block means (block1..block4 + head) is the offline baseline that
 pipeline_latency compares the served pipeline with (thesis: 11.703 ms on the GV100).
 
-N = 120 by default (the thesis: 1000; 18 fresh interpreters of 120 inferences fit in 2 minutes
+N = 100 by default (the thesis: 1000; 18 fresh interpreters of 100 inferences fit in 2 minutes
 on a 2-core machine), 20 untimed inferences first; --quick: 20.
 
     python -m experiments.offline_blocks [--quick] [--n N] [--threads T] [--device cpu|cuda]
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     common.setup_logging(args.verbose)
     import torch
     device, _ = common.device_and_transports(args)
-    n = args.n or (20 if args.quick else 120)  # the thesis: 1000; 120 x 18 interpreters fit in 2 minutes
+    n = args.n or (20 if args.quick else 100)  # the thesis: 1000; 100 x 18 interpreters fit in 2 minutes
     warmup = 3 if args.quick else 20
     repos = {"script": common.ensure_repo(args.repo), "trace": common.traced_repo(args.repo),
              "export": common.exported_repo(args.repo)}
