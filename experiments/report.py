@@ -469,6 +469,13 @@ def memory_model_text(d: dict) -> str:
 
 
 # -- GPU-only ones ----------------------------------------------------------------------------
+def energy(d: dict) -> str:
+    rows = [[r["transport"], r["batch"], r["n"], _f(r["mj_per_request"], 0), _f(r["mj_per_image"], 0),
+             _f(r.get("mj_per_request_above_idle"), 0), _f(r.get("requests_per_s"))] for r in d.get("rows", [])]
+    return _table(["transport", "batch", "requests", "mJ per request", "mJ per image", "mJ per request above idle",
+                   "req/s"], rows)
+
+
 def multi_gpu(d: dict) -> str:
     rows = [[r["pdi"], r["transport"], _f(r["total_compute_ms"]), _f(r["total_overhead_ms"]),
              _f(r.get("total_wait_ms")), r["ok"], r["errors"]] for r in d.get("rows", [])]
@@ -488,7 +495,7 @@ def skipped(d: dict) -> str:
 
 SECTIONS = [("offline_blocks", offline_blocks), ("rtt", rtt), ("pipeline_latency", pipeline_latency),
             ("hop_overhead", hop_overhead), ("batch_scaling", batch_scaling), ("multiclient", multiclient),
-            ("throughput", throughput), ("utilization", utilization), ("energy", None),
+            ("throughput", throughput), ("utilization", utilization), ("energy", energy),
             ("memory_model", memory_model), ("multi_gpu", multi_gpu)]
 #: The sentences with numbers in them, per experiment (between ``<!-- text:NAME -->`` markers).
 TEXTS = {"offline_blocks": offline_blocks_text, "rtt": rtt_text, "pipeline_latency": pipeline_latency_text,
