@@ -2,65 +2,78 @@
 
 The 4-block ResNet50 (+head) pipeline served by ``blockflow serve``, one synchronous client,
 batch sizes 1, 2, 4, 8, 16 and 32, over ``zeromq`` and ``tensormq``. For every batch size the
-client sends N requests (after one untimed request that sizes the buffers); reported are the
-round trip, the pipeline inference (sum of the blocks' model time) and the pipeline overhead
-(round trip - inference), and as a reference full.pt run in this process on the same batch with
-the same torch threads. The thesis's argument is that ZeroMQ's overhead grows with the batch
+client sends requests (after one untimed request that sizes the buffers); reported are the
+round trip, the pipeline inference sum_b m_b and the pipeline overhead sum_b o_b of eq. 4.1
+(deser + dev + share + fwd per block, from the blocks' KPI logs; the queue wait apart), and as a
+reference full.pt run in this process on the same batch with the same torch threads. The thesis's argument is that ZeroMQ's overhead grows with the batch
 (the serialised tensor grows) while TensorMQ's stays flat (the handle has a fixed size).
 
-On this CPU a batch of 32 takes seconds, so the default is N = 300 requests per batch size (the
-thesis gives no count; --n N changes it); --quick sends 2 per batch size for batches 1, 4, 16.
-The first min(250, N/4) samples of every batch size are dropped as warm-up (min(5, N/4) in
---quick, i.e. none of the 2), on top of the untimed first request.
+On this CPU a batch of 32 takes seconds, so by default every (series, batch size) gets
+``BUDGET_S`` seconds of requests, at least ``MIN_SAMPLES`` and at most ``MAX_SAMPLES`` (the
+thesis gives no count; the whole run fits in 2 minutes on a 2-core machine); --n N sends
+exactly N per batch size instead; --quick sends 2 per batch size for batches 1, 4, 16. The
+first min(250, N/4) samples of every batch size are dropped as warm-up (min(5, N/4) in
+--quick), on top of the untimed first request.
 
-    python -m experiments.batch_scaling [--quick] [--n N] [--batches 1,2,4,8,16,32] [--threads T]
+    python -m experiments.batch_scaling [--quick] [--n N | --budget S] [--batches 1,2,4,8,16,32] [--threads T]
 """
 from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import torch
 
 from experiments import common
-from experiments.pipeline_latency import load_models, pipeline_sample, sync, time_call
+from experiments.pipeline_latency import eq41, kpi_requests, load_models, pipeline_sample, sync, time_call
 
 log = logging.getLogger("experiments.batch_scaling")
 
 NAME = "batch_scaling"
 BATCHES = (1, 2, 4, 8, 16, 32)
 QUICK_BATCHES = (1, 4, 16)
+#: Default sample count: as many as fit in BUDGET_S seconds per (series, batch), within these bounds.
+BUDGET_S, MIN_SAMPLES, MAX_SAMPLES = 3.0, 2, 300
 
 
-def measure_transport(server, transport: str, batches, n: int, threads: int, device: str, label: str) -> dict:
+def count_for(n: int | None, budget: float):
+    """A ``more(done, elapsed)`` test: exactly ``n`` samples, or the budget's rule."""
+    if n:
+        return lambda done, elapsed: done < n
+    return lambda done, elapsed: done < MIN_SAMPLES or (elapsed < budget and done < MAX_SAMPLES)
+
+
+def measure_transport(server, transport: str, batches, more, threads: int, device: str, label: str) -> dict:
+    """Per batch size: the client's samples and the blocks' KPI records of the same requests."""
     from blockflow.client import Client
     server.update(common.pipeline_update(transport, threads=threads, device=device))
     out = {}
-    with Client(server.dispatcher, timeout=600) as c, common.Progress(len(batches) * (n + 1), label) as bar:
+    with Client(server.dispatcher, timeout=600) as c, common.Progress(len(batches), label) as bar:
         for b in batches:
             x = common.input_tensor(b, seed=b)
             pipeline_sample(c, x, timeout=600)  # untimed: sizes the slots and buffers for this batch
-            bar.update()
+            since, t0 = time.time(), time.monotonic()
             recs = []
-            for _ in range(n):
+            while more(len(recs), time.monotonic() - t0):
                 recs.append(pipeline_sample(c, x, timeout=600))
-                bar.update()
-            out[b] = recs
+            kpi = kpi_requests(server, since, time.time())
+            out[b] = (recs, kpi)
+            bar.update()
     return out
 
 
-def measure_monolithic(full, batches, n: int, device: str) -> dict:
+def measure_monolithic(full, batches, more, device: str) -> dict:
     out = {}
-    with common.Progress(len(batches) * (n + 1), "full.pt in-process") as bar:
+    with common.Progress(len(batches), "full.pt in-process") as bar:
         for b in batches:
             x = common.input_tensor(b, seed=b).to(device)
             time_call(lambda: full(x), device)
-            bar.update()
-            vals = []
-            for _ in range(n):
+            vals, t0 = [], time.monotonic()
+            while more(len(vals), time.monotonic() - t0):
                 vals.append(time_call(lambda: full(x), device))
-                bar.update()
             out[b] = vals
+            bar.update()
     return out
 
 
@@ -98,8 +111,8 @@ def plot(rows: list[dict], out: str, machine: str) -> None:
         ax.set_xlabel("batch size")
         ax.legend(fontsize=8)
     axes[0].set_ylabel("mean pipeline overhead (ms)")
-    axes[0].set_title("overhead (round trip - inference)", fontsize=9)
-    axes[1].set_ylabel("ms per image")
+    axes[0].set_title("overhead: sum of o_b = deser+dev+share+fwd (eq. 4.1)", fontsize=9)
+    axes[1].set_ylabel("round trip per image (ms)")
     axes[1].set_title("time per image", fontsize=9)
     fig.suptitle("Zoom on the overhead (Fig. 4.8)", fontsize=9)
     common.save_fig(fig, out, f"{NAME}_fig4_8.png")
@@ -110,50 +123,56 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",") if b],
                     help=f"comma-separated batch sizes (default {','.join(map(str, BATCHES))}; "
                          f"--quick: {','.join(map(str, QUICK_BATCHES))})")
+    ap.add_argument("--budget", type=float, default=BUDGET_S,
+                    help=f"seconds of requests per series and batch size when --n is not given (default {BUDGET_S:g})")
     common.add_pipeline_args(ap, "torch threads per block and for full.pt (default 1)")
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
     device, transports = common.device_and_transports(args)
     batches = [int(b) for b in (args.batches or (QUICK_BATCHES if args.quick else BATCHES))]
-    n = args.n or (2 if args.quick else 300)
-    warm = common.warmup_count(n, args.quick)
+    n = args.n or (2 if args.quick else None)
+    more = count_for(n, args.budget)
     repo = common.ensure_repo(args.repo)
-    settings = {"n": n, "batches": batches, "transports": transports, "threads": args.threads, "device": device,
-                "warmup_dropped": warm, "untimed_first_request_per_batch": 1, "client": "1 synchronous client",
-                "quick": args.quick}
+    settings = {"n": n, "samples": f"{n} per batch size" if n else
+                f"{args.budget:g} s per series and batch size, {MIN_SAMPLES}-{MAX_SAMPLES} samples",
+                "batches": batches, "transports": transports, "threads": args.threads, "device": device,
+                "warmup_rule": "first min(250, N/4) samples of every batch size dropped",
+                "untimed_first_request_per_batch": 1, "client": "1 synchronous client",
+                "overhead": "eq. 4.1: sum_b deser + dev + share + fwd (KPI logs)", "quick": args.quick}
     env = common.env_info(settings)
     _, full = load_models(repo, device, args.threads)
-    mono = measure_monolithic(full, batches, n, device)
+    mono = measure_monolithic(full, batches, more, device)
     del full
     raw = {}
     with common.blockflow_server(repo) as server:
         for t in transports:
-            raw[t] = measure_transport(server, t, batches, n, args.threads, device, f"{t} batches")
+            raw[t] = measure_transport(server, t, batches, more, args.threads, device, f"{t} batches")
     sync(device)
     rows, csv_rows = [], []
     for b in batches:
-        kept = mono[b][warm:]
-        rows.append({"series": "monolithic", "batch": b, "n": n, "dropped": warm, "rtt_ms": common.describe(kept)})
-        csv_rows += [["monolithic", b, i, int(i >= warm), v, v, ""] for i, v in enumerate(mono[b])]
+        warm = common.warmup_count(len(mono[b]), args.quick)
+        rows.append({"series": "monolithic", "batch": b, "n": len(mono[b]), "dropped": warm,
+                     "rtt_ms": common.describe(mono[b][warm:])})
+        csv_rows += [["monolithic", b, i, int(i >= warm), v, v, "", ""] for i, v in enumerate(mono[b])]
     for t in transports:
         for b in batches:
-            recs = raw[t][b]
-            kept = recs[warm:]
-            rows.append({"series": t, "batch": b, "n": n, "dropped": warm,
+            recs, kpi = raw[t][b]
+            warm = common.warmup_count(len(recs), args.quick)
+            kept, sums = recs[warm:], [eq41(r) for r in kpi[common.warmup_count(len(kpi), args.quick):]]
+            rows.append({"series": t, "batch": b, "n": len(recs), "dropped": warm,
                          "rtt_ms": common.describe([r["rtt"] for r in kept]),
-                         "inference_ms": common.describe([r["inf"] for r in kept]),
-                         "overhead_ms": common.describe([r["overhead"] for r in kept]),
-                         "tensor_mb_block1_out": b * 256 * 56 * 56 * 4 / 2**20,
-                         "per_block_overhead_ms": {h: common.describe([sum(v for k, v in r["hops"][h].items()
-                                                                           if k != "inf") for r in kept])["mean"]
-                                                   for h in recs[0]["hops"]}})
-            csv_rows += [[t, b, i, int(i >= warm), r["rtt"], r["inf"], r["overhead"]] for i, r in enumerate(recs)]
+                         "inference_ms": common.describe([s["inf"] for s in sums]),
+                         "overhead_ms": common.describe([s["overhead"] for s in sums]),
+                         "wait_ms": common.describe([s["wait"] for s in sums]),
+                         "tensor_mb_block1_out": b * 256 * 56 * 56 * 4 / 2**20})
+            csv_rows += [[t, b, i, int(i >= warm), r["rtt"], "", "", ""] for i, r in enumerate(recs)]
+            csv_rows += [[f"{t}.kpi", b, i, "", "", s["inf"], s["overhead"], s["wait"]] for i, s in enumerate(sums)]
     common.write_json(args.out, NAME, {"env": env, "settings": settings, "rows": rows})
     common.write_csv(args.out, f"{NAME}_samples.csv",
-                     ["series", "batch", "i", "kept", "rtt_ms", "inference_ms", "overhead_ms"], csv_rows)
+                     ["series", "batch", "i", "kept", "rtt_ms", "inference_ms", "overhead_ms", "wait_ms"], csv_rows)
     plot(rows, args.out, env["machine"])
-    print(f"\nFigs. 4.7-4.8 on {env['machine']} ({device}, {args.threads} thread(s), n={n} per batch, "
-          f"{warm} dropped):")
+    print(f"\nFigs. 4.7-4.8 on {env['machine']} ({device}, {args.threads} thread(s), {settings['samples']}; "
+          "overhead = eq. 4.1):")
     print(f"{'batch':>5s} " + " ".join(f"{t + ' rtt':>14s} {t + ' ovh':>14s}" for t in transports)
           + f" {'full.pt':>10s}")
     for b in batches:

@@ -8,9 +8,10 @@ over 1, 2 and 4 GPUs, i.e. path distribution index PDI = N_GPU / N_blocks = 25, 
     PDI 100   block k on cuda:k-1
 
 over ``zeromq`` and ``tensormq``. One client sends batch-1 tensors as a Poisson process of rate
-L (the thesis: 300 tensors/s) for D seconds; every reply carries each block's timings, from which
-the mean compute time (inf) and overhead (wait + deser + dev + share) per block are reported;
-the first min(250, n/4) replies are dropped as warm-up (min(5, n/4) in --quick). The thesis
+L (the thesis: 300 tensors/s) for D seconds; from every block's KPI log (joined per request) the
+mean compute time m_b (inf) and overhead o_b (eq. 4.1: deser + dev + share + fwd) per block are
+reported, the queue wait w_b apart; the first min(250, n/4) requests are dropped as warm-up
+(min(5, n/4) in --quick). The thesis
 found TensorMQ's overhead 5.26x, 3.56x and 2.96x below ZeroMQ's at PDI 25, 50 and 100: it grows
 with the PDI (tensors must cross devices) while ZeroMQ's shrinks.
 
@@ -28,7 +29,7 @@ import sys
 import torch
 
 from experiments import common
-from experiments.pipeline_latency import BLOCK_NAMES, COMPONENTS
+from experiments.pipeline_latency import BLOCK_NAMES, block_components, kpi_requests
 
 log = logging.getLogger("experiments.multi_gpu")
 
@@ -54,26 +55,26 @@ def poisson_details(address: str, x: torch.Tensor, rate: float, duration: float,
     return [r.result if r.ok else BlockFlowError(r.message or r.status, r.status) for r in run.records]
 
 
-def summarise(results: list, quick: bool) -> dict:
+def summarise(results: list, kpi: list[dict], quick: bool) -> dict:
+    """Replies counted from the client's side; m_b, o_b (eq. 4.1) and w_b from the KPI records."""
     ok = [r for r in results if not isinstance(r, Exception)]
     kept = common.discard_warmup(ok, quick)
-    blocks = {}
-    for b in BLOCK_NAMES:
-        hops = [next(h for h in r.hops if h["b"] == b) for r in kept]
-        blocks[b] = {"compute_ms": common.describe([h["inf"] for h in hops]),
-                     "overhead_ms": common.describe([sum(h.get(k, 0.0) for k in COMPONENTS if k != "inf")
-                                                     for h in hops]),
-                     "components_ms": {k: common.describe([h.get(k, 0.0) for h in hops])["mean"] for k in COMPONENTS}}
+    comp = block_components(common.discard_warmup(kpi, quick))
+    blocks = {b: {"compute_ms": c["inference_ms"], "overhead_ms": c["overhead_ms"], "wait_ms": c["wait_ms"],
+                  "components_ms": {k: v.get("mean") for k, v in c["components_ms"].items()}}
+              for b, c in comp.items()}
     return {"sent": len(results), "ok": len(ok), "dropped": len(ok) - len(kept), "errors": len(results) - len(ok),
+            "overhead_definition": "eq. 4.1: deser + dev + share + fwd per block (KPI logs); wait apart",
             "server_ms": common.describe([r.server_ms for r in kept if r.server_ms is not None]), "blocks": blocks,
             "total_overhead_ms": sum(blocks[b]["overhead_ms"].get("mean", 0.0) for b in BLOCK_NAMES),
+            "total_wait_ms": sum(blocks[b]["wait_ms"].get("mean", 0.0) for b in BLOCK_NAMES),
             "total_compute_ms": sum(blocks[b]["compute_ms"].get("mean", 0.0) for b in BLOCK_NAMES)}
 
 
 def plot(rows: list[dict], out: str, machine: str) -> None:
     plt = common.pyplot()
     for key, fig_name, title in (("compute_ms", "fig4_15", "computing time (Fig. 4.15)"),
-                                 ("overhead_ms", "fig4_16", "overhead time (Fig. 4.16)")):
+                                 ("overhead_ms", "fig4_16", "overhead time o_b, eq. 4.1 (Fig. 4.16)")):
         fig, ax = plt.subplots(figsize=(7, 3.4))
         width = 0.8 / max(1, len(rows))
         for k, r in enumerate(rows):
@@ -81,7 +82,8 @@ def plot(rows: list[dict], out: str, machine: str) -> None:
             ax.bar(xs, [r["blocks"][b][key].get("mean", 0.0) for b in BLOCK_NAMES], width,
                    label=f"{r['transport']} PDI {r['pdi']}")
         ax.set_xticks(range(len(BLOCK_NAMES)), BLOCK_NAMES)
-        ax.set_ylabel("mean per block (ms)")
+        ax.set_xlabel("block")
+        ax.set_ylabel("mean time per block (ms)")
         ax.set_title(f"Blocks' average {title} - {machine}", fontsize=9)
         ax.legend(fontsize=7)
         common.save_fig(fig, out, f"{NAME}_{fig_name}.png")
@@ -127,9 +129,11 @@ def main(argv=None) -> int:
                 with Client(server.dispatcher, timeout=120) as c:
                     for _ in range(5):
                         c.infer(common.TASK, x)
+                since = time.time()
                 res = poisson_details(server.dispatcher, x, args.rate, duration, pdi, f"{t} PDI {pdi}")
+                kpi = kpi_requests(server, since)
                 rows.append({"pdi": pdi, "gpus": need, "transport": t, "devices": devices_for(need),
-                             **summarise(res, args.quick)})
+                             **summarise(res, kpi, args.quick)})
     ratios = {}
     for pdi in {r["pdi"] for r in rows}:
         z = next((r for r in rows if r["pdi"] == pdi and r["transport"] == "zeromq"), None)
@@ -141,8 +145,8 @@ def main(argv=None) -> int:
     plot(rows, args.out, env["machine"])
     print(f"\nFigs. 4.15-4.16 on {env['machine']} ({gpus} GPUs, Poisson {args.rate:g}/s, {duration:g} s each):")
     for r in rows:
-        print(f"PDI {r['pdi']:3d} {r['transport']:9s} compute {r['total_compute_ms']:7.2f} ms, overhead "
-              f"{r['total_overhead_ms']:7.2f} ms ({r['ok']} ok, {r['errors']} errors)")
+        print(f"PDI {r['pdi']:3d} {r['transport']:9s} compute {r['total_compute_ms']:7.2f} ms, overhead (eq. 4.1) "
+              f"{r['total_overhead_ms']:7.2f} ms, wait {r['total_wait_ms']:7.2f} ms ({r['ok']} ok, {r['errors']} errors)")
     for pdi, v in sorted(ratios.items()):
         print(f"PDI {pdi}: ZeroMQ / TensorMQ overhead = {v:.2f}x (thesis {THESIS['overhead_ratio_zeromq_over_tensormq'][pdi]}x)")
     return 0

@@ -10,8 +10,9 @@ On the GV100 the thesis saw a plateau for 1-4 clients (about 18 ms with TensorMQ
 from 45 to 35 ms) and a linear rise from 5 clients on. On a 2-core CPU the pipeline saturates the
 cores with 2 clients already, so the rise starts early: K clients wait about K/2 inference times.
 
-Defaults: K = 1..10, D = 120 s per K (the thesis's test length; it gives none for this figure);
---quick (a smoke run): K = 1, 2 for 2 s each.
+Defaults: K = 1, 2, 3, 4, 6, 8, 10 (the thesis: 1..10), D = 6 s per K (the thesis gives no
+length for this figure; the run fits in 2 minutes on a 2-core machine); --quick (a smoke
+run): K = 1, 2 for 2 s each.
 
     python -m experiments.multiclient [--quick] [--clients 1,2,...] [--duration S] [--threads T]
 """
@@ -28,7 +29,9 @@ from experiments import common
 log = logging.getLogger("experiments.multiclient")
 
 NAME = "multiclient"
-CLIENTS = tuple(range(1, 11))
+#: Default client counts and seconds per count: 14 windows fit in 2 minutes on a 2-core machine.
+CLIENTS = (1, 2, 3, 4, 6, 8, 10)
+DEFAULT_DURATION = 6.0
 QUICK_CLIENTS = (1, 2)
 #: Read off the thesis's Fig. 4.11 text (GV100): mean RTT per client, ms.
 THESIS = {"tensormq_1_to_4_clients_ms": 18.0, "zeromq_1_client_ms": 45.0, "zeromq_4_clients_ms": 35.0}
@@ -87,14 +90,15 @@ def plot(rows: list[dict], out: str, machine: str) -> None:
 def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
     ap.add_argument("--clients", type=lambda s: [int(v) for v in s.split(",") if v],
-                    help="comma-separated client counts (default 1..10; --quick 1,2)")
-    ap.add_argument("--duration", type=float, help="seconds per client count (default 120, --quick 2)")
+                    help="comma-separated client counts (default 1,2,3,4,6,8,10; --quick 1,2)")
+    ap.add_argument("--duration", type=float,
+                    help=f"seconds per client count (default {DEFAULT_DURATION:g}, --quick 2)")
     common.add_pipeline_args(ap)
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
     device, transports = common.device_and_transports(args)
     ks = args.clients or list(QUICK_CLIENTS if args.quick else CLIENTS)
-    duration = args.duration or (2.0 if args.quick else 120.0)
+    duration = args.duration or (2.0 if args.quick else DEFAULT_DURATION)
     repo = common.ensure_repo(args.repo)
     settings = {"clients": ks, "duration_s": duration, "transports": transports, "threads": args.threads,
                 "device": device, "batch": 1, "quick": args.quick, "n": args.n,

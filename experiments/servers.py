@@ -2,13 +2,15 @@
 
 ``http``: a CherryPy app with echo endpoints for strings, JSON and tensors (rtt, Table 4.3) and,
 with ``--model``, ``POST /infer`` running a whole TorchScript model on tensor bytes sent in the
-body (the thesis's "ResNet50 exposed via a REST API", the HTTP* bar of Fig. 4.3).
+body (the thesis's "ResNet50 exposed via a REST API", the HTTP* bar of Fig. 4.3); with ``--next URL``
+too, ``/infer`` POSTs its output to the next server's /infer and answers with that one's answer,
+so that block servers chain over HTTP (the thesis's "split" HTTP version).
 ``zmq``: a ZeroMQ REP echo server for the same three message kinds.
 
 Each prints one JSON line with its address on stdout when ready and runs until SIGTERM.
 :func:`spawn` starts one as a child process and stops it again.
 
-    python -m experiments.servers http [--model resnet50/full.pt --repo model_repo --threads 1]
+    python -m experiments.servers http [--model resnet50/full.pt --repo model_repo --threads 1] [--next URL]
     python -m experiments.servers zmq
 """
 from __future__ import annotations
@@ -50,7 +52,9 @@ def parse_shape(text: str) -> list[int]:
 
 
 # -- HTTP (CherryPy) -----------------------------------------------------------------------
-def serve_http(model_path: str | None, repo: str | None, threads: int) -> None:
+def serve_http(model_path: str | None, repo: str | None, threads: int, next_url: str | None = None) -> None:
+    import threading
+
     import cherrypy
     torch.set_num_threads(threads)
     model = None
@@ -59,8 +63,16 @@ def serve_http(model_path: str | None, repo: str | None, threads: int) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning)
         from blockflow.blocks.repository import load_block
         model = load_block(repo, model_path, "cpu")
-        with torch.inference_mode():
-            model(torch.zeros(1, 3, 224, 224))  # warm the model once, as the blocks do
+        if os.path.basename(model_path) in ("full.pt", "block1.pt"):  # the others take other shapes
+            with torch.inference_mode():
+                model(torch.zeros(1, 3, 224, 224))  # warm the model once, as the blocks do
+    downstream = threading.local()  # one keep-alive connection to the next server per thread
+
+    def forward(y: torch.Tensor) -> tuple[bytes, dict]:
+        if not hasattr(downstream, "client"):
+            downstream.client = HttpTensorClient(next_url)
+        return downstream.client.post("/infer", memoryview(tensor_bytes(y)), {
+            "Content-Type": "application/octet-stream", "X-Shape": shape_header(y), "X-Dtype": "float32"})
 
     def raw_body() -> bytes:
         return cherrypy.request.body.read()
@@ -98,10 +110,16 @@ def serve_http(model_path: str | None, repo: str | None, threads: int) -> None:
             with torch.inference_mode():
                 y = model(x)
             t2 = time.perf_counter()
+            inf_ms = (t2 - t1) * 1e3
             cherrypy.response.headers["Content-Type"] = "application/octet-stream"
-            cherrypy.response.headers["X-Shape"] = shape_header(y)
-            cherrypy.response.headers["X-Inf-Ms"] = f"{(t2 - t1) * 1e3:.4f}"
             cherrypy.response.headers["X-Deser-Ms"] = f"{(t1 - t0) * 1e3:.4f}"
+            if next_url:  # the split version: the answer is the rest of the chain's answer
+                data, hdr = forward(y)
+                cherrypy.response.headers["X-Shape"] = hdr["X-Shape"]
+                cherrypy.response.headers["X-Inf-Ms"] = f"{inf_ms + float(hdr.get('X-Inf-Ms', 0.0)):.4f}"
+                return data
+            cherrypy.response.headers["X-Shape"] = shape_header(y)
+            cherrypy.response.headers["X-Inf-Ms"] = f"{inf_ms:.4f}"
             return tensor_bytes(y).tobytes()
 
     cherrypy.config.update({"server.socket_host": "127.0.0.1", "server.socket_port": 0,
@@ -212,9 +230,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="model file in the repository for POST /infer, e.g. resnet50/full.pt")
     ap.add_argument("--repo", default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads for --model (default 1)")
+    ap.add_argument("--next", help="with --model: POST the output to this server's /infer (blocks chained over HTTP)")
     args = ap.parse_args(argv)
     if args.kind == "http":
-        serve_http(args.model, args.repo, args.threads)
+        serve_http(args.model, args.repo, args.threads, args.next)
     else:
         serve_zmq()
     return 0

@@ -11,7 +11,8 @@ on a CPU-only machine the GPU timeline is absent and the JSON says so. The first
 dropped as warm-up (the samples taken while the first min(250, n/4) requests ran, min(5, n/4)
 in --quick).
 
-Defaults: D = 120 s per transport (the thesis's test length); --quick: 4 s.
+Defaults: D = 32 s per transport (the thesis gives no length for Fig. 4.6; the run fits in 1.5
+minutes on a 2-core machine); --quick: 4 s.
 
     python -m experiments.utilization [--quick] [--duration S] [--interval S] [--threads T]
 """
@@ -177,12 +178,12 @@ def plot(results: dict, out: str, machine: str) -> None:
             axes[0].plot([s["t"] for s in r["gpu_timeline"]], [s["gpu_util"] for s in r["gpu_timeline"]],
                          color=colors[t], label=t, lw=1)
     ax_cpu.set_xlabel("time (s)")
-    ax_cpu.set_ylabel("CPU % per block (sum / blocks)")
+    ax_cpu.set_ylabel("CPU per block (%, sum / blocks)")
     ax_cpu.set_title(f"CPU utilisation (Fig. 4.6 right) - {machine}", fontsize=9)
     ax_cpu.legend(fontsize=8)
     if has_gpu:
         axes[0].set_xlabel("time (s)")
-        axes[0].set_ylabel("GPU utilisation %")
+        axes[0].set_ylabel("GPU utilisation (%)")
         axes[0].set_title("GPU utilisation (Fig. 4.6 left)", fontsize=9)
         axes[0].legend(fontsize=8)
     common.save_fig(fig, out, f"{NAME}_fig4_6.png")
@@ -190,13 +191,13 @@ def plot(results: dict, out: str, machine: str) -> None:
 
 def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
-    ap.add_argument("--duration", type=float, help="seconds per transport (default 120, --quick 4)")
+    ap.add_argument("--duration", type=float, help="seconds per transport (default 32, --quick 4)")
     ap.add_argument("--interval", type=float, default=0.25, help="sampling interval in seconds (default 0.25)")
     common.add_pipeline_args(ap)
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
     device, transports = common.device_and_transports(args)
-    duration = args.duration or (4.0 if args.quick else 120.0)
+    duration = args.duration or (4.0 if args.quick else 32.0)
     repo = common.ensure_repo(args.repo)
     settings = {"duration_s": duration, "interval_s": args.interval, "transports": transports,
                 "threads": args.threads, "device": device, "batch": 1, "quick": args.quick, "n": args.n,
