@@ -163,12 +163,14 @@ def memory_model(d: dict) -> str:
 
 def batching(d: dict) -> str:
     (lu, ru), (lb, rb) = list(d["rows"].items())
-    rows = [[_f(u["offered_rps"], 0), _f(u["delivered_rps"]), _f(u["latency_ms"].get("p99"), 0), _f(b["delivered_rps"]),
-             _f(b["latency_ms"].get("p99"), 0)] for u, b in zip(ru, rb)]
+    rows = [[_f(u["offered_rps"], 0), _f(u["delivered_rps"]), _f(u["latency_ms"].get("p99"), 0),
+             _f(u.get("block_cpu_ms_per_reply"), 0), _f(b["delivered_rps"]), _f(b["latency_ms"].get("p99"), 0),
+             _f(b.get("block_cpu_ms_per_reply"), 0)] for u, b in zip(ru, rb)]
     s, c = d["summary"], d.get("compute", {}).get("rows", [])
     bound = "; ".join(f"batch {r['batch']}: {_f(r['ms_per_image'], 1)} ms/image, bound {_f(r['bound_rps'], 1)} req/s"
                       for r in c)
-    return (_table(["offered req/s", f"{lu} req/s", "p99 ms", f"{lb} req/s", "p99 ms"], rows)
+    return (_table(["offered req/s", f"{lu} req/s", "p99 ms", "CPU ms/reply", f"{lb} req/s", "p99 ms",
+                    "CPU ms/reply"], rows)
             + f"\n\nSaturation gain {_f(s['saturation_gain'])}x (goal 1.3x CPU, 3x GPU); p99 ratio at "
             f"{_f(s['half_load_rate'], 0)} req/s {_f(s['p99_ratio_at_half_load'])} (goal <= 1.1)."
             + (f" Path alone ({d['compute']['cores']} cores): {bound}." if c else ""))
