@@ -468,7 +468,8 @@ class Block:
         for group in plan_batches(xs, self.batching):
             t_inf = time.perf_counter()
             with torch.inference_mode():
-                outs = run_batch(self.model, [xs[i] for i in group])
+                outs = run_batch(self.model, [xs[i] for i in group],
+                                 inputs_copied=lambda g=group: self.release_inputs([reqs[i] for i in g]))
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
             t_done = time.perf_counter()
@@ -480,6 +481,14 @@ class Block:
                     self.fail(r, y)
                 else:
                     self.send_output(r, y, t_inf, t_done, len(group))
+
+    def release_inputs(self, reqs: list) -> None:
+        """The batch copied these requests' inputs: give their slots back to the block upstream
+        now, not after the batch's inference and sends (it would wait for them meanwhile)."""
+        for r in reqs:
+            if r.lease is not None:
+                r.lease.release()
+                r.lease = None
 
     def take_input(self, arrival: float, arrival_wall: float, header: dict, frames: list) -> "_Request | None":
         """Rebuild a request's tensor on this block's device; None after answering an error."""

@@ -7,6 +7,12 @@ without batching (today's behaviour) and with ``batching`` on every block
 (``--max-batch``, ``max_queue_delay_us`` from ``--delay``, default ``auto``). Per rate: delivered
 throughput (replies inside the sending window / window) and p50/p99 round trip.
 
+Beside the served runs it records what bounds them: each block of the path run alone, in this
+process, with the blocks' thread count, at batch 1, 4 and ``--max-batch`` (``compute`` in the
+JSON: ms per image, and the throughput the machine's cores allow at that batch size,
+cores x 1000 / ms per image of the whole path). Per rate and block it also keeps the KPI logs'
+view (``blocks``): requests per batch, batcher wait, inference ms per image.
+
 Goals (issue 15): saturation throughput with batching >= 1.3x without on a CPU (>= 3x on a GPU);
 at 50 % of the unbatched saturation rate, p99 with ``auto`` no worse than 1.1x unbatched.
 
@@ -18,7 +24,9 @@ import copy
 import json
 import logging
 import os
+import statistics
 import sys
+import time
 
 from experiments import common
 from experiments.throughput import measure_rate, saturation
@@ -28,9 +36,12 @@ log = logging.getLogger("experiments.batching")
 NAME = "batching"
 CONFIG = os.path.join(common.ROOT, "configs", "resnet50_shared.json")
 TASKS = ["classify", "special"]
-CPU_RATES = (4, 8, 12, 16, 20, 24, 28, 32)
+#: ResNet50 on 2 cores saturates near 10 req/s: 5 is half load, 20 twice saturation (<= 3 min in all)
+CPU_RATES = (5, 10, 15, 20)
 GPU_RATES = (50, 100, 200, 300, 400, 600, 800)
-QUICK_RATES = (6, 30)
+QUICK_RATES = (4, 16)
+#: the blocks of one task's path (the other task's b4x/hx have the same shapes and cost)
+PATH = ("block1", "block2", "block3", "block4", "head")
 
 
 def topology(max_batch: int | None, delay, device: str, threads: int | None) -> dict:
@@ -46,9 +57,87 @@ def topology(max_batch: int | None, delay, device: str, threads: int | None) -> 
     return update
 
 
-def plot(results: dict, out: str, machine: str) -> None:
+def compute_scaling(repo: str, device: str, threads: int, batches: tuple[int, ...], reps: int) -> dict:
+    """Each block of the path alone, at each batch size, with ``threads`` torch threads: what a
+    batch saves per image on this machine, and the throughput the cores allow at that size."""
+    import torch
+
+    from blockflow.blocks.repository import load_block
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        models = [load_block(repo, f"resnet50/{b}.pt", device) for b in PATH]
+        inputs = {n: common.input_tensor(n).to(device) for n in batches}
+        times = {n: {b: [] for b in PATH} for n in batches}
+        with torch.inference_mode():
+            # rounds over the batch sizes, so a load that comes and goes on a shared machine
+            # weighs on every size alike; the first round warms up and is not kept
+            for rep in range(reps + 1):
+                for n in batches:
+                    y = inputs[n]
+                    for name, m in zip(PATH, models):
+                        t = time.perf_counter()
+                        y = m(y)
+                        if device.startswith("cuda"):
+                            torch.cuda.synchronize()
+                        if rep:
+                            times[n][name].append((time.perf_counter() - t) * 1e3 / n)
+        rows = []
+        for n in batches:
+            per_block = {b: statistics.median(v) for b, v in times[n].items()}
+            rows.append({"batch": n, "ms_per_image": sum(per_block.values()), "blocks_ms_per_image": per_block})
+    finally:
+        torch.set_num_threads(saved)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for r in rows:
+        # one request runs every block of its path once; blocks run in parallel on the cores
+        r["bound_rps"] = (cores * 1000 / r["ms_per_image"]) if not device.startswith("cuda") else None
+    base = rows[0]["ms_per_image"]
+    for r in rows:
+        r["speedup_per_image"] = base / r["ms_per_image"]
+    return {"device": device, "threads": threads, "cores": cores, "reps": reps, "rows": rows,
+            "note": "blocks run alone in the experiment's process before the server starts; median of reps"}
+
+
+def block_view(server, t0_wall: float, t1_wall: float) -> dict:
+    """The blocks' KPI records of requests that arrived in [t0_wall, t1_wall]: per block, requests
+    per batch, batcher wait and inference ms per image (a batch's inference is shared by its requests)."""
+    out = {}
+    server.flush_kpi()
+    for name in sorted(server.block_pids()):
+        path = os.path.join(server.run_dir, f"{name}.latency.jsonl")
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            recs = [r for r in map(json.loads, filter(str.strip, f)) if "error" not in r and t0_wall <= r["ts"] <= t1_wall]
+        if not recs:
+            continue
+        sizes = [r.get("requests_in_batch", 1) for r in recs]
+        out[name] = {"requests": len(recs), "mean_requests_in_batch": statistics.fmean(sizes),
+                     "max_requests_in_batch": max(sizes),
+                     "batch_wait_ms_p50": statistics.median(r.get("batch_wait", 0.0) for r in recs),
+                     "wait_ms_p50": statistics.median(r["wait"] for r in recs),
+                     "inf_ms_per_image": statistics.fmean(r["inf"] / s for r, s in zip(recs, sizes)),
+                     "share_ms_p50": statistics.median(r["share"] for r in recs)}
+    return out
+
+
+def _cpu_seconds(pids: dict[str, int]) -> float:
+    """User + system CPU seconds of the block processes so far (a vanished one counts 0)."""
+    import psutil
+    total = 0.0
+    for pid in pids.values():
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def plot(results: dict, out: str, machine: str, compute: dict | None = None) -> None:
     plt = common.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, axes = plt.subplots(1, 3 if compute else 2, figsize=(13 if compute else 9, 3.6))
     for (label, rows), color in zip(results.items(), ("tab:blue", "tab:green")):
         xs = [r["offered_rps"] for r in rows]
         axes[0].plot(xs, [r["delivered_rps"] for r in rows], marker="o", color=color, label=label)
@@ -59,7 +148,18 @@ def plot(results: dict, out: str, machine: str) -> None:
     axes[1].set_xlabel("offered rate (req/s, Poisson, two tasks)")
     axes[1].set_ylabel("p99 round trip (ms)")
     axes[1].set_yscale("log")
-    for ax in axes:
+    if compute:
+        rows = compute["rows"]
+        for r, style in zip((rows[0], rows[-1]), (":", "--")):
+            if r.get("bound_rps"):
+                axes[0].axhline(r["bound_rps"], color="grey", linestyle=style, linewidth=1,
+                                label=f"compute bound, batch {r['batch']}")
+        axes[2].plot([r["batch"] for r in rows], [r["ms_per_image"] for r in rows], marker="s", color="tab:red")
+        axes[2].set_xlabel(f"batch size (each block alone, {compute['threads']} thread(s))")
+        axes[2].set_ylabel("compute per image, whole path (ms)")
+        axes[2].set_ylim(bottom=0)
+        axes[2].set_title("what a batch saves per image", fontsize=9)
+    for ax in axes[:2]:
         ax.legend(fontsize=7)
     common.save_fig(fig, out, f"{NAME}.png")
 
@@ -68,7 +168,7 @@ def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
     ap.add_argument("--rates", type=lambda s: [float(v) for v in s.split(",") if v],
                     help="comma-separated offered rates in req/s (default: 4..32 on CPU, 50..800 on GPU)")
-    ap.add_argument("--duration", type=float, help="seconds per rate (default 30, --quick 4)")
+    ap.add_argument("--duration", type=float, help="seconds per rate (default 8, --quick 2)")
     ap.add_argument("--max-batch", type=int, default=8, help="max_batch of every block when batching (default 8)")
     ap.add_argument("--delay", default="auto", help="max_queue_delay_us: 'auto' (default) or microseconds")
     common.add_pipeline_args(ap, transports=False)
@@ -78,31 +178,43 @@ def main(argv=None) -> int:
     device, _ = common.device_and_transports(args)
     delay = args.delay if args.delay == "auto" else int(args.delay)
     rates = args.rates or list(QUICK_RATES if args.quick else (GPU_RATES if device.startswith("cuda") else CPU_RATES))
-    duration = args.duration or (4.0 if args.quick else 30.0)
+    duration = args.duration or (2.0 if args.quick else 8.0)
     repo = common.ensure_repo(args.repo)
+    batches = tuple(sorted({1, 4 if args.quick else min(4, args.max_batch), args.max_batch}))
+    compute = compute_scaling(repo, device, args.threads or 1, batches, 1 if args.quick else 3)
+    for r in compute["rows"]:
+        log.info("compute alone, batch %d: %.1f ms per image (%.2fx batch 1), bound %s req/s", r["batch"],
+                 r["ms_per_image"], r["speedup_per_image"], f"{r['bound_rps']:.1f}" if r["bound_rps"] else "-")
     settings = {"rates": rates, "duration_s": duration, "device": device, "threads": args.threads,
                 "max_batch": args.max_batch, "max_queue_delay_us": delay, "tasks": TASKS, "seed": args.seed,
                 "quick": args.quick, "client": "1 asynchronous client, Poisson arrivals, tasks in turn"}
     env = common.env_info(settings)
     x = common.input_tensor(1)
-    results: dict[str, list[dict]] = {}
+    labels = [("unbatched", None), (f"batched (max {args.max_batch}, {delay})", args.max_batch)]
+    results: dict[str, list[dict]] = {label: [] for label, _ in labels}
+    from blockflow.client import Client
     with common.blockflow_server(repo) as server:
-        for label, mb in (("unbatched", None), (f"batched (max {args.max_batch}, {delay})", args.max_batch)):
-            server.update(topology(mb, delay, device, args.threads))
-            from blockflow.client import Client
-            with Client(server.dispatcher, timeout=120) as c:
-                for t in TASKS * 2:
-                    c.infer(t, x)
-            watch = dict(server.block_pids())
-            results[label] = []
-            for k, rate in enumerate(rates):
+        # each rate runs unbatched and then batched, one right after the other, so that the load
+        # other work puts on a shared machine weighs on both alike (rather than on one whole sweep)
+        for k, rate in enumerate(rates):
+            for label, mb in labels:
+                server.update(topology(mb, delay, device, args.threads))
+                with Client(server.dispatcher, timeout=120) as c:
+                    for t in TASKS * 2:
+                        c.infer(t, x)
+                watch = dict(server.block_pids())
+                cpu0, t0_wall = _cpu_seconds(watch), time.time()
                 row = measure_rate(server, watch, x, rate, duration, args.quick, args.seed + k, f"{label} {rate:g}/s",
                                    tasks=TASKS)
                 row.pop("samples", None)
+                # CPU the blocks spent per reply (drain included): what a request costs, whatever
+                # else runs on the machine
+                row["block_cpu_ms_per_reply"] = (_cpu_seconds(watch) - cpu0) * 1e3 / row["ok"] if row["ok"] else None
+                row["blocks"] = block_view(server, t0_wall, t0_wall + duration)
                 results[label].append(row)
-                log.info("%s offered %.1f/s: delivered %.2f/s, p50 %.1f ms, p99 %.1f ms", label, rate,
-                         row["delivered_rps"], row["latency_ms"].get("p50", float("nan")),
-                         row["latency_ms"].get("p99", float("nan")))
+                log.info("%s offered %.1f/s: delivered %.2f/s, p50 %.1f ms, p99 %.1f ms, %.0f CPU ms per reply", label,
+                         rate, row["delivered_rps"], row["latency_ms"].get("p50", float("nan")),
+                         row["latency_ms"].get("p99", float("nan")), row["block_cpu_ms_per_reply"] or float("nan"))
     sat = {label: saturation(rows) for label, rows in results.items()}
     (base, base_rows), (batched, batched_rows) = list(results.items())
     gain = sat[batched]["saturation_rps"] / sat[base]["saturation_rps"] if sat[base]["saturation_rps"] else None
@@ -112,9 +224,15 @@ def main(argv=None) -> int:
     summary = {"saturation_gain": gain, "half_load_rate": rates[k_half],
                "p99_ratio_at_half_load": (p99_b / p99_u) if p99_b and p99_u else None,
                "goals": {"saturation_gain_cpu": 1.3, "saturation_gain_gpu": 3.0, "p99_ratio_at_half_load": 1.1}}
+    c_rows = compute["rows"]
+    cpu_u, cpu_b = base_rows[-1]["block_cpu_ms_per_reply"], batched_rows[-1]["block_cpu_ms_per_reply"]
+    summary["block_cpu_ms_per_reply_at_top_rate"] = {base: cpu_u, batched: cpu_b}
+    summary["block_cpu_saving_at_top_rate"] = (cpu_u / cpu_b) if cpu_u and cpu_b else None
+    summary["compute_speedup_per_image_at_max_batch"] = c_rows[-1]["speedup_per_image"]
+    summary["compute_bound_rps"] = {str(r["batch"]): r["bound_rps"] for r in c_rows}
     common.write_json(args.out, NAME, {"env": env, "settings": settings, "rows": results, "saturation": sat,
-                                       "summary": summary})
-    plot(results, args.out, env["machine"])
+                                       "summary": summary, "compute": compute})
+    plot(results, args.out, env["machine"], compute)
     print(f"\nBatching at shared blocks on {env['machine']} ({device}, {duration:g} s per rate):")
     print(f"{'offered':>8s} " + " ".join(f"{lbl[:22]:>22s} {'p50':>8s} {'p99':>8s}" for lbl in results))
     for k, rate in enumerate(rates):
@@ -126,6 +244,16 @@ def main(argv=None) -> int:
         print(line)
     for label, s in sat.items():
         print(f"saturation {label}: {s['saturation_rps']:.2f} req/s")
+    for r in c_rows:
+        print(f"compute alone at batch {r['batch']}: {r['ms_per_image']:.1f} ms per image "
+              f"({r['speedup_per_image']:.2f}x batch 1)" + (f", bound {r['bound_rps']:.1f} req/s" if r["bound_rps"] else ""))
+    for label, rows in results.items():
+        last = rows[-1]["blocks"]
+        if last:
+            print(f"{label} at {rates[-1]:g} req/s, requests per batch: "
+                  + ", ".join(f"{b} {v['mean_requests_in_batch']:.1f}" for b, v in last.items()))
+    print(f"block CPU per reply at {rates[-1]:g} req/s: " + ", ".join(
+        f"{lbl} {v:.0f} ms" for lbl, v in summary["block_cpu_ms_per_reply_at_top_rate"].items() if v))
     print(f"saturation gain {gain:.2f}x (goal >= 1.3x on a CPU); p99 batched/unbatched at {rates[k_half]:g} req/s: "
           f"{summary['p99_ratio_at_half_load'] or float('nan'):.2f} (goal <= 1.1)")
     return 0

@@ -2,11 +2,12 @@
 
 At seeded random moments it SIGKILLs a block, SIGSTOPs one (a hang) and later resumes it,
 SIGKILLs the dispatcher, and POSTs topology updates that add, replace and remove blocks and
-change paths. It counts requests sent, ok replies, error replies (by code), requests never
+change paths. With ``--batching`` the blocks both tasks share (b1-b3) batch across tasks
+(issue 15), so kills and updates also hit requests waiting in a batch. It counts requests sent, ok replies, error replies (by code), requests never
 answered (must be 0), duplicate replies (must be 0), wrong results (compared with the monolithic
 model; must be 0), and the time from each fault to the first ok reply after it.
 
-    python -m experiments.chaos [--duration 60] [--rate 6] [--seed 1] [--repo model_repo]
+    python -m experiments.chaos [--duration 60] [--rate 6] [--seed 1] [--repo model_repo] [--batching]
 """
 from __future__ import annotations
 
@@ -42,10 +43,20 @@ TOPOLOGIES = [
 ]
 
 
-def topology_body(i: int) -> tuple[str, dict]:
+#: The blocks every topology's tasks share; ``--batching`` batches these.
+SHARED = ("b1", "b2", "b3")
+#: ``--batching``: a fixed delay, so batches form even at the chaos run's low rate.
+BATCHING = {"max_batch": 4, "max_queue_delay_us": 50_000}
+
+
+def topology_body(i: int, batching: dict | None = None) -> tuple[str, dict]:
     label, blocks, tasks = TOPOLOGIES[i % len(TOPOLOGIES)]
     body = {"transport": "tensormq", "blocks": _blocks(blocks),
             "tasks": [{"id": t, "path": p} for t, p in tasks.items()]}
+    if batching:
+        for b in body["blocks"]:
+            if b["name"] in SHARED:
+                b["batching"] = dict(batching)
     if i % len(TOPOLOGIES) == 3:  # a changed spec forces a replacement of b2
         for b in body["blocks"]:
             if b["name"] == "b2":
@@ -54,14 +65,15 @@ def topology_body(i: int) -> tuple[str, dict]:
 
 
 def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 1, fault_every: float = 4.0,
-              timeout: float = 20.0, log=print) -> dict:
+              timeout: float = 20.0, log=print, batching: dict | None = None) -> dict:
     from blockflow.demo import start_server, stop_server
     from blockflow.loadgen import DEADLINE, UNANSWERED, generate_load
     from blockflow.restclient import RestError, call
     from blockflow.blocks.repository import load_block
 
     rng = random.Random(seed)
-    log(f"chaos: seed {seed}, {duration:.0f}s at {rate}/s, a fault every ~{fault_every}s")
+    log(f"chaos: seed {seed}, {duration:.0f}s at {rate}/s, a fault every ~{fault_every}s"
+        + (f", shared blocks batched {batching}" if batching else ""))
     gen = torch.Generator().manual_seed(seed)
     inputs = [torch.randn(1, 3, 224, 224, generator=gen) for _ in range(4)]
     full = load_block(repo, f"{MODEL}/full.pt")
@@ -79,7 +91,7 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
     url = info["rest"]
     faults: list[dict] = []
     try:
-        call("POST", f"{url}/system/update", topology_body(0)[1])
+        call("POST", f"{url}/system/update", topology_body(0, batching)[1])
         t_start = time.monotonic()
         stop_at = t_start + duration
 
@@ -113,7 +125,7 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
             else:
                 kind = "update"
                 topo += 1
-                label, body = topology_body(topo)
+                label, body = topology_body(topo, batching)
                 detail = label
                 try:
                     call("POST", f"{url}/system/update", body)
@@ -161,20 +173,41 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
             f["recovery_s"] = (min(after) - f["_t"]) if after else None
             del f["_t"]
         final = call("GET", f"{url}/system")
+        batched = _batch_sizes(url, final) if batching else {}
     finally:
         code = stop_server(proc)
     rec = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]
-    report = {"seed": seed, "duration_s": duration, "rate": rate, **counts,
+    report = {"seed": seed, "duration_s": duration, "rate": rate, "batching": batching, **counts,
               "errors_total": sum(counts["errors"].values()), "faults": faults,
               "recovery_s": {"max": max(rec) if rec else None,
                              "median": sorted(rec)[len(rec) // 2] if rec else None},
               "restarts": {b["name"]: b["restarts"] for b in final["blocks"]},
               "dispatcher_restarts": (final.get("dispatcher") or {}).get("restarts"),
-              "server_exit_code": code}
+              "server_exit_code": code, "batched_requests": batched}
     log(f"chaos: sent {counts['sent']}, ok {counts['ok']}, errors {counts['errors']}, never answered "
         f"{counts['never_answered']}, duplicates {counts['duplicates']}, wrong {counts['wrong']}, "
         f"recovery max {report['recovery_s']['max']}")
     return report
+
+
+def _batch_sizes(url: str, system: dict) -> dict:
+    """Per shared block, how many requests its KPI log shows served in a batch of two or more
+    (what the live incarnation recorded; a killed one's unflushed records are lost with it)."""
+    from blockflow.restclient import RestError, call
+    out = {}
+    for b in system["blocks"]:
+        if b["name"] not in SHARED or b["status"] != "ready":
+            continue
+        try:
+            call("POST", f"{url}/blocks/{b['name']}/kpi")
+        except RestError:
+            continue
+        path = os.path.join(system["run_dir"], f"{b['name']}.latency.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                recs = [json.loads(line) for line in f if line.strip()]
+            out[b["name"]] = sum(1 for r in recs if r.get("requests_in_batch", 1) > 1)
+    return out
 
 
 def main(argv=None) -> int:
@@ -188,14 +221,18 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="20 s instead of the default")
     ap.add_argument("--out", help="results directory (default: the git-ignored experiments/results/_runs/<machine>; "
                                   "committing results is explicit: --out experiments/results/<machine>)")
+    ap.add_argument("--batching", action="store_true",
+                    help=f"batch the shared blocks {', '.join(SHARED)} across tasks ({BATCHING})")
     args = ap.parse_args(argv)
     if not os.path.exists(os.path.join(args.repo, MODEL, "block4-x.pt")):
         from blockflow.blocks.repository import export_model
         export_model(MODEL, args.repo, blocks=4, variants={"x": ["block4", "head"]})
-    report = run_chaos(args.repo, 20.0 if args.quick else args.duration, args.rate, args.seed, args.fault_every)
+    report = run_chaos(args.repo, 20.0 if args.quick else args.duration, args.rate, args.seed, args.fault_every,
+                       batching=BATCHING if args.batching else None)
     from experiments.common import env_info, write_json
     settings = {"duration_s": 20.0 if args.quick else args.duration, "rate": args.rate, "seed": args.seed,
-                "fault_every_s": args.fault_every, "quick": args.quick, "model": MODEL}
+                "fault_every_s": args.fault_every, "quick": args.quick, "model": MODEL,
+                "batching": BATCHING if args.batching else None}
     write_json(args.out, "chaos", {"env": env_info(settings), "settings": settings, **report})
     bad = report["never_answered"] or report["duplicates"] or report["wrong"]
     return 1 if bad else 0

@@ -489,6 +489,21 @@ def multi_gpu_text(d: dict) -> str:
         f"PDI {p}: {_f(v)}x (thesis ~{th.get(str(p), th.get(p, '–'))}x)" for p, v in sorted(r.items())) + "."
 
 
+def batching(d: dict) -> str:
+    (lu, ru), (lb, rb) = list(d["rows"].items())
+    rows = [[_f(u["offered_rps"], 0), _f(u["delivered_rps"]), _f(u["latency_ms"].get("p99"), 0),
+             _f(u.get("block_cpu_ms_per_reply"), 0), _f(b["delivered_rps"]), _f(b["latency_ms"].get("p99"), 0),
+             _f(b.get("block_cpu_ms_per_reply"), 0)] for u, b in zip(ru, rb)]
+    s, c = d["summary"], d.get("compute", {}).get("rows", [])
+    bound = "; ".join(f"batch {r['batch']}: {_f(r['ms_per_image'], 1)} ms/image, bound {_f(r['bound_rps'], 1)} req/s"
+                      for r in c)
+    return (_table(["offered req/s", f"{lu} req/s", "p99 ms", "CPU ms/reply", f"{lb} req/s", "p99 ms",
+                    "CPU ms/reply"], rows)
+            + f"\n\nSaturation gain {_f(s['saturation_gain'])}x (goal 1.3x CPU, 3x GPU); p99 ratio at "
+            f"{_f(s['half_load_rate'], 0)} req/s {_f(s['p99_ratio_at_half_load'])} (goal <= 1.1)."
+            + (f" Path alone ({d['compute']['cores']} cores): {bound}." if c else ""))
+
+
 def skipped(d: dict) -> str:
     return f"Not run here: {d.get('reason', 'skipped')}"
 
@@ -496,7 +511,7 @@ def skipped(d: dict) -> str:
 SECTIONS = [("offline_blocks", offline_blocks), ("rtt", rtt), ("pipeline_latency", pipeline_latency),
             ("hop_overhead", hop_overhead), ("batch_scaling", batch_scaling), ("multiclient", multiclient),
             ("throughput", throughput), ("utilization", utilization), ("energy", energy),
-            ("memory_model", memory_model), ("multi_gpu", multi_gpu)]
+            ("memory_model", memory_model), ("multi_gpu", multi_gpu), ("batching", batching)]
 #: The sentences with numbers in them, per experiment (between ``<!-- text:NAME -->`` markers).
 TEXTS = {"offline_blocks": offline_blocks_text, "rtt": rtt_text, "pipeline_latency": pipeline_latency_text,
          "hop_overhead": hop_overhead_text, "batch_scaling": batch_scaling_text, "multiclient": multiclient_text,

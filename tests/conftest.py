@@ -1,6 +1,7 @@
 """Shared fixtures: a seeded model repository, leak checks, a real server on free ports."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -71,9 +72,21 @@ def identity_repo(tmp_path_factory):
 
 def _shm_entries() -> set[str]:
     try:
-        return {e for e in os.listdir("/dev/shm") if e.startswith("blockflow-")}
+        return {e for e in os.listdir("/dev/shm") if e.startswith("blockflow-") and not _foreign(e)}
     except FileNotFoundError:
         return set()
+
+
+def _foreign(entry: str) -> bool:
+    """A slot directory whose owner record names a live server that is not ours: another test
+    run's or experiment's on the same machine. The leak check neither counts nor removes it."""
+    try:
+        with open(os.path.join("/dev/shm", entry.removesuffix(".owner") + ".owner")) as f:
+            pid = json.load(f)["server"]["pid"]
+        mine = {p.pid for p in psutil.Process().children(recursive=True)}
+        return psutil.pid_exists(pid) and pid not in mine
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 @pytest.fixture

@@ -56,6 +56,32 @@ def test_one_bad_request_fails_only_itself():
     assert torch.equal(out[2], torch.full((2, 2), 6.0))
 
 
+def test_input_slots_go_back_before_the_batch_runs_and_the_fallback_reads_the_copy():
+    """The inputs are given back (inputs_copied) once torch.cat has copied them, before the
+    inference: the producer may refill them at once, so nothing may read them afterwards."""
+    events = []
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            events.append(("infer", x.shape[0]))
+            if x.shape[0] > 1:
+                raise RuntimeError("batch refused")   # forces the one-by-one fallback
+            return x * 2
+
+    xs = [torch.ones(1, 2), torch.full((1, 2), 3.0)]
+
+    def copied():
+        events.append("released")
+        for x in xs:
+            x.fill_(-1.0)   # what an upstream producer refilling the slots would do
+    out = run_batch(Model(), xs, inputs_copied=copied)
+    assert events[0] == "released" and events[1] == ("infer", 2)
+    assert torch.equal(out[0], torch.full((1, 2), 2.0)) and torch.equal(out[1], torch.full((1, 2), 6.0))
+    events.clear()
+    run_batch(Model(), [torch.ones(1, 2)], inputs_copied=copied)
+    assert "released" not in events   # a batch of one is not copied: its slot stays held
+
+
 def test_batched_results_equal_unbatched_ones():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),

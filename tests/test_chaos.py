@@ -21,3 +21,21 @@ def test_chaos_every_request_gets_exactly_one_reply(model_repo, leak_check):
     assert report["server_exit_code"] == 0
     # every fault is followed by a served request
     assert all(f["recovery_s"] is not None for f in report["faults"]), report["faults"]
+
+
+def test_chaos_with_batching_at_the_shared_blocks(model_repo, leak_check):
+    """Issue 15's acceptance: the same faults and updates while b1-b3 batch across the two tasks.
+    A killed or updated block may hold a whole batch: each of its requests still gets one reply."""
+    report = run_chaos(model_repo, duration=20.0, rate=6.0, seed=11, fault_every=3.0,
+                       batching={"max_batch": 4, "max_queue_delay_us": 50_000})
+    kinds = {f["kind"] for f in report["faults"]}
+    assert {"kill_block", "stop_block", "update"} <= kinds, report["faults"]
+    assert report["sent"] > 40
+    assert report["never_answered"] == 0, report
+    assert report["duplicates"] == 0, report
+    assert report["wrong"] == 0, report
+    assert report["ok"] > report["sent"] * 0.5, report
+    assert report["ok"] + report["errors_total"] + report["never_answered"] == report["sent"], report
+    assert report["server_exit_code"] == 0
+    # batches did form: the run tested batching, not one request at a time
+    assert sum(report["batched_requests"].values()) > 0, report["batched_requests"]
