@@ -485,6 +485,8 @@ class Block:
     def release_inputs(self, reqs: list) -> None:
         """The batch copied these requests' inputs: give their slots back to the block upstream
         now, not after the batch's inference and sends (it would wait for them meanwhile)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copy is queued on the GPU: done before the slot goes
         for r in reqs:
             if r.lease is not None:
                 r.lease.release()

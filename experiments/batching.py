@@ -109,7 +109,8 @@ def block_view(server, t0_wall: float, t1_wall: float) -> dict:
         if not os.path.exists(path):
             continue
         with open(path) as f:
-            recs = [r for r in map(json.loads, filter(str.strip, f)) if "error" not in r and t0_wall <= r["ts"] <= t1_wall]
+            recs = [r for r in map(json.loads, filter(str.strip, f))
+                    if "error" not in r and t0_wall <= r["ts"] <= t1_wall]
         if not recs:
             continue
         sizes = [r.get("requests_in_batch", 1) for r in recs]
@@ -245,8 +246,9 @@ def main(argv=None) -> int:
     for label, s in sat.items():
         print(f"saturation {label}: {s['saturation_rps']:.2f} req/s")
     for r in c_rows:
+        bound = f", bound {r['bound_rps']:.1f} req/s" if r["bound_rps"] else ""
         print(f"compute alone at batch {r['batch']}: {r['ms_per_image']:.1f} ms per image "
-              f"({r['speedup_per_image']:.2f}x batch 1)" + (f", bound {r['bound_rps']:.1f} req/s" if r["bound_rps"] else ""))
+              f"({r['speedup_per_image']:.2f}x batch 1){bound}")
     for label, rows in results.items():
         last = rows[-1]["blocks"]
         if last:

@@ -3,9 +3,10 @@
 At seeded random moments it SIGKILLs a block, SIGSTOPs one (a hang) and later resumes it,
 SIGKILLs the dispatcher, and POSTs topology updates that add, replace and remove blocks and
 change paths. With ``--batching`` the blocks both tasks share (b1-b3) batch across tasks
-(issue 15), so kills and updates also hit requests waiting in a batch. It counts requests sent, ok replies, error replies (by code), requests never
-answered (must be 0), duplicate replies (must be 0), wrong results (compared with the monolithic
-model; must be 0), and the time from each fault to the first ok reply after it.
+(issue 15), so kills and updates also hit requests waiting in a batch. It counts requests sent,
+ok replies, error replies (by code), requests never answered (must be 0), duplicate replies (must
+be 0), wrong results (compared with the monolithic model; must be 0), and the time from each fault
+to the first ok reply after it.
 
     python -m experiments.chaos [--duration 60] [--rate 6] [--seed 1] [--repo model_repo] [--batching]
 """
