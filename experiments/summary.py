@@ -113,8 +113,12 @@ def _batching_rows(r: Results) -> list[list]:
         return [["dynamic batching", "not run", "", "`python -m experiments.batching`"]]
     s = d["summary"]
     g = s.get("goals", {})
+    comp = (d.get("compute") or {}).get("rows") or []
+    best = max(comp, key=lambda row: row.get("speedup_per_image", 0), default=None)
+    bound = (f"; the path alone is at best {_x(best['speedup_per_image'])} cheaper per image (batch {best['batch']}),"
+             " the bound on this CPU") if best else ""
     return [["dynamic batching at shared blocks: saturation batched / unbatched",
-             f"{_x(s['saturation_gain'])} ({r.source('batching')})",
+             f"{_x(s['saturation_gain'])}{bound} ({r.source('batching')})",
              f"≥ {g.get('saturation_gain_cpu', 1.3)}x on a CPU: {_met(s['saturation_gain'] >= g.get('saturation_gain_cpu', 1.3))}",
              "`python -m experiments.batching`"],
             ["... p99 at half the unbatched saturation, `auto` / unbatched", _x(s.get("p99_ratio_at_half_load")),
