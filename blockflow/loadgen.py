@@ -174,6 +174,8 @@ def generate_load(address: str, tasks: str | list[str], *, inputs: torch.Tensor 
             pause = next_t - time.monotonic()
             if pause > 0:
                 time.sleep(pause)
+            if time.monotonic() >= stop_at:  # overslept past the window's end: that one is not sent
+                break
             fut = send(c, cid, n, rng, gone)
             n += 1
             if fut is not None:
