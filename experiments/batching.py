@@ -256,7 +256,7 @@ def main(argv=None) -> int:
                   + ", ".join(f"{b} {v['mean_requests_in_batch']:.1f}" for b, v in last.items()))
     print(f"block CPU per reply at {rates[-1]:g} req/s: " + ", ".join(
         f"{lbl} {v:.0f} ms" for lbl, v in summary["block_cpu_ms_per_reply_at_top_rate"].items() if v))
-    print(f"saturation gain {gain:.2f}x (goal >= 1.3x on a CPU); p99 batched/unbatched at {rates[k_half]:g} req/s: "
+    print(f"saturation gain {gain if gain is not None else float('nan'):.2f}x (goal >= 1.3x on a CPU); p99 batched/unbatched at {rates[k_half]:g} req/s: "
           f"{summary['p99_ratio_at_half_load'] or float('nan'):.2f} (goal <= 1.1)")
     return 0
 
