@@ -90,7 +90,7 @@ def offline_blocks(d: dict) -> str:
 def offline_blocks_text(d: dict) -> str:
     sums, full = d.get("offline_sum_ms", {}), d.get("full_model_ms", {})
     parts = [f"{m}: sum of the block means {_f(sums[m])} ms, {_f(sums[m] / full[m])}x the monolithic model's "
-             f"{_f(full[m])} ms" for m in sums if m in full and full[m]]
+             f"{_f(full[m])} ms" for m in sums if sums[m] is not None and full.get(m)]
     script = [r for r in d["rows"] if r["method"] == "script" and r["block"] != "full"]
     big = max(script, key=lambda r: r.get("params", 0)) if script else None
     total = next((r.get("params") for r in d["rows"] if r["method"] == "script" and r["block"] == "full"), None)

@@ -91,8 +91,9 @@ def test_offline_blocks(tmp_path, resnet_repo, leak_check):
     data = load(out, "offline_blocks")
     assert_env(data, n=5, quick=True)
     rows = {(r["method"], r["block"]): r for r in data["rows"]}
-    assert set(rows) == {(m, b) for m in ("script", "trace", "export") for b in ("block1", "block2", "block3",
-                                                                                  "block4", "head", "full")}
+    # --quick loads .pt2 programs for block1 and full only (each load costs seconds)
+    assert set(rows) == {(m, b) for m in ("script", "trace") for b in ("block1", "block2", "block3", "block4", "head",
+                                                                        "full")} | {("export", "block1"), ("export", "full")}
     for r in rows.values():
         assert_stats(r["latency_ms"], n=5)
         assert r["params"] > 0 and r["rss_after_load_mb"] > r["rss_before_load_mb"] > 0
@@ -102,11 +103,12 @@ def test_offline_blocks(tmp_path, resnet_repo, leak_check):
     blocks_params = sum(rows[("script", b)]["params"] for b in ("block1", "block2", "block3", "block4", "head"))
     assert blocks_params == rows[("script", "full")]["params"]
     assert all(rows[("export", b)]["load_s"] > 0 for b in ("block1", "full"))  # .pt2 programs load and run
-    for m in ("script", "trace", "export"):
+    for m in ("script", "trace"):
         expect = sum(rows[(m, b)]["latency_ms"]["mean"] for b in ("block1", "block2", "block3", "block4", "head"))
         assert data["offline_sum_ms"][m] == pytest.approx(expect)
+    assert data["offline_sum_ms"]["export"] is None  # not every block was measured
     with open(os.path.join(out, "offline_blocks_times.csv")) as f:
-        assert sum(1 for _ in csv.reader(f)) == 1 + 18 * 5
+        assert sum(1 for _ in csv.reader(f)) == 1 + 14 * 5
     assert_png(out, "offline_blocks_params.png")
     assert_png(out, "offline_blocks_latency.png")
     assert "offline sum of block means" in stdout
