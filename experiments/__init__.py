@@ -47,7 +47,7 @@ EXPERIMENTS = [
 #: own settings (1000 inferences, 120 s series, ...) would take hours on 2 cores. A GPU machine
 #: runs the scripts' defaults, which are the thesis's.
 CPU_SETTINGS = {
-    "offline_blocks": ["--n", "300"],                                         # 2
+    "offline_blocks": ["--n", "50", "--export"],                              # 3.5 (the README compares formats)
     "rtt": ["--n", "3000"],                                                   # 1.5
     "pipeline_latency": ["--duration", "20"],                                 # 2.5
     "hop_overhead": ["--n", "100"],                                           # 3
