@@ -28,6 +28,7 @@ EXPERIMENTS = [
     "multi_gpu",         # Figs 4.15-4.16 (>= 2 GPUs only)
     "kserve_cost",       # the Open Inference Protocol against the ZeroMQ client
     "batching",          # dynamic batching at shared blocks (issue 15)
+    "peers",             # Ray Serve beside BlockFlow (issue 16; skipped without the [peers] extra)
 ]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -171,6 +171,14 @@ SECTIONS = [("offline_blocks", offline_blocks), ("rtt", rtt), ("pipeline_latency
             ("memory_model", memory_model), ("multi_gpu", None)]
 
 
+def peers(d: dict) -> str:
+    from .peers import table  # experiments/peers.py owns its table
+    return table(d)
+
+
+SECTIONS.append(("peers", peers))
+
+
 def section(out: str, name: str) -> str:
     fn = dict(SECTIONS)[name]
     d = _load(out, name)
