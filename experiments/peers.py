@@ -605,24 +605,24 @@ def plot(d: dict, out: str) -> None:
     short = {"blockflow": "BF 5 blocks", "blockflow_fused": "BF fused", "ray_composed": "Ray 5 depl.",
              "ray_single": "Ray 1 depl."}
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    cold = [k for k in cols if s[k]["startup"].get("cold_s") is not None]
     panels = [
-        (axes[0][0], "latency p50 (ms)", lambda k: s[k]["latency_ms"]["p50"], lambda k: s[k]["latency_ms"]["p99"]),
-        (axes[0][1], f"throughput, {d['settings']['clients']} clients (req/s)",
+        (axes[0][0], "latency p50 (ms)", cols, lambda k: s[k]["latency_ms"]["p50"], lambda k: s[k]["latency_ms"]["p99"]),
+        (axes[0][1], f"throughput, {d['settings']['clients']} clients (req/s)", cols,
          lambda k: s[k]["throughput"]["throughput_rps"], None),
-        (axes[1][0], "RSS of all processes (MB)", lambda k: s[k]["memory"]["rss_mb"], None),
-        (axes[1][1], "start-up to first answer (s)", lambda k: s[k]["startup"].get("cold_s") or 0.0, None),
+        (axes[1][0], "RSS of all processes (MB)", cols, lambda k: s[k]["memory"]["rss_mb"], None),
+        (axes[1][1], "start-up to first answer, cold (s)", cold, lambda k: s[k]["startup"]["cold_s"], None),
     ]
-    for ax, ylabel, val, p99 in panels:
-        bars = ax.bar([short[k] for k in cols], [val(k) for k in cols], color=[colors[k] for k in cols])
+    for ax, ylabel, ks, val, p99 in panels:
+        bars = ax.bar([short[k] for k in ks], [val(k) for k in ks], color=[colors[k] for k in ks])
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
         if p99:
-            ax.scatter([short[k] for k in cols], [p99(k) for k in cols], marker="_", s=300, color="black",
+            ax.scatter([short[k] for k in ks], [p99(k) for k in ks], marker="_", s=300, color="black",
                        label="p99", zorder=3)
             ax.legend(fontsize=8)
         ax.set_ylabel(ylabel)
         ax.set_xlabel("system")
         ax.tick_params(axis="x", labelsize=8)
-    axes[1][1].set_title("cold start (5-block systems only)", fontsize=9)
     ax = axes[0][2]
     keys = [(kind, size) for kind in HOP_KINDS for size in HOP_SIZES
             if any(h["block"] == kind and h["size"] == size for h in d["hops"])]
@@ -632,13 +632,15 @@ def plot(d: dict, out: str) -> None:
         for kind, size in keys:
             h = next((h for h in d["hops"] if h["system"] == system and h["block"] == kind and h["size"] == size), None)
             vals.append(max(h["per_hop_median_ms"], 1e-3) if h else 0.0)
-        ax.bar([i + (j - 0.5) * width for i in range(len(keys))], vals, width, label=short[system],
-               color=colors[system])
+        bars = ax.bar([i + (j - 0.5) * width for i in range(len(keys))], vals, width, label=short[system],
+                      color=colors[system])
+        ax.bar_label(bars, fmt="%.2g", fontsize=8)
     ax.set_xticks(range(len(keys)), [f"{k}\n{s_}" for k, s_ in keys], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("per hop, median (ms, log)")
     ax.set_xlabel("block kind and tensor size")
-    ax.legend(fontsize=8)
+    ax.set_ylim(top=ax.get_ylim()[1] * 3)  # room for the labels and the legend
+    ax.legend(fontsize=8, loc="upper left")
     ax = axes[1][2]
     ax.bar([short[k] for k in cols], [s[k]["startup"]["deploy_s"] for k in cols], color=[colors[k] for k in cols])
     ax.set_ylabel("deploy to first answer (s)")
