@@ -37,6 +37,7 @@ EXPERIMENTS = [
     "batching",          # dynamic batching at shared blocks (issue 15)
     "fused",             # fused blocks vs the monolithic model (issue 11)
     "validation_cost",   # hand-written checks vs pydantic/msgspec (issue 11)
+    "peers",             # Ray Serve beside BlockFlow (issue 16; skipped without the [peers] extra)
     "chaos",             # faults under load (reliability)
     "fuzz",              # garbage at the data plane (reliability)
     "soak",              # steady load with topology updates (reliability)

@@ -527,6 +527,14 @@ def _safe(fn, d: dict, name: str) -> str:
         return f"– ({name}.json lacks what this report reads: {type(exc).__name__} {exc}; rerun the experiment)"
 
 
+def peers(d: dict) -> str:
+    from .peers import table  # experiments/peers.py owns its table
+    return table(d)
+
+
+SECTIONS.append(("peers", peers))
+
+
 def section(out: str, name: str) -> str:
     fn = dict(SECTIONS).get(name)
     d = _load(out, name)
