@@ -513,7 +513,7 @@ def run(repo: str, cfg: dict) -> tuple[dict, list[dict], dict]:
         hops = []
         for kind in HOP_KINDS:
             hops += interleaved_hops({"blockflow": bf.hop_call(kind), "ray_composed": ray.hop_call(kind)}, kind,
-                                     cfg["hop_sizes"], cfg["hop_n"], cfg["chain"], cfg["warm"])
+                                     cfg["hop_sizes"], cfg["hop_n"], cfg["chain"], min(cfg["warm"], 2))
     return systems, hops, ray.report
 
 
