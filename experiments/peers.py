@@ -656,7 +656,8 @@ def _ray_files() -> set[str]:
     found = set()
     for d in ("/dev/shm", "/tmp"):
         with contextlib.suppress(OSError):
-            found |= {os.path.join(d, n) for n in os.listdir(d) if "ray" in n.lower() or "plasma" in n.lower()}
+            found |= {os.path.join(d, n) for n in os.listdir(d)
+                      if n == "ray" or n.startswith(("rayp-", "plasma", "ray_spilled_objects", "ray-"))}
     return found
 
 
