@@ -513,7 +513,7 @@ def run(repo: str, cfg: dict) -> tuple[dict, list[dict], dict]:
         hops = []
         for kind in HOP_KINDS:
             hops += interleaved_hops({"blockflow": bf.hop_call(kind), "ray_composed": ray.hop_call(kind)}, kind,
-                                     cfg["hop_sizes"], cfg["hop_n"], cfg["chain"], cfg["warm"])
+                                     cfg["hop_sizes"], cfg["hop_n"], cfg["chain"], min(cfg["warm"], 2))
     return systems, hops, ray.report
 
 
@@ -656,7 +656,8 @@ def _ray_files() -> set[str]:
     found = set()
     for d in ("/dev/shm", "/tmp"):
         with contextlib.suppress(OSError):
-            found |= {os.path.join(d, n) for n in os.listdir(d) if "ray" in n.lower() or "plasma" in n.lower()}
+            found |= {os.path.join(d, n) for n in os.listdir(d)
+                      if n == "ray" or n.startswith(("rayp-", "plasma", "ray_spilled_objects", "ray-"))}
     return found
 
 
