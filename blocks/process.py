@@ -325,7 +325,9 @@ class Block:
         for t in self.threads:
             t.start()
         try:
-            self.inference_loop()
+            # once for the thread, not per request (entering it costs more than an identity model)
+            with torch.inference_mode():
+                self.inference_loop()
         finally:
             self.shutdown()
         return self.exit_code
@@ -448,10 +450,9 @@ class Block:
         if req is None:
             return
         try:
-            with torch.inference_mode():
-                y = self.model(req.x)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+            y = self.model(req.x)  # inference mode: entered once by run()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         except Exception as exc:
             self.fail(req, exc)
             return

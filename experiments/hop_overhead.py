@@ -13,15 +13,24 @@ Two kinds of block:
   of its own. Its *transport cost* is the per-hop time minus the block's own compute (the
   median ``inf`` component the blocks record).
 
+and, measured in the same run, the *floor*: chains of bare pyzmq relay processes (receive, send
+the same parts on) passing what a hop passes -- the header alone (tensormq's handle) or the
+header and the tensor's bytes (zeromq). No Python block can hop faster than its floor.
+
+Both kinds of block share one deployment per transport (process start-up, mostly importing
+torch, is most of a short run). Each size is sampled until ``--n`` samples or, once
+``--least`` are in, ``--budget`` seconds, so that 103 MB ZeroMQ hops do not stretch the run.
 Sizes: ResNet50's stage outputs at batch 1 and 32. Run:
 
     python -m experiments.hop_overhead [--quick] [--device cpu|cuda] [--out DIR]
-        [--blocks identity,copy] [--batches 1,32] [--stages block1,block4]
+        [--blocks identity,copy] [--batches 1,32] [--stages block1,block4] [--chain K]
+        [--n N] [--least N] [--budget S] [--no-floor]
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shutil
 import statistics
@@ -49,13 +58,14 @@ class Copy(torch.nn.Module):
 KINDS = {"identity": Identity, "copy": Copy}
 
 
-def _toy_repo(kind: str) -> str:
+def _toy_repo(kinds) -> str:
     repo = tempfile.mkdtemp(prefix="bf-hop-")
     os.makedirs(os.path.join(repo, "toy"))
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.jit.save(torch.jit.script(KINDS[kind]()), os.path.join(repo, "toy", f"{kind}.pt"))
+        for kind in ([kinds] if isinstance(kinds, str) else kinds):
+            torch.jit.save(torch.jit.script(KINDS[kind]()), os.path.join(repo, "toy", f"{kind}.pt"))
     return repo
 
 
@@ -64,19 +74,59 @@ def _pct(values, q):
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
+def _sample(send_short, send_long, n: int, budget: float, least: int):
+    """Paired samples (short, long, result of the long one) until ``n`` or, past ``least``
+    samples, until ``budget`` seconds have gone: a 103 MB ZeroMQ round trip takes a second
+    where a handle takes a millisecond, and the whole run must stay short."""
+    short, long_, out = [], [], []
+    stop = time.monotonic() + budget
+    for i in range(n):
+        t0 = time.perf_counter()
+        send_short()
+        t1 = time.perf_counter()
+        r = send_long()
+        t2 = time.perf_counter()
+        short.append((t1 - t0) * 1e3)
+        long_.append((t2 - t1) * 1e3)
+        out.append(r)
+        if i + 1 >= least and time.monotonic() > stop:
+            break
+    return short, long_, out
+
+
+def _row(transport, kind, shape, device, chain, short, long_) -> dict:
+    per_hop = sorted((l - s) / (chain - 1) for s, l in zip(short, long_))
+    return {"transport": transport, "block": kind, "batch": shape[0], "device": device, "shape": list(shape),
+            "mbytes": math.prod(shape) * 4 / 1e6, "n": len(short), "chain": chain,
+            "rtt1_median_ms": statistics.median(short), "rttK_median_ms": statistics.median(long_),
+            "per_hop_median_ms": (statistics.median(long_) - statistics.median(short)) / (chain - 1),
+            "per_hop_paired_median_ms": statistics.median(per_hop), "per_hop_p99_ms": _pct(per_hop, 0.99)}
+
+
+def _print(row: dict) -> None:
+    print(f"{row['transport']:8s} {row['block']:8s} {str(row['shape']):22s} {row['mbytes']:8.1f} MB  per hop median "
+          f"{row['per_hop_median_ms']:.3f} ms (paired {row['per_hop_paired_median_ms']:.3f}, "
+          f"p99 {row['per_hop_p99_ms']:.3f}, inf {row.get('hop_inf_ms') or 0:.3f}, transport "
+          f"{row['transport_ms']:.3f})  rtt1 {row['rtt1_median_ms']:.3f} ms  n {row['n']}", flush=True)
+
+
 def measure(transport: str, sizes: list[tuple], n: int, chain: int, device: str = "cpu",
-            kind: str = "identity") -> list[dict]:
-    repo = _toy_repo(kind)
-    names = [f"i{k}" for k in range(chain)]
-    blocks = {nm: f"toy/{kind}.pt" for nm in names}
-    tasks = {"short": names[:1], "long": names}
+            kinds=("identity",), budget: float = 2.0, least: int = 10) -> list[dict]:
+    """Chains of every kind of block in one deployment (one start-up per transport)."""
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    repo = _toy_repo(kinds)
+    blocks, tasks = {}, {}
+    for kind in kinds:
+        names = [f"{kind[0]}{k}" for k in range(chain)]
+        blocks.update({nm: f"toy/{kind}.pt" for nm in names})
+        tasks[f"{kind}-short"], tasks[f"{kind}-long"] = names[:1], names
     try:
-        return _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kind)
+        return _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kinds, budget, least)
     finally:
         shutil.rmtree(repo, ignore_errors=True)
 
 
-def _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kind) -> list[dict]:
+def _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kinds, budget, least) -> list[dict]:
     from blockflow.client import Client
     from blockflow.standalone import StandalonePipeline
 
@@ -86,45 +136,149 @@ def _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kind) -> l
     with StandalonePipeline(repo, blocks, tasks, transport=transport, threads=1, env=env, device=device,
                             shm_prefix="bfbench-hop") as p:
         with Client(p.address, timeout=120) as c:
-            for shape in sizes:
-                x = torch.randn(*shape)
-                for _ in range(max(3, n // 10)):  # warm-up: slots, mappings, sockets
-                    c.infer("short", x)
-                    c.infer("long", x)
-                short, long_, comps = [], [], []
-                for i in range(n):
-                    t0 = time.perf_counter()
-                    c.infer("short", x)
-                    t1 = time.perf_counter()
-                    r = c.infer_details("long", x)
-                    t2 = time.perf_counter()
-                    short.append((t1 - t0) * 1e3)
-                    long_.append((t2 - t1) * 1e3)
-                    comps.append(r.hops[1:])  # hops after the first (its wait includes dispatcher ingress)
-                per_hop = sorted((l - s) / (chain - 1) for s, l in zip(short, long_))
-                def comp(key):
-                    vals = [h.get(key, 0.0) for hs in comps for h in hs]
-                    return statistics.median(vals) if vals else None
-                per_hop_ms = (statistics.median(long_) - statistics.median(short)) / (chain - 1)
-                row = {"transport": transport, "block": kind, "batch": shape[0], "device": device, "shape": list(shape),
-                       "mbytes": x.numel() * 4 / 1e6, "n": n, "chain": chain,
-                       "rtt1_median_ms": statistics.median(short), "rttK_median_ms": statistics.median(long_),
-                       "per_hop_median_ms": per_hop_ms,
-                       "per_hop_paired_median_ms": statistics.median(per_hop),
-                       "per_hop_p99_ms": _pct(per_hop, 0.99),
-                       "hop_wait_ms": comp("wait"), "hop_deser_ms": comp("deser"), "hop_inf_ms": comp("inf"),
-                       "hop_share_ms": comp("share")}
-                # what the hop costs beyond the block's own compute (inf includes x + 1)
-                row["transport_ms"] = row["per_hop_paired_median_ms"] - (row["hop_inf_ms"] or 0.0)
-                rows.append(row)
-                print(f"{transport:8s} {kind:8s} {str(list(shape)):22s} {row['mbytes']:8.1f} MB  per hop median "
-                      f"{row['per_hop_median_ms']:.3f} ms (paired {row['per_hop_paired_median_ms']:.3f}, "
-                      f"p99 {row['per_hop_p99_ms']:.3f}, inf {row['hop_inf_ms'] or 0:.3f}, transport "
-                      f"{row['transport_ms']:.3f})  rtt1 {row['rtt1_median_ms']:.3f} ms", flush=True)
+            for kind in kinds:
+                for shape in sizes:
+                    x = torch.randn(*shape)
+                    for _ in range(3):  # warm-up: slots, mappings, sockets
+                        c.infer(f"{kind}-short", x)
+                        c.infer(f"{kind}-long", x)
+                    short, long_, results = _sample(lambda: c.infer(f"{kind}-short", x),
+                                                    lambda: c.infer_details(f"{kind}-long", x), n, budget, least)
+                    comps = [r.hops[1:] for r in results]  # hops after the first (its wait includes dispatcher ingress)
+
+                    def comp(key):
+                        vals = [h.get(key, 0.0) for hs in comps for h in hs]
+                        return statistics.median(vals) if vals else None
+                    row = _row(transport, kind, shape, device, chain, short, long_)
+                    row.update({"hop_wait_ms": comp("wait"), "hop_deser_ms": comp("deser"), "hop_inf_ms": comp("inf"),
+                                "hop_share_ms": comp("share")})
+                    # what the hop costs beyond the block's own compute (inf includes x + 1)
+                    row["transport_ms"] = row["per_hop_paired_median_ms"] - (row["hop_inf_ms"] or 0.0)
+                    rows.append(row)
+                    _print(row)
         left = p.stop()
         if left["left"] != {"slots": [], "sockets": []}:
             log.warning("left behind: %s", left["left"])
     return rows
+
+
+#: A relay: the least a Python process on a PUSH/PULL hop can do (receive, send the same parts on).
+RELAY = """
+import sys, zmq
+ctx = zmq.Context()
+pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+pull.bind(sys.argv[1])
+push.connect(sys.argv[2])
+sys.stdout.write("ready\\n"); sys.stdout.flush()
+while True:
+    frames = pull.recv_multipart(copy=False)
+    push.send_multipart(frames, copy=False)
+    if frames[0].bytes == b"stop":
+        break
+"""
+
+
+def _floor_header(shape, chain: int) -> bytes:
+    """A header as long as the blocks' own at that point of a chain: the floor sends the same parts."""
+    from blockflow.tensormq.wire import dumps
+    desc = {"dtype": "float32", "shape": list(shape), "stride": list(torch.empty(0).new_empty(shape).stride()),
+            "loc": "shm", "seg": "dispatcher-0.123456.1", "gen": 123456, "off": 0, "nbytes": math.prod(shape) * 4}
+    hop = {"b": "i0", "wait": 0.123456789, "deser": 0.0123456789, "dev": 0.000123456, "inf": 0.0123456789,
+           "share": 0.00123456}
+    path = [[f"i{k}", f"ipc:///tmp/bfs-abcdefgh/sock/i{k}-0.sock"] for k in range(1, chain)]
+    return dumps({"v": 1, "t": "data", "rid": 1234567890123456789, "task": "identity-long",
+                  "path": path + [["@return", "ipc:///tmp/bfs-abcdefgh/sock/dispatcher-0.sock"]], "x": desc,
+                  "hops": [hop] * (chain // 2)})
+
+
+def measure_floor(sizes: list[tuple], n: int, chain: int, transports, budget: float = 2.0,
+                  least: int = 10) -> list[dict]:
+    """The floor of a hop on this machine, in the same run: chains of 1 and K relay processes
+    (pyzmq only) passing the parts a BlockFlow hop passes -- the header alone (tensormq), the
+    header and the tensor's bytes (zeromq) -- over ipc:// PUSH/PULL sockets."""
+    import subprocess
+    import zmq
+    work = tempfile.mkdtemp(prefix="bf-hop-floor-")
+    ctx = zmq.Context()
+    back = ctx.socket(zmq.PULL)
+    back.linger = 0
+    back.bind(f"ipc://{work}/back")
+    procs, heads, rows = [], [], []
+    try:
+        for k, tag in ((1, "s"), (chain, "l")):
+            addrs = [f"ipc://{work}/{tag}{i}" for i in range(k)] + [f"ipc://{work}/back"]
+            procs += [subprocess.Popen([sys.executable, "-c", RELAY, addrs[i], addrs[i + 1]], stdout=subprocess.PIPE)
+                      for i in range(k)]
+            head = ctx.socket(zmq.PUSH)
+            head.linger = 0
+            head.connect(addrs[0])
+            heads.append(head)
+        for proc in procs:
+            proc.stdout.readline()
+        short_sock, long_sock = heads
+        poller = zmq.Poller()
+        poller.register(back, zmq.POLLIN)
+
+        def trip(sock, frames):
+            sock.send_multipart(frames, copy=False)
+            if not poller.poll(30_000):
+                raise TimeoutError("a relay of the floor measurement did not answer within 30 s")
+            back.recv_multipart(copy=False)
+        for transport in transports:
+            for shape in sizes:
+                frames = [_floor_header(shape, chain)]
+                if transport == "zeromq":
+                    frames.append(torch.randn(*shape).view(torch.uint8).reshape(-1).numpy())
+                for _ in range(3):
+                    trip(short_sock, frames)
+                    trip(long_sock, frames)
+                short, long_, _ = _sample(lambda: trip(short_sock, frames), lambda: trip(long_sock, frames),
+                                          n, budget, least)
+                row = _row(transport, "floor", shape, "cpu", chain, short, long_)
+                row.update({"hop_wait_ms": None, "hop_deser_ms": None, "hop_inf_ms": None, "hop_share_ms": None,
+                            "transport_ms": row["per_hop_paired_median_ms"]})
+                rows.append(row)
+                _print(row)
+        for head in heads:
+            head.send_multipart([b"stop"])
+    finally:
+        for proc in procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for sock in (back, *heads):
+            sock.close(linger=0)
+        ctx.term()
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    """Per size: the floor, the identity hop and the copying hop's transport cost, both
+    transports, and the issue's two goals (identity <= 0.10 ms; copy tensormq/zeromq <= 0.5)."""
+    def get(kind, transport, shape, key):
+        for r in rows:
+            if r["block"] == kind and r["transport"] == transport and r["shape"] == shape:
+                return r[key]
+        return None
+
+    def f(v):
+        return "-" if v is None else f"{v:.3f}"
+    lines = ["| shape | MB | floor tmq | identity tmq | floor zmq | identity zmq | copy transport tmq | "
+             "copy transport zmq | copy tmq/zmq |", "|---|---|---|---|---|---|---|---|---|"]
+    for shape in sorted({tuple(r["shape"]) for r in rows}, key=lambda s: (s[0], -math.prod(s))):
+        shape = list(shape)
+        ct, cz = get("copy", "tensormq", shape, "transport_ms"), get("copy", "zeromq", shape, "transport_ms")
+        lines.append("| " + " | ".join([
+            "x".join(map(str, shape)), f"{math.prod(shape) * 4 / 1e6:.1f}",
+            f(get("floor", "tensormq", shape, "per_hop_paired_median_ms")),
+            f(get("identity", "tensormq", shape, "per_hop_paired_median_ms")),
+            f(get("floor", "zeromq", shape, "per_hop_paired_median_ms")),
+            f(get("identity", "zeromq", shape, "per_hop_paired_median_ms")), f(ct), f(cz),
+            "-" if ct is None or not cz else f"{ct / cz:.2f}"]) + " |")
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict], out: str) -> None:
@@ -143,6 +297,11 @@ def plot(rows: list[dict], out: str) -> None:
                 key = "per_hop_paired_median_ms" if kind == "identity" else "transport_ms"
                 ax.plot([r["mbytes"] for r in rs], [max(r[key], 1e-3) for r in rs], "o-" if t == "tensormq" else "s--",
                         label=f"{t}, batch {b}")
+                fl = sorted((r for r in rows if r["transport"] == t and r["shape"][0] == b and r["block"] == "floor"),
+                            key=lambda r: r["mbytes"])
+                if fl:  # what two bare pyzmq processes need for the same parts, measured in the same run
+                    ax.plot([r["mbytes"] for r in fl], [max(r["per_hop_paired_median_ms"], 1e-3) for r in fl], ":",
+                            color=ax.lines[-1].get_color(), label=f"floor ({t} parts), batch {b}")
         if kind == "identity":
             ax.axhline(0.10, color="grey", lw=0.8, ls="--", label="goal 0.10 ms")
         ax.set_xscale("log")
@@ -158,33 +317,46 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.hop_overhead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer samples and sizes (smoke run)")
-    ap.add_argument("--n", type=int, help="samples per size (default 200, quick 20)")
-    ap.add_argument("--chain", type=int, default=4, help="identity blocks in the long chain (default 4)")
+    ap.add_argument("--n", type=int, help="most samples per size (default 200, quick 20)")
+    ap.add_argument("--budget", type=float, help="seconds of sampling per size once --least samples are in "
+                                                 "(default 1.0, quick 0.3)")
+    ap.add_argument("--least", type=int, help="fewest samples per size (default 10, quick 5)")
+    ap.add_argument("--chain", type=int, help="blocks in the long chain (default 3, quick 2)")
     ap.add_argument("--transports", default="tensormq,zeromq")
     ap.add_argument("--device", default="cpu", help="where the blocks run: cpu, cuda or cuda:N")
     ap.add_argument("--blocks", default="identity,copy", help="kinds of block: identity, copy (default both)")
+    ap.add_argument("--no-floor", action="store_true", help="skip the floor rows (bare pyzmq relays)")
     ap.add_argument("--batches", help="batch sizes (default 1,32; quick 1)")
     ap.add_argument("--stages", help=f"ResNet50 stage outputs to send (default all; quick block1,block4): "
                                      f"{','.join(STAGES)}")
     ap.add_argument("--out", help="results directory (default experiments/results/<machine>)")
     args = ap.parse_args(argv)
     n = args.n or (20 if args.quick else 200)
+    budget = args.budget if args.budget is not None else (0.3 if args.quick else 1.0)
+    least = min(n, args.least or (5 if args.quick else 10))
+    chain = args.chain or (2 if args.quick else 3)
+    if chain < 2:
+        ap.error("--chain must be at least 2 (a hop is the difference between chains of 1 and K blocks)")
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1] if args.quick else [1, 32])
     stages = args.stages.split(",") if args.stages else (["block1", "block4"] if args.quick else list(STAGES))
-    unknown = [s for s in stages if s not in STAGES] + [k for k in args.blocks.split(",") if k not in KINDS]
+    kinds = args.blocks.split(",")
+    unknown = [s for s in stages if s not in STAGES] + [k for k in kinds if k not in KINDS]
     if unknown:
         ap.error(f"unknown stage or block kind: {', '.join(unknown)}")
     sizes = [(b, *STAGES[s]) for b in batches for s in stages]
-    rows = []
-    for kind in args.blocks.split(","):
-        for t in args.transports.split(","):
-            rows += measure(t, sizes, n, args.chain, args.device, kind)
+    transports = args.transports.split(",")
+    started = time.monotonic()
+    rows = [] if args.no_floor else measure_floor(sizes, n, chain, transports, budget, least)
+    for t in transports:
+        rows += measure(t, sizes, n, chain, args.device, kinds, budget, least)
+    print(summary(rows))
+    print(f"took {time.monotonic() - started:.0f} s")
     from experiments.common import env_info, results_dir, write_json
     out = results_dir(args.out)
     write_json(out, "hop_overhead", {"env": env_info(),
-                                     "settings": {"n": n, "chain": args.chain, "quick": args.quick,
-                                                  "device": args.device, "blocks": args.blocks, "batches": batches,
-                                                  "stages": stages},
+                                     "settings": {"n": n, "budget_s": budget, "least": least, "chain": chain,
+                                                  "quick": args.quick, "device": args.device, "blocks": args.blocks,
+                                                  "floor": not args.no_floor, "batches": batches, "stages": stages},
                                      "rows": rows})
     try:
         plot(rows, out)

@@ -70,7 +70,6 @@ import re
 import stat
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -357,18 +356,35 @@ class SlotPool:
                 s.close()
 
 
-@dataclass
 class Mapped:
-    mm: mmap.mmap
-    data: torch.Tensor  # uint8 over the data area (the header is viewed per access: a
-                        # lasting view would keep the mapping from ever being closed)
+    """One slot mapped by a consumer, with the views every handle of it reuses: its header
+    words and its data area (as uint8 and per dtype). Made once per slot, not per message.
+    ``drop()`` lets go of the views before it closes the mapping (a view would keep it open)."""
+
+    __slots__ = ("mm", "hdr", "data", "typed")
+
+    def __init__(self, mm: mmap.mmap, data: torch.Tensor):
+        self.mm = mm
+        self.hdr = _header(mm)
+        self.data = data  # uint8 over the data area
+        self.typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def as_dtype(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The data area viewed as ``dtype`` (None when its size is not a multiple of the item)."""
+        typed = self.typed.get(dtype)
+        if typed is None:
+            if self.data.numel() % dtype.itemsize:
+                return None
+            typed = self.typed[dtype] = self.data.view(dtype)
+        return typed
 
     def drop(self) -> None:
-        self.data = None
+        self.data = self.hdr = None
+        self.typed = {}
         try:
             self.mm.close()
-        except BufferError:  # a tensor still views it; the mapping goes when that tensor does
-            pass
+        except BufferError:  # a tensor still views it; the mapping goes when that tensor does,
+            self.hdr = _header(self.mm)  # and until then that tensor's lease still releases through it
 
 
 class SlotMapper:
@@ -394,13 +410,12 @@ class SlotMapper:
         size = len(mm)
         hdr = _header(mm)
         magic, cap = int(hdr[W_MAGIC]), int(hdr[W_CAPACITY])
+        del hdr
         if magic != MAGIC or cap + HEADER > size:
-            del hdr
             mm.close()
             raise WireError(f"x.seg {seg} is not a TensorMQ slot")
         data = (torch.frombuffer(mm, dtype=torch.uint8, offset=HEADER, count=cap) if cap
                 else torch.empty(0, dtype=torch.uint8))
-        del hdr
         m = Mapped(mm, data)
         self.maps[seg] = m
         while len(self.maps) > self.max_mappings:
@@ -416,9 +431,8 @@ class SlotMapper:
         if not isinstance(gen, int) or isinstance(gen, bool) or gen < 0:
             raise WireError("x.gen must be a non-negative integer")
         m = self._open(seg)
-        hdr = _header(m.mm)
+        hdr = m.hdr
         freed = int(hdr[W_GENERATION]) == gen and int(hdr[W_RELEASED]) != gen
-        del hdr
         if freed:
             release_slot(m, gen)
         return freed
@@ -426,16 +440,14 @@ class SlotMapper:
     @staticmethod
     def check_kind(m: Mapped, seg: str, loc: str) -> None:
         """Refuse a handle whose loc does not match what the slot's data area holds."""
-        hdr = _header(m.mm)
-        kind = int(hdr[W_KIND])
-        del hdr
+        kind = int(m.hdr[W_KIND])
         if kind != KIND_OF_LOC.get(loc):
             raise WireError(f"x.seg {seg} is not a {loc} slot; handle refused")
 
     @staticmethod
     def check_in_flight(m: Mapped, seg: str, gen: int) -> None:
         """Refuse a handle whose generation is not the one the slot is in flight with."""
-        hdr = _header(m.mm)
+        hdr = m.hdr
         cur_gen, released = int(hdr[W_GENERATION]), int(hdr[W_RELEASED])
         if cur_gen != gen or released == cur_gen:
             state = "free" if released == cur_gen else "in flight"
@@ -457,9 +469,10 @@ class SlotMapper:
         self.check_kind(m, seg, "shm")
         self.check_in_flight(m, seg, gen)
         cap = m.data.numel()
-        if off % desc.itemsize or off + max(nbytes, desc.span_bytes()) > cap or desc.span_bytes() > nbytes:
+        span = desc.span_bytes()
+        if off % desc.itemsize or off + max(nbytes, span) > cap or span > nbytes:
             raise WireError(f"x.off/x.nbytes/x.shape describe memory outside slot {seg}")
-        typed = m.data.view(desc.dtype) if cap % desc.itemsize == 0 else None
+        typed = m.as_dtype(desc.dtype)
         if typed is None:
             raise WireError(f"slot {seg} is not aligned for {dtype_name(desc.dtype)}")
         tensor = torch.as_strided(typed, desc.shape, desc.stride, off // desc.itemsize)
@@ -487,6 +500,8 @@ class ShmLease:
             return False
         base = data.data_ptr()
         ptr = tensor.data_ptr()
+        if not base <= ptr < base + data.numel():
+            return False  # the usual answer (a new output tensor), found without a descriptor
         span = TensorDesc.of(tensor, "shm").span_bytes()
         return base <= ptr and ptr + span <= base + data.numel()
 
@@ -509,9 +524,8 @@ def release_slot(mapped: Mapped, gen: int) -> None:
 
     One aligned store into a word only consumers write: the producer cannot reuse the slot
     until it sees this exact generation, so no interleaving makes it free a later one."""
-    try:
-        hdr = _header(mapped.mm)
-    except ValueError:  # mapping closed under us (evicted, or the block is stopping)
+    hdr = mapped.hdr
+    if hdr is None:  # mapping closed under us (evicted, or the block is stopping)
         return
     if int(hdr[W_GENERATION]) == gen:
         hdr[W_RELEASED] = gen

@@ -40,6 +40,8 @@ MAX_TENSOR_BYTES = settings.MAX_TENSOR_BYTES
 MAX_DIMS = 8
 #: Longest path a message may carry.
 MAX_PATH = 64
+#: Largest size or stride of one dimension.
+_DIM_LIMIT = 1 << 40
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -63,8 +65,12 @@ class WireError(ValueError):
     """A frame that does not follow the wire format. The message names the field."""
 
 
+#: One encoder for every header: json.dumps() with separators builds a new one per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def dumps(obj: dict) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
+    return _ENCODER.encode(obj).encode()
 
 
 def loads_header(frame, limit: int = MAX_HEADER_BYTES) -> dict:
@@ -147,9 +153,12 @@ class TensorDesc:
             raise WireError(f"x.dtype {name!r:.40} is not supported; use one of {', '.join(DTYPES)}")
         shape, stride = x.get("shape"), x.get("stride")
         for key, val in (("shape", shape), ("stride", stride)):
-            if (not isinstance(val, list) or len(val) > MAX_DIMS
-                    or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 40) for v in val)):
+            # type() is: a bool is not a dimension (JSON decodes only plain ints); one loop, no generator
+            if type(val) is not list or len(val) > MAX_DIMS:
                 raise WireError(f"x.{key} must be a list of at most {MAX_DIMS} non-negative integers")
+            for v in val:
+                if type(v) is not int or not 0 <= v < _DIM_LIMIT:
+                    raise WireError(f"x.{key} must be a list of at most {MAX_DIMS} non-negative integers")
         if len(shape) != len(stride):
             raise WireError(f"x.shape has {len(shape)} dimensions but x.stride has {len(stride)}")
         # a zero-sized tensor passes the byte limit whatever its other dimensions, but torch
