@@ -51,15 +51,16 @@ CPU_SETTINGS = {
     "offline_blocks": ["--n", "50", "--export"],                              # 3.5 (the README compares formats)
     "rtt": ["--n", "3000"],                                                   # 1.5
     "pipeline_latency": ["--duration", "20"],                                 # 2.5
-    "hop_overhead": ["--n", "100"],                                           # 3
-    "batch_scaling": ["--n", "12"],                                           # 3.5
-    "multiclient": ["--clients", "1,2,3,4,6,8,10", "--duration", "10"],       # 3
-    "throughput": ["--rates", "2,4,6,8,10,12,16,20", "--duration", "10"],     # 4
+    "hop_overhead": ["--budget", "3"],                                        # 3
+    "batch_scaling": [],                                                      # 2 (3 s per series and batch)
+    "multiclient": ["--clients", "1,2,4,8", "--duration", "8"],               # 2.5
+    "throughput": ["--rates", "2,6,10,14,20", "--duration", "8"],             # 3
     "utilization": ["--duration", "30"],                                      # 1.5
     "memory_model": [],                                                       # 3
     "kserve_cost": [],                                                        # 1
     "fused": [],                                                              # 2.5
     "validation_cost": [],                                                    # 0.2
+    "peers": [],                                                              # 5 (skipped without [peers])
     "batching": ["--rates", "6,12,20", "--duration", "10"],                   # 2
     "chaos": ["--duration", "60"],                                            # 1.5
     "fuzz": [],                                                               # 0.5
