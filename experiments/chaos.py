@@ -13,6 +13,7 @@ to the first ok reply after it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
