@@ -95,9 +95,13 @@ def _hop_rows(r: Results) -> list[list]:
             if i:
                 vals.append(f"batch {b}: {_ms(i['per_hop_paired_median_ms'], 3)}"
                             + (f" (bare pyzmq floor {_ms(f['per_hop_paired_median_ms'], 3)})" if f else ""))
-        ok = all(i["per_hop_paired_median_ms"] <= 0.10 for i in ident.values() if i)
+        vals_ms = [i["per_hop_paired_median_ms"] for i in ident.values() if i]
+        # a negative median means the round-trip difference is noise (the client-dispatcher transfer
+        # varies more than a hop costs): the goal is then neither met nor missed
+        ok = None if any(v <= 0 for v in vals_ms) else all(v <= 0.10 for v in vals_ms)
+        verdict = "not measurable this way (a negative median: noise larger than the hop)" if ok is None else _met(ok)
         out.append(["TensorMQ identity hop, per hop, paired median (client round-trip differences)",
-                    "; ".join(vals) + f" ({r.source('hop_overhead')})", f"≤ 0.10 ms: {_met(ok)}", cmd])
+                    "; ".join(vals) + f" ({r.source('hop_overhead')})", f"≤ 0.10 ms: {verdict}", cmd])
     ratios = []
     for b in (1, 32):
         ct, cz = pick("copy", "tensormq", b, 3.2), pick("copy", "zeromq", b, 3.2)
