@@ -261,18 +261,12 @@ def write_toys(repo: str) -> None:
     repository, as common.traced_repo keeps its files)."""
     import torch
 
-    class Identity(torch.nn.Module):
-        def forward(self, x):
-            return x
-
-    class Copy(torch.nn.Module):
-        def forward(self, x):
-            return x + 1
+    from experiments.hop_overhead import KINDS  # the same identity and x + 1 modules hop_overhead serves
 
     os.makedirs(os.path.join(repo, TOYS), exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for kind, cls in (("identity", Identity), ("copy", Copy)):
+        for kind, cls in KINDS.items():
             torch.jit.save(torch.jit.script(cls()), os.path.join(repo, TOYS, f"{kind}.pt"))
 
 

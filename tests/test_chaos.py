@@ -8,10 +8,9 @@ import pytest
 from experiments.chaos import run_chaos
 
 
-def test_chaos_every_request_gets_exactly_one_reply(model_repo, leak_check):
-    report = run_chaos(model_repo, duration=22.0, rate=5.0, seed=7, fault_every=3.0)
-    kinds = {f["kind"] for f in report["faults"]}
-    assert {"kill_block", "stop_block", "kill_dispatcher", "update"} <= kinds, report["faults"]
+def assert_one_reply_each(report: dict) -> None:
+    """Every request sent ended with exactly one outcome, most of them results, and the server
+    exited cleanly."""
     assert report["sent"] > 40
     assert report["never_answered"] == 0, report
     assert report["duplicates"] == 0, report
@@ -19,6 +18,13 @@ def test_chaos_every_request_gets_exactly_one_reply(model_repo, leak_check):
     assert report["ok"] > report["sent"] * 0.5, report
     assert report["ok"] + report["errors_total"] + report["never_answered"] == report["sent"], report
     assert report["server_exit_code"] == 0
+
+
+def test_chaos_every_request_gets_exactly_one_reply(model_repo, leak_check):
+    report = run_chaos(model_repo, duration=22.0, rate=5.0, seed=7, fault_every=3.0)
+    kinds = {f["kind"] for f in report["faults"]}
+    assert {"kill_block", "stop_block", "kill_dispatcher", "update"} <= kinds, report["faults"]
+    assert_one_reply_each(report)
     # every fault is followed by a served request
     assert all(f["recovery_s"] is not None for f in report["faults"]), report["faults"]
 
@@ -30,12 +36,6 @@ def test_chaos_with_batching_at_the_shared_blocks(model_repo, leak_check):
                        batching={"max_batch": 4, "max_queue_delay_us": 50_000})
     kinds = {f["kind"] for f in report["faults"]}
     assert {"kill_block", "stop_block", "update"} <= kinds, report["faults"]
-    assert report["sent"] > 40
-    assert report["never_answered"] == 0, report
-    assert report["duplicates"] == 0, report
-    assert report["wrong"] == 0, report
-    assert report["ok"] > report["sent"] * 0.5, report
-    assert report["ok"] + report["errors_total"] + report["never_answered"] == report["sent"], report
-    assert report["server_exit_code"] == 0
+    assert_one_reply_each(report)
     # batches did form: the run tested batching, not one request at a time
     assert sum(report["batched_requests"].values()) > 0, report["batched_requests"]
