@@ -207,7 +207,7 @@ def _kpi(args) -> int:
 
 def _demo(args) -> int:
     from .demo import run_demo
-    return run_demo(repo=args.repo, config=args.config, requests=args.requests)
+    return run_demo(repo=args.repo, config=args.config, requests=args.requests, keep=args.keep)
 
 
 #: The experiments are not installed with the product: they live in a checkout's experiments/.
@@ -354,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--repo", default="model_repo", help="model repository (exported there when missing)")
     d.add_argument("--config", default=None, help="update to apply (default: configs/resnet50_shared.json)")
     d.add_argument("--requests", type=int, default=20, help="requests per task")
+    d.add_argument("--keep", action="store_true",
+                   help="keep the server's state directory (KPI logs under its run directory); removed by default")
     d.set_defaults(fn=_demo)
 
     b = sub.add_parser("bench", help="run the experiments (experiments/); `all` runs every one",

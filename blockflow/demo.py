@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,7 +57,9 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> int:
     return proc.wait()
 
 
-def run_demo(repo: str = "model_repo", config: str | None = None, requests: int = 20) -> int:
+def run_demo(repo: str = "model_repo", config: str | None = None, requests: int = 20, keep: bool = False) -> int:
+    """Serve, deploy, send, print the KPI table. The server's state directory (run directory with
+    the KPI logs, sockets) is a fresh temporary one, removed at the end unless ``keep``."""
     import torch
 
     from .client import Client
@@ -97,8 +100,14 @@ def run_demo(repo: str = "model_repo", config: str | None = None, requests: int 
         for n in names:
             summaries.append(call("POST", f"{info['rest']}/blocks/{n}/kpi"))
         print(format_table(summaries))
-        print(f"KPI logs: {system['run_dir']} (read them again with `blockflow kpi {system['run_dir']}`)")
+        if keep:
+            print(f"KPI logs: {system['run_dir']} (read them again with `blockflow kpi {system['run_dir']}`)")
     finally:
         code = stop_server(proc)
         print(f"server stopped (exit code {code}); total {time.monotonic() - t0:.1f}s")
+        if keep:
+            print(f"state directory kept: {state_dir}")
+        else:
+            shutil.rmtree(state_dir, ignore_errors=True)
+            print("state directory removed (`blockflow demo --keep` keeps it, with the KPI logs)")
     return 0 if code == 0 else 1
