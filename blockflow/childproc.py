@@ -310,6 +310,9 @@ def serve(cls: type[ChildProcess], spec) -> int:
         log.error("%s", exc)
         child.report_boot_error(str(exc))
         return ExitCode.BOOT_ERROR
+    except Exception:  # a bug, or something a respawn may fix: the manager's restart limit decides
+        log.exception("%s crashed while starting", child.label)
+        return ExitCode.CRASH
     try:
         return child.run()
     except Exception:
