@@ -18,7 +18,11 @@ Control messages travel between the controller (ROUTER) and each process (DEALER
   it can serve, then ``{"t": "reply", "id", "ok", "result"|"error"}`` per command;
 - controller -> process: ``{"t": "cmd", "id", "cmd", "args"}`` with ``cmd`` one of
   ``ping``, ``store``, ``monitor``, ``update``, ``stop`` and, for the dispatcher,
-  ``tasks``, ``fail``, ``outstanding``.
+  ``tasks``, ``fail``, ``outstanding``; an unknown command is answered with an error naming
+  the known ones.
+
+The child's side of this contract (READY, boot error, commands by name, the parent watchdog,
+the exit code) is written once for blocks and the dispatcher, in ``blockflow/childproc.py``.
 """
 import enum
 

@@ -31,22 +31,20 @@ last.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import zmq
 
-from blockflow.protocol import (EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP, ErrorCode,
-                                identity)
+from blockflow.childproc import BootError, ChildProcess, ChildSpec, exit_with, serve, spec_from_argv
+from blockflow.protocol import RETURN_HOP, ErrorCode
 from blockflow.tensormq.shm import HopGone, ShmExhausted
 from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, RESULT_KEYS, Transport, receive_limit
 from blockflow.tensormq.wire import WireError, check_path, dumps, loads_header
@@ -69,7 +67,7 @@ DRAIN_LIMIT = 256
 
 
 @dataclass
-class BlockSpec:
+class BlockSpec(ChildSpec):
     """Everything a block needs, decided before it is spawned (nothing here touches the process)."""
 
     name: str
@@ -102,17 +100,6 @@ class BlockSpec:
             return f"ipc://{os.path.join(self.sock_dir, f'{self.name}-{self.incarnation}.sock')}"
         return "tcp://127.0.0.1"
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @staticmethod
-    def from_json(text: str) -> "BlockSpec":
-        return BlockSpec(**json.loads(text))
-
-
-class BootError(RuntimeError):
-    """The block cannot start; respawning would fail the same way (EXIT_BOOT_ERROR)."""
-
 
 class _Request:
     """One request inside a block, from its input to its output (timestamps: perf_counter)."""
@@ -126,14 +113,11 @@ class _Request:
         self.batch_wait = 0.0
 
 
-class Block:
+class Block(ChildProcess):
     def __init__(self, spec: BlockSpec):
         # Pre-spawn: remember the spec only. Sockets, threads and the model come in init_process().
-        self.spec = spec
-        self.name = spec.name
-        self.stopping = threading.Event()
+        super().__init__(spec, spec.name, f"block {spec.name}", spec.name)
         self.monitor_on = threading.Event()
-        self.exit_code = EXIT_OK
         self.endpoint: str | None = None
         #: accepted requests not started yet; only the inference thread appends and pops
         self.backlog: deque = deque()
@@ -145,6 +129,9 @@ class Block:
         #: dynamic batching across tasks (blocks/batching.py); None: one request at a time
         self.batching = BatchPolicy.parse(spec.batching) if spec.batching else None
         self.batcher = DelayController(self.batching, spec.max_inference_s / 4) if self.batching else None
+        self.register("store", self.cmd_store)
+        self.register("monitor", self.cmd_monitor)
+        self.register("update", self.cmd_update)
 
     # -- start-up ----------------------------------------------------------------------------
     def init_process(self) -> None:
@@ -193,12 +180,6 @@ class Block:
                 self.endpoint = f"tcp://127.0.0.1:{port}"
         except zmq.ZMQError as exc:
             raise BootError(f"block {self.name}: cannot bind its data socket ({exc})") from None
-        self.ctrl = None
-        if spec.controller:
-            self.ctrl = self.ctx.socket(zmq.DEALER)
-            self.ctrl.linger = 0
-            self.ctrl.identity = identity(self.name, spec.incarnation)
-            self.ctrl.connect(spec.controller)
         # the mailbox: the inference thread's end and the control thread's end
         self.mail_in = self.ctx.socket(zmq.PAIR)
         self.mail_in.linger = 0
@@ -212,32 +193,29 @@ class Block:
         self.transport.result_keys = os.path.join(spec.sock_dir, RESULT_KEYS)  # results over TCP: CURVE
         self.threads = [threading.Thread(target=self.control_loop, name=f"{self.name}-control", daemon=True),
                         threading.Thread(target=self.monitor_loop, name=f"{self.name}-monitor", daemon=True)]
+        self.open_control()  # last: see ChildProcess.open_control
 
-    def announce(self) -> None:
+    def ready_info(self) -> dict:
+        return {"endpoint": self.endpoint, "device": self.spec.device}
+
+    def announce(self) -> dict:
         """READY to the controller; sent before the control thread starts, which then owns ctrl."""
-        msg = {"t": "ready", "name": self.name, "inc": self.spec.incarnation, "pid": os.getpid(),
-               "endpoint": self.endpoint, "device": self.spec.device}
-        if self.ctrl is not None:
-            self.ctrl.send(dumps(msg))
+        msg = super().announce()
         log.info("block %s ready on %s (pid %d, %s, %s)", self.name, self.endpoint, os.getpid(),
                  self.spec.device, self.spec.transport)
+        return msg
 
     # -- the control thread ------------------------------------------------------------------
     def control_loop(self) -> None:
-        """Answer the controller; owns ``ctrl`` and ``mail_out``. Ends once the block stops."""
-        next_parent_check = time.monotonic() + 1.0
+        """Answer the controller and watch the manager; owns ``ctrl`` and ``mail_out``. Ends
+        once the block stops."""
         try:
             while not self.stopping.is_set():
                 if self.ctrl is not None and self.ctrl.poll(100):
                     self.receive_control()
                 elif self.ctrl is None:
                     self.stopping.wait(0.1)
-                if time.monotonic() >= next_parent_check:
-                    next_parent_check = time.monotonic() + 1.0
-                    if self.spec.parent_pid and not _alive(self.spec.parent_pid):
-                        log.warning("block %s: manager pid %d is gone; shutting down", self.name, self.spec.parent_pid)
-                        self.exit_code = EXIT_ORPHANED
-                        self.request_stop()
+                self.watch_parent()
         except zmq.ContextTerminated:
             pass
         finally:
@@ -245,46 +223,32 @@ class Block:
                 self.ctrl.close(linger=0)
             self.mail_out.close(linger=0)
 
-    def receive_control(self) -> None:
-        while True:
-            try:
-                raw = self.ctrl.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = loads_header(raw)
-            except WireError as exc:
-                log.warning("block %s: ignored a malformed control message (%s)", self.name, exc)
-                continue
-            cmd, args = msg.get("cmd"), msg.get("args") or {}
-            try:
-                result = self.handle_command(cmd, args)
-                reply = {"t": "reply", "id": msg.get("id"), "ok": True, "result": result}
-            except Exception as exc:  # a bad command must not kill the block
-                reply = {"t": "reply", "id": msg.get("id"), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            self.ctrl.send(dumps(reply))
+    # commands the control thread answers itself (ChildProcess answers "ping" and "stop" too)
+    def cmd_ping(self, args: dict) -> dict:
+        now, busy_since = time.monotonic(), self.busy_since
+        return {**super().cmd_ping(args), "queue": len(self.backlog), "served": self.kpi.count,
+                "in_flight": self.transport.in_flight(),
+                "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat}
 
-    def handle_command(self, cmd: str, args: dict):
-        if cmd == "ping":
-            now, busy_since = time.monotonic(), self.busy_since
-            return {"pid": os.getpid(), "queue": len(self.backlog), "served": self.kpi.count,
-                    "in_flight": self.transport.in_flight(),
-                    "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat}
-        if cmd == "store":
-            return {"written": self.kpi.flush(), "paths": self.kpi.paths}
-        if cmd == "monitor":
-            (self.monitor_on.set if args.get("enabled", True) else self.monitor_on.clear)()
-            return {"enabled": self.monitor_on.is_set()}
-        if cmd == "update":
-            # tell the inference thread now which hops are gone, so that a wait for a dead
-            # consumer's slots ends at once instead of holding this update for send_timeout
-            self.transport.mark_live(args.get("live", []))
-            return self.ask_inference("topology", args, timeout=10.0)
-        if cmd == "stop":
-            self.request_stop()
-            self.mail_out.send(dumps({"seq": 0, "kind": "wake", "args": {}}))
-            return {"stopping": True}
-        raise ValueError(f"unknown command {cmd!r}")
+    def cmd_store(self, args: dict) -> dict:
+        return {"written": self.kpi.flush(), "paths": self.kpi.paths}
+
+    def cmd_monitor(self, args: dict) -> dict:
+        (self.monitor_on.set if args.get("enabled", True) else self.monitor_on.clear)()
+        return {"enabled": self.monitor_on.is_set()}
+
+    def cmd_update(self, args: dict) -> dict:
+        # tell the inference thread now which hops are gone, so that a wait for a dead
+        # consumer's slots ends at once instead of holding this update for send_timeout
+        self.transport.mark_live(args.get("live", []))
+        return self.ask_inference("topology", args, timeout=10.0)
+
+    def cmd_stop(self, args: dict) -> dict:
+        answer = super().cmd_stop(args)
+        # the inference thread sees stopping within BEAT_INTERVAL (its poll timeout); a
+        # wake-up in its mailbox makes that at once
+        self.mail_out.send(dumps({"seq": 0, "kind": "wake", "args": {}}))
+        return answer
 
     def ask_inference(self, kind: str, args: dict, timeout: float) -> dict:
         """Post a command to the inference thread's mailbox and wait for its answer (control thread)."""
@@ -303,12 +267,6 @@ class Block:
                     raise RuntimeError(f"block {self.name} could not apply the {kind}: {answer['error']}")
                 return answer["result"]
 
-    def request_stop(self) -> None:
-        """Safe from any thread and from a signal handler: only sets a flag. The inference thread
-        sees it within BEAT_INTERVAL (its poll timeout), or at once when the control thread
-        also posts a wake-up to the mailbox."""
-        self.stopping.set()
-
     def monitor_loop(self) -> None:
         while not self.stopping.wait(self.spec.monitor_interval):
             if self.monitor_on.is_set():
@@ -320,17 +278,10 @@ class Block:
                     log.debug("block %s: sample failed: %s", self.name, exc)
 
     # -- the inference thread (Algorithm 2) ----------------------------------------------------
-    def run(self) -> int:
-        self.announce()
-        for t in self.threads:
-            t.start()
-        try:
-            # once for the thread, not per request (entering it costs more than an identity model)
-            with torch.inference_mode():
-                self.inference_loop()
-        finally:
-            self.shutdown()
-        return self.exit_code
+    def loop(self) -> None:
+        # once for the thread, not per request (entering it costs more than an identity model)
+        with torch.inference_mode():
+            self.inference_loop()
 
     def inference_loop(self) -> None:
         poller = zmq.Poller()
@@ -573,19 +524,10 @@ class Block:
         self.kpi.add("latency", {"ts": req.arrival_wall, "rid": rid, "task": header.get("task"),
                                  "error": err.get("code", "error")})  # counted by GET /metrics
 
-    def shutdown(self) -> None:
-        """Runs on the inference thread once its loop ends. The order matters:
-
-        1. stopping is set: the control thread leaves its loop within 0.1 s and closes its
-           sockets; every slot wait gives up.
-        2. every request accepted or still waiting in the data socket is answered with an
-           error and its slot released, through our own sockets: nothing is dropped silently.
-        3. KPI records are flushed (after 2, so the last records are in).
-        4. control and monitor threads are joined, so no thread uses a socket we close next.
-        5. the transport closes: its sockets, and our own slot files are unlinked.
-        6. our sockets close, the context terminates, the socket file is removed.
-        """
-        self.stopping.set()
+    # -- shutdown: ChildProcess.shutdown() runs these steps in its order ------------------------
+    def answer_held(self) -> None:
+        """Every request accepted or still waiting in the data socket is answered with an error
+        and its slot released."""
         while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self.admit(self.pull.recv_multipart(zmq.NOBLOCK, copy=False))
         while self.backlog:
@@ -594,32 +536,16 @@ class Block:
             self.send_quietly(header["path"][-1][1], {"t": "error", "rid": header["rid"], "block": self.name,
                                                       "code": ErrorCode.SHUTDOWN.value,
                                                       "err": f"block {self.name} is shutting down"})
+
+    def flush(self) -> None:
         self.kpi.flush()
-        for t in self.threads:
-            t.join(timeout=2)
-        self.transport.close()
-        for sock in (self.pull, self.mail_in):
+
+    def close_sockets(self) -> None:
+        for sock in (self.pull, self.mail_in):  # the control thread closed ctrl and mail_out
             sock.close(linger=0)
-        if any(t.is_alive() for t in self.threads):
-            log.warning("block %s: a helper thread did not stop; leaving without terminating its sockets", self.name)
-        else:
-            self.ctx.term()
-        if self.endpoint and self.endpoint.startswith("ipc://"):
-            try:
-                os.unlink(self.endpoint[len("ipc://"):])
-            except FileNotFoundError:
-                pass
-        log.info("block %s stopped (exit %d)", self.name, self.exit_code)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    def files_to_remove(self) -> list[str]:
+        return [self.endpoint[len("ipc://"):]] if self.endpoint and self.endpoint.startswith("ipc://") else []
 
 
 def _return_address(raw) -> tuple[int, str] | None:
@@ -632,54 +558,15 @@ def _return_address(raw) -> tuple[int, str] | None:
         return None
 
 
-def serve_block(spec: BlockSpec) -> int:
-    """Entry point of a block process (spawned by the manager or run by hand)."""
-    logging.basicConfig(level=settings.LOG_LEVEL,
-                        format=f"%(asctime)s %(levelname)s [{spec.name}] %(message)s")
-    stop_signals = {}
-    block = Block(spec)
-
-    def on_term(signum, frame):  # only record it; the main loop does the work
-        stop_signals["sig"] = signum
-        block.request_stop()
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle, in order
-    try:
-        block.init_process()
-    except BootError as exc:
-        log.error("%s", exc)
-        _report_boot_error(spec, str(exc))
-        return EXIT_BOOT_ERROR
-    try:
-        return block.run()
-    except Exception:
-        log.exception("block %s crashed", spec.name)
-        return EXIT_CRASH
-
-
-def _report_boot_error(spec: BlockSpec, message: str) -> None:
-    """Tell the controller why we cannot start, so the REST answer can say it."""
-    if not spec.controller:
-        return
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 1000
-    sock.identity = identity(spec.name, spec.incarnation)
-    sock.connect(spec.controller)
-    sock.send(dumps({"t": "boot_error", "name": spec.name, "inc": spec.incarnation, "pid": os.getpid(),
-                     "error": message}))
-    sock.close()
-    ctx.term()
+def serve_block(spec: BlockSpec) -> None:
+    """Entry point of a block process spawned by the manager: ends it with its exit code."""
+    exit_with(serve(Block, spec))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="blockflow block", description=(
+    return serve(Block, spec_from_argv(BlockSpec, argv, "blockflow block", (
         "Run one block process: load a TorchScript block, bind its data socket, serve until stopped. "
-        "The manager starts blocks itself; run one by hand for tests or debugging."))
-    parser.add_argument("--spec", required=True, help="the block spec as JSON (see blocks.process.BlockSpec)")
-    args = parser.parse_args(argv)
-    return serve_block(BlockSpec.from_json(args.spec))
+        "The manager starts blocks itself; run one by hand for tests or debugging.")))
 
 
 if __name__ == "__main__":

@@ -26,23 +26,22 @@ cannot deadlock on its own back-pressure.
 """
 from __future__ import annotations
 
-import argparse
 import hmac
 import json
 import logging
 import os
 import secrets
-import signal
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from blockflow.ratelog import RateLimitedLog
-from blockflow.protocol import DISPATCHER, ErrorCode, EXIT_BOOT_ERROR, EXIT_CRASH, EXIT_OK, EXIT_ORPHANED, RETURN_HOP, identity
+from blockflow.childproc import BootError, ChildProcess, ChildSpec, exit_with, serve, spec_from_argv
+from blockflow.protocol import DISPATCHER, ErrorCode, RETURN_HOP
 from blockflow.dispatcher.requestlog import RequestLog
 from blockflow.tensormq.shm import ShmExhausted
 from blockflow.tensormq.transport import RESULT_KEYS, Transport, decode_bytes, read_result_keys, receive_limit
@@ -87,7 +86,7 @@ class ResultKeys:
 
 
 @dataclass
-class DispatcherSpec:
+class DispatcherSpec(ChildSpec):
     sock_dir: str
     shm_dir: str | None = None
     address: str = "tcp://127.0.0.1:5580"
@@ -103,13 +102,6 @@ class DispatcherSpec:
     tasks: dict = field(default_factory=dict)   # initial task table, for standalone use
     run_dir: str | None = None                  # where the request log (@dispatcher.requests.jsonl) goes
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @staticmethod
-    def from_json(text: str) -> "DispatcherSpec":
-        return DispatcherSpec(**json.loads(text))
-
 
 @dataclass
 class Request:
@@ -123,18 +115,20 @@ class Request:
     frames: list | None = None
 
 
-class Dispatcher:
+class Dispatcher(ChildProcess):
     def __init__(self, spec: DispatcherSpec):
-        self.spec = spec
+        super().__init__(spec, DISPATCHER, "dispatcher", "dispatcher")
         self.tasks: dict[str, dict] = dict(spec.tasks)
         self.table_version = 0
         self.outstanding: dict[int, Request] = {}
         self.pending: deque[tuple[int, Request]] = deque()
         # what junk on the result sockets may log: a few lines, then a count
         self.junk_log = RateLimitedLog(log)
-        self.stopping = False
-        self.exit_code = EXIT_OK
         self.stats = {"requests": 0, "ok": 0, "errors": 0, "late": 0}
+        self.register("tasks", self.cmd_tasks)
+        self.register("update", self.cmd_update)
+        self.register("fail", self.cmd_fail)
+        self.register("outstanding", self.cmd_outstanding)
 
     def init_process(self) -> None:
         spec = self.spec
@@ -143,7 +137,10 @@ class Dispatcher:
         self.front.linger = 0
         self.front.router_mandatory = 0
         self.front.maxmsgsize = receive_limit(spec.max_tensor_bytes)
-        self.front.bind(spec.address)
+        try:
+            self.front.bind(spec.address)
+        except zmq.ZMQError as exc:
+            raise BootError(f"dispatcher cannot bind {spec.address}: {exc}") from None
         if spec.address.endswith(":0") or spec.address.endswith(":*"):
             self.address = self.front.getsockopt(zmq.LAST_ENDPOINT).decode()
         else:
@@ -155,7 +152,10 @@ class Dispatcher:
         path = self.result_ipc[len("ipc://"):]
         if os.path.exists(path):
             os.unlink(path)
-        self.results.bind(self.result_ipc)
+        try:
+            self.results.bind(self.result_ipc)
+        except zmq.ZMQError as exc:
+            raise BootError(f"dispatcher cannot bind its result socket {self.result_ipc}: {exc}") from None
         # TCP results only through CURVE, from the client key the blocks read in the 0700 dir
         self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("blockflow.dispatcher.zap"))
         self.auth.start()
@@ -169,58 +169,50 @@ class Dispatcher:
         port = self.results_tcp.bind_to_random_port("tcp://127.0.0.1")
         self.result_tcp = f"tcp://127.0.0.1:{port}"
         keys.write(spec.sock_dir, self.result_tcp)
-        self.ctrl = None
-        if spec.controller:
-            self.ctrl = self.ctx.socket(zmq.DEALER)
-            self.ctrl.linger = 0
-            self.ctrl.identity = identity(DISPATCHER, spec.incarnation)
-            self.ctrl.connect(spec.controller)
         # the dispatcher is a CPU process: its result addresses are CPU hops (no device map
         # names them), so the last block sends a host copy, and a CUDA handle sent here anyway
         # is refused rather than making the clients' entry point create a CUDA context
         self.transport = Transport(self.ctx, f"dispatcher-{spec.incarnation}", spec.transport, spec.shm_dir,
                                    window=spec.window, max_tensor_bytes=spec.max_tensor_bytes, cuda_handles=False)
         self.kpi = RequestLog(spec.run_dir) if spec.run_dir else None
+        self.open_control()  # last: see ChildProcess.open_control
+
+    def ready_info(self) -> dict:
+        return {"endpoint": self.address, "results": [self.result_ipc, self.result_tcp]}
+
+    def announce(self) -> dict:
+        msg = super().announce()
+        log.info("dispatcher ready on %s (pid %d, %s)", self.address, os.getpid(), self.spec.transport)
+        return msg
 
     # -- the loop ----------------------------------------------------------------------------
-    def run(self) -> int:
+    def loop(self) -> None:
         poller = zmq.Poller()
         for sock in (self.front, self.results, self.results_tcp, self.ctrl):
             if sock is not None:
                 poller.register(sock, zmq.POLLIN)
-        if self.ctrl is not None:
-            self.ctrl.send(dumps({"t": "ready", "name": DISPATCHER, "inc": self.spec.incarnation, "pid": os.getpid(),
-                                  "endpoint": self.address, "results": [self.result_ipc, self.result_tcp]}))
-        log.info("dispatcher ready on %s (pid %d, %s)", self.address, os.getpid(), self.spec.transport)
-        next_sweep = next_parent = time.monotonic()
-        try:
-            while not self.stopping:
-                events = dict(poller.poll(1 if self.pending else 50))
-                if self.results in events:
-                    self.receive_results(self.results)
-                if self.results_tcp in events:
-                    self.receive_results(self.results_tcp)
-                if self.front in events:
-                    self.receive_requests()
-                if self.ctrl is not None and self.ctrl in events:
-                    self.receive_control()
-                if self.pending:
-                    self.flush_pending()
-                now = time.monotonic()
-                if now >= next_sweep:
-                    next_sweep = now + 0.05
-                    self.expire(now)
-                if now >= next_parent:
-                    next_parent = now + 1.0
-                    if self.kpi is not None:
-                        self.kpi.flush()  # /metrics reads the log: at most a second behind
-                    if self.spec.parent_pid and not _alive(self.spec.parent_pid):
-                        log.warning("dispatcher: manager pid %d is gone; shutting down", self.spec.parent_pid)
-                        self.exit_code = EXIT_ORPHANED
-                        self.stopping = True
-        finally:
-            self.shutdown()
-        return self.exit_code
+        next_sweep = next_flush = time.monotonic()
+        while not self.stopping.is_set():
+            events = dict(poller.poll(1 if self.pending else 50))
+            if self.results in events:
+                self.receive_results(self.results)
+            if self.results_tcp in events:
+                self.receive_results(self.results_tcp)
+            if self.front in events:
+                self.receive_requests()
+            if self.ctrl is not None and self.ctrl in events:
+                self.receive_control()
+            if self.pending:
+                self.flush_pending()
+            now = time.monotonic()
+            if now >= next_sweep:
+                next_sweep = now + 0.05
+                self.expire(now)
+            if now >= next_flush:
+                next_flush = now + 1.0
+                if self.kpi is not None:
+                    self.kpi.flush()  # /metrics reads the log: at most a second behind
+            self.watch_parent()
 
     # -- clients -----------------------------------------------------------------------------
     def answer(self, req: Request, status: str, **kw) -> None:
@@ -454,115 +446,71 @@ class Dispatcher:
             self.answer(req, "error", code="block_failed", error=f"task {req.task}: {reason}")
         return len(hit)
 
-    # -- control -----------------------------------------------------------------------------
-    def receive_control(self) -> None:
-        while True:
-            try:
-                raw = self.ctrl.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = loads_header(raw)
-                result = self.handle_command(msg.get("cmd"), msg.get("args") or {})
-                reply = {"t": "reply", "id": msg.get("id"), "ok": True, "result": result}
-            except Exception as exc:
-                reply = {"t": "reply", "id": None, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                try:
-                    reply["id"] = json.loads(raw).get("id")
-                except Exception:
-                    pass
-            self.ctrl.send(dumps(reply))
+    # -- control (ChildProcess answers "ping" and "stop" too) ---------------------------------
+    def cmd_ping(self, args: dict) -> dict:
+        return {**super().cmd_ping(args), "outstanding": len(self.outstanding), "pending": len(self.pending),
+                **self.stats}
 
-    def handle_command(self, cmd: str, args: dict):
-        if cmd == "ping":
-            return {"pid": os.getpid(), "outstanding": len(self.outstanding), "pending": len(self.pending),
-                    **self.stats}
-        if cmd == "tasks":
-            tasks = args.get("tasks")
-            if not isinstance(tasks, dict):
-                raise ValueError("tasks must be an object")
-            self.tasks = tasks  # replaced atomically: one thread reads it
-            self.table_version = args.get("version", self.table_version + 1)
-            return {"tasks": len(tasks), "version": self.table_version}
-        if cmd == "update":
-            if args.get("transport") in ("tensormq", "zeromq"):
-                self.transport.mode = args["transport"]  # how requests reach their first block
-            return {"dropped": self.transport.set_topology(args.get("live", []), args.get("devices"))}
-        if cmd == "fail":
-            return {"failed": self.fail(list(args.get("blocks", [])), str(args.get("reason", "a block failed")))}
-        if cmd == "outstanding":
-            names = set(args.get("blocks", []))
-            return {"outstanding": sum(1 for r in self.outstanding.values() if not names or names & set(r.blocks))}
-        if cmd == "stop":
-            self.stopping = True
-            return {"stopping": True}
-        raise ValueError(f"unknown command {cmd!r}")
+    def cmd_tasks(self, args: dict) -> dict:
+        tasks = args.get("tasks")
+        if not isinstance(tasks, dict):
+            raise ValueError("tasks must be an object")
+        self.tasks = tasks  # replaced atomically: one thread reads it
+        self.table_version = args.get("version", self.table_version + 1)
+        return {"tasks": len(tasks), "version": self.table_version}
 
-    def shutdown(self) -> None:
-        # answer everyone still waiting, then close; nothing is dropped silently
+    def cmd_update(self, args: dict) -> dict:
+        if args.get("transport") in ("tensormq", "zeromq"):
+            self.transport.mode = args["transport"]  # how requests reach their first block
+        return {"dropped": self.transport.set_topology(args.get("live", []), args.get("devices"))}
+
+    def cmd_fail(self, args: dict) -> dict:
+        return {"failed": self.fail(list(args.get("blocks", [])), str(args.get("reason", "a block failed")))}
+
+    def cmd_outstanding(self, args: dict) -> dict:
+        names = set(args.get("blocks", []))
+        return {"outstanding": sum(1 for r in self.outstanding.values() if not names or names & set(r.blocks))}
+
+    # -- shutdown: ChildProcess.shutdown() runs these steps in its order ------------------------
+    def answer_held(self) -> None:
+        """Everyone still waiting is answered; nothing is dropped silently."""
         for rid, req in list(self.pending):
             self.answer(req, "error", code="shutdown", error="the dispatcher is shutting down")
         self.pending.clear()
         for rid, req in list(self.outstanding.items()):
             self.answer(req, "error", code="shutdown", error="the dispatcher is shutting down")
         self.outstanding.clear()
+
+    def flush(self) -> None:
         if self.kpi is not None:
             self.kpi.flush()
-        self.transport.close()
+
+    def close_sockets(self) -> None:
         for sock in (self.front, self.results, self.results_tcp, self.ctrl):
             if sock is not None:
                 sock.close(linger=0)
         self.auth.stop()
-        self.ctx.term()
-        try:
-            os.unlink(self.result_ipc[len("ipc://"):])
-        except FileNotFoundError:
-            pass
+
+    def files_to_remove(self) -> list[str]:
+        files = [self.result_ipc[len("ipc://"):]]
         keys = os.path.join(self.spec.sock_dir, RESULT_KEYS)
         if (read_result_keys(keys) or {}).get("endpoint") == self.result_tcp:  # not a successor's
-            os.unlink(keys)
-        log.info("dispatcher stopped (%s)", self.stats)
+            files.append(keys)
+        return files
+
+    def summary(self) -> str:
+        return f" {self.stats}"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def serve_dispatcher(spec: DispatcherSpec) -> int:
-    logging.basicConfig(level=settings.LOG_LEVEL,
-                        format="%(asctime)s %(levelname)s [dispatcher] %(message)s")
-    d = Dispatcher(spec)
-
-    def on_term(signum, frame):  # only record it
-        d.stopping = True
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        d.init_process()
-    except zmq.ZMQError as exc:
-        log.error("dispatcher cannot bind %s: %s", spec.address, exc)
-        return EXIT_BOOT_ERROR
-    try:
-        return d.run()
-    except Exception:
-        log.exception("dispatcher crashed")
-        return EXIT_CRASH
+def serve_dispatcher(spec: DispatcherSpec) -> None:
+    """Entry point of the dispatcher process spawned by the manager: ends it with its exit code."""
+    exit_with(serve(Dispatcher, spec))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="blockflow dispatcher", description=(
+    return serve(Dispatcher, spec_from_argv(DispatcherSpec, argv, "blockflow dispatcher", (
         "Run the dispatcher by hand (the server starts it itself): the clients' entry point that maps "
-        "task ids to paths through blocks and returns the results."))
-    parser.add_argument("--spec", required=True, help="the dispatcher spec as JSON (see dispatcher.process.DispatcherSpec)")
-    args = parser.parse_args(argv)
-    return serve_dispatcher(DispatcherSpec.from_json(args.spec))
+        "task ids to paths through blocks and returns the results.")))
 
 
 if __name__ == "__main__":

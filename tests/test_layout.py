@@ -127,6 +127,41 @@ def test_no_product_module_uses_another_modules_private_names():
     assert not bad, "private names used across product modules:\n" + "\n".join(bad)
 
 
+#: The low layer every process imports, and what it must never import: the roles built on it.
+LOW_LAYER = {os.path.join("blockflow", "protocol.py"): ("blocks", "dispatcher", "manager"),
+             os.path.join("blockflow", "childproc.py"): ("blocks", "dispatcher", "manager")}
+
+
+def test_the_low_layer_imports_no_process_role():
+    """The contract and the child-process skeleton sit under blocks/, dispatcher/ and manager/;
+    an import the other way (even inside a function) would make the layers a knot."""
+    import ast
+    bad = []
+    for rel, roles in LOW_LAYER.items():
+        package = _module_of(rel).rpartition(".")[0]
+        with open(os.path.join(ROOT, rel)) as f:
+            tree = ast.parse(f.read(), rel)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = [_resolve("." * node.level + (node.module or ""), package) if node.level
+                         else node.module or ""]
+                names += [f"{names[0]}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if (parts[0] == "blockflow" and len(parts) > 1 and parts[1] in roles) or parts[0] in roles:
+                    bad.append(f"{rel}:{node.lineno}: imports {name}")
+    assert not bad, "the low layer imports a role built on it:\n" + "\n".join(bad)
+
+
+def _resolve(name: str, package: str) -> str:
+    import importlib.util
+    return importlib.util.resolve_name(name, package)
+
+
 def test_pip_install_adds_only_blockflow(tmp_path):
     """`pip install .` puts one top-level package (and its metadata, and the console script)
     into site-packages: no blocks/, manager/, experiments/ beside other distributions."""

@@ -1,0 +1,333 @@
+"""The skeleton of every process the manager spawns: a block and the dispatcher.
+
+A block (``blockflow.blocks.process``) and the dispatcher (``blockflow.dispatcher.process``)
+are subclasses of ``ChildProcess``: each brings its own sockets, its own loop and its own
+commands; the life around them is written here once, as gunicorn's ``Worker`` base class does
+for its workers. The life of a child, and the exit code each way out of it gives
+(``blockflow.protocol.ExitCode``; the manager decodes it with ``describe_exit``)::
+
+    manager (parent)                      child
+    ----------------                      -----
+    spec = BlockSpec(...)                 (pre-spawn: a dataclass, nothing touches a process)
+    Process(target=serve_block) --spawn-> serve(Block, spec)
+                                          1. child = Block(spec): remembers the spec only
+                                          2. signals: SIGTERM records itself and asks to stop;
+                                             SIGINT is ignored (Ctrl-C is the server's)
+                                          3. boot: child.init_process() opens sockets, loads
+                                             the model, makes its threads
+                                               BootError -> {"t": "boot_error"} ... exit BOOT_ERROR (3)
+                                               anything else                 ... exit CRASH (1)
+    controller.wait_ready() <------------ 4. announce: {"t": "ready", "name", "inc", "pid",
+                                             **child.ready_info()}
+    controller.request(cmd) ------------> 5. loop: the subclass's own (child.loop()); the
+                            <----reply--     control socket answers commands by name (below)
+                                             until ``stopping`` is set by
+                                               the ``stop`` command     -> exit OK (0)
+                                               SIGTERM                  -> exit OK (0)
+                                               watch_parent(): the manager is gone
+                                                                        -> exit ORPHANED (4)
+                                               an exception out of the loop -> exit CRASH (1)
+                                          6. shutdown(): the order is written in its docstring
+    process.exitcode <------------------- 7. sys.exit(code): a value returned by a
+                                             multiprocessing target is lost (it exits 0), so the
+                                             code travels in SystemExit
+
+The control socket is a DEALER with identity ``<name>#<incarnation>``, connected to the
+controller's ROUTER (``blockflow.manager.controller``). A command ``{"t": "cmd", "id", "cmd",
+"args"}`` is looked up by name among those the process registered (``register()``; every child
+has ``ping`` and ``stop``) and answered ``{"t": "reply", "id", "ok": true, "result"}`` or, when
+it raises or is unknown, ``{"t": "reply", "id", "ok": false, "error"}``; an unknown command's
+error names the known ones. One thread owns the control socket: a block's control thread
+(its main thread runs the model), the dispatcher's only thread.
+
+This module is the low layer the two roles share: it imports neither of them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict
+from typing import Callable, NoReturn
+
+import zmq
+
+from blockflow import settings
+from blockflow.protocol import ExitCode, identity
+from blockflow.tensormq.wire import WireError, dumps, loads_header
+
+log = logging.getLogger("blockflow.child")
+
+#: Seconds between two checks that the manager (``spec.parent_pid``) is still there.
+PARENT_CHECK_INTERVAL = 1.0
+
+
+class BootError(RuntimeError):
+    """The process cannot start; respawning would fail the same way (ExitCode.BOOT_ERROR)."""
+
+
+class ChildSpec:
+    """What a spec dataclass needs to travel to its process as JSON (the ``--spec`` argument).
+    A child's spec has at least ``controller`` (the control endpoint, None when run by hand),
+    ``parent_pid`` (None: no watchdog) and ``incarnation``."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str):
+        return cls(**json.loads(text))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one we may not signal exists too)."""
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class ChildProcess:
+    """The base class of a child process; see the module docstring for its life.
+
+    A subclass's ``init_process()`` sets ``ctx`` (its ZeroMQ context), ``transport``, opens the
+    control socket with ``open_control()`` and adds its helper threads to ``threads``; it
+    implements ``loop()``, ``ready_info()`` and the shutdown steps (``answer_held``, ``flush``,
+    ``close_sockets``, ``files_to_remove``), and registers its own commands."""
+
+    def __init__(self, spec, name: str, label: str, log_tag: str):
+        # Pre-spawn or pre-boot: remember, never touch the process (no sockets, no threads).
+        self.spec = spec
+        #: the name on the control channel (identity ``<name>#<incarnation>``, READY's "name")
+        self.name = name
+        #: how log lines and errors name this process ("block b1", "dispatcher")
+        self.label = label
+        #: the ``[tag]`` of every log line of this process
+        self.log_tag = log_tag
+        #: set once: by the stop command, SIGTERM, the parent watchdog or the end of the loop
+        self.stopping = threading.Event()
+        self.exit_code = ExitCode.OK
+        #: the signal that asked us to stop (recorded by the handler, logged by shutdown)
+        self.stop_signal: int | None = None
+        self.ctrl: zmq.Socket | None = None
+        self.threads: list[threading.Thread] = []
+        self.commands: dict[str, Callable[[dict], object]] = {}
+        self._parent_check_at = 0.0
+        self.register("ping", self.cmd_ping)
+        self.register("stop", self.cmd_stop)
+
+    # -- stopping ------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Safe from any thread and from a signal handler: only sets a flag, which every loop
+        of the process looks at."""
+        self.stopping.set()
+
+    def install_signal_handlers(self) -> None:
+        def on_term(signum, frame):  # NO LOGGING: only record it; the loop does the work
+            self.stop_signal = signum
+            self.request_stop()
+
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle, in order
+
+    def watch_parent(self) -> None:
+        """Call it often from a loop; at most every PARENT_CHECK_INTERVAL it checks that the
+        manager is still there, and stops this process (ExitCode.ORPHANED) when it is not."""
+        now = time.monotonic()
+        if now < self._parent_check_at:
+            return
+        self._parent_check_at = now + PARENT_CHECK_INTERVAL
+        pid = self.spec.parent_pid
+        if pid and not pid_alive(pid):
+            log.warning("%s: manager pid %d is gone; shutting down", self.label, pid)
+            self.exit_code = ExitCode.ORPHANED
+            self.request_stop()
+
+    # -- the control channel -------------------------------------------------------------------
+    def open_control(self) -> None:
+        """The DEALER to the manager's controller; none when the spec names no controller
+        (run by hand: tests, benchmarks). Open it last in init_process(), after everything that
+        may raise BootError: the boot error goes out with the same identity, which the
+        controller accepts from one connection at a time."""
+        if not self.spec.controller:
+            return
+        self.ctrl = self.ctx.socket(zmq.DEALER)
+        self.ctrl.linger = 0
+        self.ctrl.identity = identity(self.name, self.spec.incarnation)
+        self.ctrl.connect(self.spec.controller)
+
+    def announce(self) -> dict:
+        """READY to the controller (from the thread that owns ``ctrl``, before others use it)."""
+        msg = {"t": "ready", "name": self.name, "inc": self.spec.incarnation, "pid": os.getpid(),
+               **self.ready_info()}
+        if self.ctrl is not None:
+            self.ctrl.send(dumps(msg))
+        return msg
+
+    def report_boot_error(self, message: str) -> None:
+        """Tell the controller why we cannot start, so the REST answer can say it. On a socket of
+        its own: init_process() opens the control socket last, after all that can fail."""
+        if not self.spec.controller:
+            return
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 1000
+        sock.identity = identity(self.name, self.spec.incarnation)
+        sock.connect(self.spec.controller)
+        sock.send(dumps({"t": "boot_error", "name": self.name, "inc": self.spec.incarnation, "pid": os.getpid(),
+                         "error": message}))
+        sock.close()
+        ctx.term()
+
+    def register(self, name: str, handler: Callable[[dict], object]) -> None:
+        """``handler(args)`` answers the control command ``name`` (its result travels as JSON);
+        registering a name again replaces its handler."""
+        self.commands[name] = handler
+
+    def receive_control(self) -> None:
+        """Answer every command waiting on ``ctrl`` (call it from the thread that owns it)."""
+        while True:
+            try:
+                raw = self.ctrl.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = loads_header(raw)
+            except WireError as exc:
+                log.warning("%s: ignored a malformed control message (%s)", self.label, exc)
+                continue
+            try:
+                result = self.handle_command(msg.get("cmd"), msg.get("args") or {})
+                reply = {"t": "reply", "id": msg.get("id"), "ok": True, "result": result}
+            except Exception as exc:  # a bad command must not kill the process
+                reply = {"t": "reply", "id": msg.get("id"), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            self.ctrl.send(dumps(reply))
+
+    def handle_command(self, cmd: str, args: dict):
+        handler = self.commands.get(cmd) if isinstance(cmd, str) else None
+        if handler is None:
+            raise ValueError(f"unknown command {cmd!r:.40}; {self.label} knows {', '.join(sorted(self.commands))}")
+        return handler(args)
+
+    def cmd_ping(self, args: dict) -> dict:
+        return {"pid": os.getpid()}
+
+    def cmd_stop(self, args: dict) -> dict:
+        self.request_stop()
+        return {"stopping": True}
+
+    # -- the life ------------------------------------------------------------------------------
+    def init_process(self) -> None:
+        """In the child: sockets, model, threads. Raise BootError for what a respawn cannot fix."""
+        raise NotImplementedError
+
+    def ready_info(self) -> dict:
+        """What READY says besides name, incarnation and pid (at least ``endpoint``)."""
+        raise NotImplementedError
+
+    def loop(self) -> None:
+        """The process's own work, on the main thread, until ``stopping`` is set."""
+        raise NotImplementedError
+
+    def run(self) -> int:
+        self.announce()
+        for t in self.threads:
+            t.start()
+        try:
+            self.loop()
+        finally:
+            self.shutdown()
+        return self.exit_code
+
+    def shutdown(self) -> None:
+        """Runs on the main thread once the loop ends (also after an exception). The order matters:
+
+        1. stopping is set: helper threads leave their loops (within 0.1 s) and close the
+           sockets they own; every wait for a slot gives up.
+        2. ``answer_held()``: every request the process still holds is answered with an error
+           and its slot released, through its own sockets: nothing is dropped silently.
+        3. ``flush()``: logs are written (after 2, so their last records are in).
+        4. helper threads are joined, so no thread uses a socket closed next.
+        5. the transport closes: its sockets, and our own slot files are unlinked.
+        6. ``close_sockets()``, then the context terminates (not while a helper thread is stuck
+           with a socket open: ``term()`` would wait for it forever), then
+           ``files_to_remove()`` (socket files, key files) are removed.
+        """
+        self.stopping.set()
+        self.answer_held()
+        self.flush()
+        for t in self.threads:
+            t.join(timeout=2)
+        self.transport.close()
+        self.close_sockets()
+        if any(t.is_alive() for t in self.threads):
+            log.warning("%s: a helper thread did not stop; leaving without terminating its sockets", self.label)
+        else:
+            self.ctx.term()
+        for path in self.files_to_remove():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        why = f", {signal.Signals(self.stop_signal).name}" if self.stop_signal else ""
+        log.info("%s stopped (exit %d%s)%s", self.label, self.exit_code, why, self.summary())
+
+    def answer_held(self) -> None:
+        """Shutdown step 2: answer what the process still holds (see shutdown())."""
+
+    def flush(self) -> None:
+        """Shutdown step 3: write what is logged (see shutdown())."""
+
+    def close_sockets(self) -> None:
+        """Shutdown step 6: close the sockets the main thread owns (see shutdown())."""
+
+    def files_to_remove(self) -> list[str]:
+        """Shutdown step 6: files of this process to remove last (see shutdown())."""
+        return []
+
+    def summary(self) -> str:
+        """Said in the last log line, after "stopped (exit N)"."""
+        return ""
+
+
+def serve(cls: type[ChildProcess], spec) -> int:
+    """Steps 1 to 6 of a child's life (module docstring); returns its exit code."""
+    child = cls(spec)
+    logging.basicConfig(level=settings.LOG_LEVEL,
+                        format=f"%(asctime)s %(levelname)s [{child.log_tag}] %(message)s")
+    child.install_signal_handlers()
+    try:
+        child.init_process()
+    except BootError as exc:
+        log.error("%s", exc)
+        child.report_boot_error(str(exc))
+        return ExitCode.BOOT_ERROR
+    except Exception:  # a bug, or something a respawn may fix: the manager's restart limit decides
+        log.exception("%s crashed while starting", child.label)
+        return ExitCode.CRASH
+    try:
+        return child.run()
+    except Exception:
+        log.exception("%s crashed", child.label)
+        return ExitCode.CRASH
+
+
+def exit_with(code: int) -> NoReturn:
+    """Step 7: end a multiprocessing child with ``code`` (a target's return value is lost)."""
+    sys.exit(int(code))
+
+
+def spec_from_argv(spec_cls: type[ChildSpec], argv: list[str] | None, prog: str, description: str):
+    """The ``--spec JSON`` command line of a child run by hand (``python -m ...``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--spec", required=True,
+                        help=f"the spec as JSON (see {spec_cls.__module__}.{spec_cls.__name__})")
+    return spec_cls.from_json(parser.parse_args(argv).spec)
