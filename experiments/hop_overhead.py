@@ -224,7 +224,7 @@ def _floor_header(shape, chain: int) -> bytes:
     desc = {"dtype": "float32", "shape": list(shape), "stride": list(torch.empty(0).new_empty(shape).stride()),
             "loc": "shm", "seg": "dispatcher-0.123456.1", "gen": 123456, "off": 0, "nbytes": math.prod(shape) * 4}
     hop = {"b": "i0", "wait": 0.123456789, "deser": 0.0123456789, "dev": 0.000123456, "inf": 0.0123456789,
-           "share": 0.00123456}
+           "share": 0.00123456, "t_in": 123456.123456, "t_out": 123456.123456}
     path = [[f"i{k}", f"ipc:///tmp/bfs-abcdefgh/sock/i{k}-0.sock"] for k in range(1, chain)]
     return dumps({"v": 1, "t": "data", "rid": 1234567890123456789, "task": "identity-long",
                   "path": path + [["@return", "ipc:///tmp/bfs-abcdefgh/sock/dispatcher-0.sock"]], "x": desc,
