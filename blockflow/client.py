@@ -46,7 +46,13 @@ class BlockFlowError(RuntimeError):
 
 
 class Result:
-    """A reply: the tensor plus what the pipeline measured on its way."""
+    """A reply: the tensor plus what the pipeline measured on its way.
+
+    ``hops``: one record per block on the path, in order: ``b`` (its name), ``wait``,
+    ``deser``, ``dev``, ``inf``, ``share`` (ms) and ``t_in``, ``t_out`` (seconds on
+    CLOCK_MONOTONIC, comparable with this process's ``time.monotonic()`` on the same host;
+    Note [Hop timestamps] in blocks/kpilog.py). ``server_ms``: from the request's arrival at the
+    dispatcher to its reply (ms)."""
 
     __slots__ = ("tensor", "hops", "server_ms")
 

@@ -6,6 +6,30 @@ no records yet from one that does not exist. Records are buffered in memory and 
 ``flush()``: by a timer at least every ``FLUSH_INTERVAL`` seconds (so a block killed with
 ``kill -9`` loses at most the last second of records), on the ``store`` control message, at
 shutdown, and whenever the buffer reaches ``FLUSH_EVERY`` records so memory stays bounded.
+
+A latency record holds ``ts`` (wall clock at arrival, seconds), ``rid``, ``task``, the
+``LATENCY_FIELDS`` in milliseconds, ``queue``, ``batch``, and the two instants of the hop
+record the block appended to the message (Note [Hop timestamps]): with them, the records of
+one ``rid`` in several blocks' logs line up on one clock.
+
+Note [Hop timestamps]
+---------------------
+Each block appends one record to the message's ``hops`` (blocks/process.py ``send_output``;
+it travels on with the tensor and comes back to the client with the result): ``b`` the
+block's name, the eq. 4.1 components ``wait``, ``deser``, ``dev``, ``inf``, ``share`` in
+milliseconds, and two instants in seconds, rounded to the microsecond:
+
+- ``t_in``: the message was taken off the block's data socket;
+- ``t_out``: the output is encoded and the message is handed to the next hop's socket
+  (serialising the header and ``send`` come after it: they are the next hop's cost).
+
+Both read ``time.perf_counter()``, which on Linux is ``clock_gettime(CLOCK_MONOTONIC)`` --
+the same clock as ``time.monotonic()``, one clock for every process on the host (check with
+``time.get_clock_info``; tests/test_dataplane.py compares a block's instants with the
+client's). What one more block on a path costs, per request, is
+``t_out[i] - t_out[i-1] - inf[i]``: its predecessor's send, the transit, its own receive,
+decode and encode (experiments/hop_overhead.py reports it). ``ts`` stays wall-clock time for
+humans; it may step, the two instants never do.
 """
 from __future__ import annotations
 

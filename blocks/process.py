@@ -102,7 +102,8 @@ class BlockSpec(ChildSpec):
 
 
 class _Request:
-    """One request inside a block, from its input to its output (timestamps: perf_counter)."""
+    """One request inside a block, from its input to its output (timestamps: perf_counter,
+    CLOCK_MONOTONIC on Linux: see Note [Hop timestamps] in blocks/kpilog.py)."""
 
     __slots__ = ("arrival", "arrival_wall", "header", "x_in", "x", "lease", "t0", "t1", "t2", "batch_wait")
 
@@ -472,7 +473,7 @@ class Block(ChildProcess):
                 lease.release()  # done with the input: free its slot before we wait for ours
             inf = (t_done - t_inf) * 1e3
             hop = {"b": self.name, "wait": (req.t0 - req.arrival) * 1e3, "deser": (req.t1 - req.t0) * 1e3,
-                   "dev": (req.t2 - req.t1) * 1e3, "inf": inf}
+                   "dev": (req.t2 - req.t1) * 1e3, "inf": inf, "t_in": round(req.arrival, 6)}
             # the received header goes on: only t, path, hops and x change
             hops = header.get("hops")
             header["hops"] = (hops[:63] if isinstance(hops, list) else []) + [hop]
@@ -487,6 +488,7 @@ class Block(ChildProcess):
                 lease.release()  # no-op when the handle was forwarded: the duty went with it
             t4 = time.perf_counter()
             hop["share"] = (t4 - t3) * 1e3
+            hop["t_out"] = round(t4, 6)  # Note [Hop timestamps] in blocks/kpilog.py
             header["x"] = x_desc
             self.transport.send(next_addr, header, payload)
             x_desc = None
@@ -497,7 +499,8 @@ class Block(ChildProcess):
         total = (t5 - req.arrival) * 1e3
         rec = {"ts": req.arrival_wall, "rid": header["rid"], "task": header.get("task"),
                "wait": hop["wait"], "deser": hop["deser"], "dev": hop["dev"], "inf": inf, "share": hop["share"],
-               "fwd": (t5 - t4) * 1e3, "total": total, "queue": len(self.backlog),
+               "fwd": (t5 - t4) * 1e3, "total": total, "t_in": hop["t_in"], "t_out": hop["t_out"],
+               "queue": len(self.backlog),
                "batch": int(y.shape[0]) if y.dim() else 1}
         if self.batching is not None:
             # in a batch the request also waited for the batcher and for its batch-mates' inputs and

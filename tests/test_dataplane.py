@@ -91,6 +91,36 @@ def test_every_request_gets_exactly_one_reply(pipeline, model_repo):
         assert pipeline.command(name, "ping")["in_flight"] == 0, name
 
 
+def test_hop_records_carry_ordered_instants(pipeline):
+    """Note [Hop timestamps] (blocks/kpilog.py): every block stamps t_in and t_out on
+    CLOCK_MONOTONIC, one clock for every process here, so the instants of consecutive blocks
+    and the client's own line up: each block takes the message after the previous one handed
+    it on, and all of them fall inside the client's send/receive window. The KPI latency
+    records carry the same two instants."""
+    assert time.get_clock_info("perf_counter").implementation == time.get_clock_info("monotonic").implementation
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(3))
+    slack = 1e-6  # the instants travel rounded to the microsecond
+    seen = []
+    with Client(pipeline.address, timeout=30) as c:
+        for _ in range(3):
+            sent = time.monotonic()
+            r = c.infer_details("classify", x)
+            got = time.monotonic()
+            assert [h["b"] for h in r.hops] == TASKS["classify"]
+            before = sent
+            for h in r.hops:
+                assert before - slack <= h["t_in"] <= h["t_out"] <= got + slack, (sent, r.hops, got)
+                # seconds, not milliseconds: the block's own components fit between its two instants
+                assert (h["t_out"] - h["t_in"]) * 1e3 >= h["inf"] + h["share"] - 2e-3, h
+                before = h["t_out"]
+            seen.append(r.hops)
+    for i, name in enumerate(TASKS["classify"]):
+        paths = pipeline.command(name, "store")["paths"]
+        with open(paths["latency"]) as f:
+            stamps = {(rec.get("t_in"), rec.get("t_out")) for rec in map(json.loads, f)}
+        assert all((hops[i]["t_in"], hops[i]["t_out"]) in stamps for hops in seen), name
+
+
 def test_bad_requests_get_error_replies_and_blocks_keep_serving(pipeline):
     x = torch.randn(1, 3, 224, 224)
     with Client(pipeline.address, timeout=30) as c:
