@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import secrets
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -514,4 +513,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())
