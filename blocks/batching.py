@@ -53,7 +53,10 @@ and of the inference time per request at each batch size it has run, and decides
   where one at a time the first finishes after one inference, so the batch only lowers their mean
   latency when it is at least ``2k / (k + 1)`` times cheaper per request (1.33x for 2, 1.6x for 4).
   On a CPU a batch is rarely that much cheaper (experiments/batching.py measures it), on a GPU it
-  usually is. A block that does not keep up takes everything waiting, up to ``max_batch``.
+  usually is. A block that does not keep up takes everything waiting, up to ``max_batch``, unless
+  batches of that size were measured no cheaper per request than one request alone (then they
+  would add latency and no throughput: one at a time again); every ``EXPLORE_EVERY``-th decision
+  under load takes the batch anyway, so that estimate follows a load or a machine that changes.
 - how long to wait for more (:meth:`DelayController.delay`). A block that keeps up never waits:
   a lone request at light load runs at once (its ``batch_wait`` KPI is 0). Under load it waits at
   most for the requests expected within half a batch's inference time (and never above
@@ -118,6 +121,7 @@ class DelayController:
     """How many waiting requests to take and how long to wait for more (see the module note)."""
 
     ALPHA = 0.2   #: weight of the newest sample in the moving averages
+    EXPLORE_EVERY = 16  #: under load, one decision in this many batches even where batching did not pay
 
     def __init__(self, policy: BatchPolicy, budget_s: float | None = None):
         self.policy = policy
@@ -128,6 +132,7 @@ class DelayController:
         self.cost_s: dict[int, float] = {}  #: batch size -> EMA of inference time per request
         self.last_arrival: float | None = None
         self.scale = 1.0                   #: halved on a budget miss, recovers slowly
+        self.loaded_decisions = 0          #: decisions taken under load (paces the exploration)
 
     def arrived(self, now: float) -> None:
         if self.last_arrival is not None:
@@ -159,12 +164,22 @@ class DelayController:
         one, batch = self.cost_s.get(1), self.cost_s.get(k)
         return one is not None and batch is not None and batch * 2 * k <= one * (k + 1)
 
+    def cheaper(self, k: int) -> bool | None:
+        """A batch of ``k`` was measured cheaper per request than one request alone (None: unknown)."""
+        one, batch = self.cost_s.get(1), self.cost_s.get(k)
+        return None if one is None or batch is None else batch < one
+
     def take(self, queued: int) -> int:
         """How many of the ``queued`` waiting requests to run now (before grouping by shape)."""
         n = min(queued, self.policy.max_batch)
-        if not self.policy.auto or n <= 1 or not self.keeps_up(queued):
+        if not self.policy.auto or n <= 1:
             return n
-        return n if self.pays(n) else 1
+        if self.keeps_up(queued):
+            return n if self.pays(n) else 1
+        self.loaded_decisions += 1
+        if self.cheaper(n) is False and self.loaded_decisions % self.EXPLORE_EVERY:
+            return 1
+        return n
 
     def delay(self, queued: int) -> float:
         """Seconds to wait for more requests when ``queued`` are waiting now."""
@@ -176,6 +191,8 @@ class DelayController:
         if self.keeps_up(queued) or self.service_s is None:
             return 0.0          # the block keeps up: waiting would only add latency
         expected = min(p.max_batch - queued, max(int(self.service_s / 2 / max(self.gap_s, 1e-6)), 0))
+        if self.cheaper(queued + expected) is False:
+            return 0.0          # that batch was measured no cheaper per request: not worth a wait
         return min(expected * self.gap_s, self.service_s / 2, AUTO_MAX_DELAY) * self.scale
 
 

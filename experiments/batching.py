@@ -108,6 +108,7 @@ def compute_scaling(repo: str, device: str, threads: int, batches: tuple[int, ..
         models = [load_block(repo, f"resnet50/{b}.pt", device) for b in PATH]
         inputs = {n: common.input_tensor(n).to(device) for n in batches}
         times = {n: {b: [] for b in PATH} for n in batches}
+        cats = {n: {b: [] for b in PATH} for n in batches}
         with torch.inference_mode():
             # rounds over the batch sizes, so a load that comes and goes on a shared machine
             # weighs on every size alike; the first round warms up and is not kept
@@ -115,16 +116,23 @@ def compute_scaling(repo: str, device: str, threads: int, batches: tuple[int, ..
                 for n in batches:
                     y = inputs[n]
                     for name, m in zip(PATH, models):
+                        # what a block adds to build a batch of n requests: torch.cat of n rows
                         t = time.perf_counter()
+                        if n > 1:
+                            torch.cat(list(y.split(1)))
+                        t_cat = time.perf_counter()
                         y = m(y)
                         if device.startswith("cuda"):
                             torch.cuda.synchronize()
                         if rep:
-                            times[n][name].append((time.perf_counter() - t) * 1e3 / n)
+                            times[n][name].append((time.perf_counter() - t_cat) * 1e3 / n)
+                            cats[n][name].append((t_cat - t) * 1e3 / n)
         rows = []
         for n in batches:
             per_block = {b: statistics.median(v) for b, v in times[n].items()}
-            rows.append({"batch": n, "ms_per_image": sum(per_block.values()), "blocks_ms_per_image": per_block})
+            cat = sum(statistics.median(v) for v in cats[n].values())
+            rows.append({"batch": n, "ms_per_image": sum(per_block.values()), "blocks_ms_per_image": per_block,
+                         "cat_ms_per_image": cat})
     finally:
         torch.set_num_threads(saved)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -352,7 +360,8 @@ def main(argv=None) -> int:
     for r in c_rows:
         bound = f", bound {r['bound_rps']:.1f} req/s" if r["bound_rps"] else ""
         print(f"compute alone at batch {r['batch']}: {r['ms_per_image']:.1f} ms per image "
-              f"({r['speedup_per_image']:.2f}x batch 1){bound}")
+              f"({r['speedup_per_image']:.2f}x batch 1){bound}; torch.cat of the batch at every block "
+              f"{r['cat_ms_per_image']:.2f} ms per image")
     for label, rows in results.items():
         last = rows[-1]["blocks"]
         if last:

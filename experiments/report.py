@@ -553,7 +553,10 @@ def batching_text(d: dict) -> str:
                default=None)
     if best and best.get("speedup_per_image"):
         text.append(f"The path alone is at best {_f(best['speedup_per_image'])}x cheaper per image (batch "
-                    f"{best['batch']}): that bounds what batching can gain on this machine.")
+                    f"{best['batch']}): that bounds what batching can gain on this machine"
+                    + (f"; building that batch (torch.cat at every block of the path) costs "
+                       f"{_f(best['cat_ms_per_image'], 2)} ms per image of its {_f(best['ms_per_image'], 0)} ms"
+                       if best.get("cat_ms_per_image") is not None else "") + ".")
     return " ".join(text) or "–"
 
 

@@ -146,6 +146,24 @@ def test_auto_takes_one_request_at_a_time_at_light_load_unless_a_batch_pays():
     assert fixed.take(3) == 3 and fixed.take(9) == 4
 
 
+def test_auto_under_load_runs_one_at_a_time_where_batches_were_measured_no_cheaper():
+    """Behind its arrivals, a block batches (throughput) unless that batch size was measured no
+    cheaper per request than one alone; it still tries the batch now and then (EXPLORE_EVERY)."""
+    d = DelayController(BatchPolicy.parse({"max_batch": 8, "max_queue_delay_us": "auto"}))
+    for i in range(30):                            # a request every 5 ms, 70 ms each: far behind
+        d.arrived(i * 0.005)
+        d.served(1, 0.070)
+    assert d.take(20) == 8                         # batch 8 never measured: try it
+    for _ in range(5):
+        d.served(8, 8 * 0.075)                     # 75 ms per request in a batch of 8: no saving
+    assert d.delay(2) == 0.0                       # nor worth waiting for
+    takes = [d.take(20) for _ in range(4 * d.EXPLORE_EVERY)]
+    assert takes.count(8) == 4 and takes.count(1) == 4 * d.EXPLORE_EVERY - 4
+    for _ in range(10):
+        d.served(8, 8 * 0.020)                     # the machine changed: batches are 3.5x cheaper
+    assert all(d.take(20) == 8 for _ in range(3 * d.EXPLORE_EVERY))
+
+
 # -- served: real server, real block processes ------------------------------------------------------
 
 def _kpi_records(srv, block: str) -> list[dict]:
