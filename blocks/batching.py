@@ -54,9 +54,10 @@ and of the inference time per request at each batch size it has run, and decides
   latency when it is at least ``2k / (k + 1)`` times cheaper per request (1.33x for 2, 1.6x for 4).
   On a CPU a batch is rarely that much cheaper (experiments/batching.py measures it), on a GPU it
   usually is. A block that does not keep up takes everything waiting, up to ``max_batch``, unless
-  batches of that size were measured no cheaper per request than one request alone (then they
-  would add latency and no throughput: one at a time again); every ``EXPLORE_EVERY``-th decision
-  under load takes the batch anyway, so that estimate follows a load or a machine that changes.
+  batches of that size (or of the nearest size measured) were measured no cheaper per request than
+  one request alone: they would add latency and no throughput, so it runs one at a time again.
+  Every ``EXPLORE_EVERY``-th decision under load takes the batch anyway, so that the estimate
+  follows a load or a machine that changes.
 - how long to wait for more (:meth:`DelayController.delay`). A block that keeps up never waits:
   a lone request at light load runs at once (its ``batch_wait`` KPI is 0). Under load it waits at
   most for the requests expected within half a batch's inference time (and never above
@@ -121,7 +122,7 @@ class DelayController:
     """How many waiting requests to take and how long to wait for more (see the module note)."""
 
     ALPHA = 0.2   #: weight of the newest sample in the moving averages
-    EXPLORE_EVERY = 16  #: under load, one decision in this many batches even where batching did not pay
+    EXPLORE_EVERY = 64  #: under load, one decision in this many batches even where batching did not pay
 
     def __init__(self, policy: BatchPolicy, budget_s: float | None = None):
         self.policy = policy
@@ -165,9 +166,14 @@ class DelayController:
         return one is not None and batch is not None and batch * 2 * k <= one * (k + 1)
 
     def cheaper(self, k: int) -> bool | None:
-        """A batch of ``k`` was measured cheaper per request than one request alone (None: unknown)."""
-        one, batch = self.cost_s.get(1), self.cost_s.get(k)
-        return None if one is None or batch is None else batch < one
+        """A batch of ``k`` (or, never measured, of the nearest size measured above 1) was measured
+        cheaper per request than one request alone; None: nothing measured yet."""
+        one = self.cost_s.get(1)
+        sizes = [n for n in self.cost_s if n > 1]
+        if one is None or k <= 1 or not sizes:
+            return None
+        near = min(sizes, key=lambda n: (abs(n - k), -n))
+        return self.cost_s[near] < one
 
     def take(self, queued: int) -> int:
         """How many of the ``queued`` waiting requests to run now (before grouping by shape)."""
