@@ -152,8 +152,10 @@ def block_view(server, mode: str, t0_wall: float, t1_wall: float) -> dict:
     inference (a batch's inference shared by its requests), the copy of its output into the next
     hop's slot (``share``) and the send (``fwd``), in ms."""
     out = {}
-    server.flush_kpi()
-    for name in sorted(pids_of(server, mode)):
+    names = sorted(pids_of(server, mode))
+    for name in names:
+        server.kpi(name)  # writes the block's records out
+    for name in names:
         path = os.path.join(server.run_dir, f"{name}.latency.jsonl")
         if not os.path.exists(path):
             continue
@@ -272,7 +274,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=8, help="max_batch of every block when batching (default 8)")
     ap.add_argument("--delay", default="auto", help="max_queue_delay_us: 'auto' (default) or microseconds")
     ap.add_argument("--rounds", type=int, help="half-load rounds (default 6, --quick 2; 0 skips them)")
-    ap.add_argument("--window", type=float, help="seconds per mode and round at half load (default 12, --quick 1.5)")
+    ap.add_argument("--window", type=float, help="seconds per mode and round at half load (default 12, --quick 1)")
     ap.add_argument("--half-rate", type=float, help="rate of the half-load rounds (default: half the unbatched "
                                                     "saturation the sweep measured)")
     common.add_pipeline_args(ap, transports=False)
@@ -284,7 +286,7 @@ def main(argv=None) -> int:
     rates = args.rates or list(QUICK_RATES if args.quick else (GPU_RATES if device.startswith("cuda") else CPU_RATES))
     duration = args.duration or (2.0 if args.quick else 8.0)
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 6)
-    window = args.window or (1.5 if args.quick else 12.0)
+    window = args.window or (1.0 if args.quick else 12.0)
     repo = common.ensure_repo(args.repo)
     batches = tuple(sorted({1, min(4, args.max_batch), args.max_batch}))
     compute = compute_scaling(repo, device, args.threads or 1, batches, 1 if args.quick else 3)
