@@ -41,11 +41,27 @@ against 30-80 ms of inference per image per block.
 Requests that cannot join a batch (another shape or dtype) run in a batch of their own; a batch
 whose inference raises is run again one request at a time, so one bad request fails only itself.
 
-The delay (``max_queue_delay_us``) is either fixed or ``"auto"``: :class:`DelayController` keeps
-exponential moving averages of the gap between arrivals and of the per-batch service time. A
-block that keeps up with its arrivals (gap >= service time) waits for nothing: whatever is
-already queued forms the batch. Under load it waits at most for the few requests expected within
-half a service time, and a batch that took longer than the block's budget halves the delay.
+The delay (``max_queue_delay_us``) is either fixed or ``"auto"``. With a fixed delay the block
+takes every compatible request waiting (up to ``max_batch``) and waits that long for more. With
+``"auto"`` :class:`DelayController` keeps exponential moving averages of the gap between arrivals
+and of the inference time per request at each batch size it has run, and decides two things:
+
+- how many waiting requests to take (:meth:`DelayController.take`). A block that keeps up with its
+  arrivals (gap >= inference time per request, and fewer than ``max_batch`` waiting) takes one
+  request at a time, as an unbatched block does, unless batches of that size have been measured to
+  pay for themselves in latency: ``k`` requests run as one batch all finish when the batch does,
+  where one at a time the first finishes after one inference, so the batch only lowers their mean
+  latency when it is at least ``2k / (k + 1)`` times cheaper per request (1.33x for 2, 1.6x for 4).
+  On a CPU a batch is rarely that much cheaper (experiments/batching.py measures it), on a GPU it
+  usually is. A block that does not keep up takes everything waiting, up to ``max_batch``, unless
+  batches of that size (or of the nearest size measured) were measured no cheaper per request than
+  one request alone: they would add latency and no throughput, so it runs one at a time again.
+  Every ``EXPLORE_EVERY``-th decision under load takes the batch anyway, so that the estimate
+  follows a load or a machine that changes.
+- how long to wait for more (:meth:`DelayController.delay`). A block that keeps up never waits:
+  a lone request at light load runs at once (its ``batch_wait`` KPI is 0). Under load it waits at
+  most for the requests expected within half a batch's inference time (and never above
+  ``AUTO_MAX_DELAY``), and a batch that took longer than the block's budget halves the delay.
 """
 from __future__ import annotations
 
@@ -103,30 +119,73 @@ class BatchPolicy:
 
 
 class DelayController:
-    """How long to wait for more requests before running a batch (see the module note)."""
+    """How many waiting requests to take and how long to wait for more (see the module note)."""
 
     ALPHA = 0.2   #: weight of the newest sample in the moving averages
+    EXPLORE_EVERY = 64  #: under load, one decision in this many batches even where batching did not pay
 
     def __init__(self, policy: BatchPolicy, budget_s: float | None = None):
         self.policy = policy
         self.budget_s = budget_s           #: a batch slower than this halves the auto delay
         self.gap_s: float | None = None    #: EMA of the time between arrivals
-        self.service_s: float | None = None
+        self.service_s: float | None = None  #: EMA of a batch's inference time
+        self.per_request_s: float | None = None  #: EMA of inference time per request, any batch size
+        self.cost_s: dict[int, float] = {}  #: batch size -> EMA of inference time per request
         self.last_arrival: float | None = None
         self.scale = 1.0                   #: halved on a budget miss, recovers slowly
+        self.loaded_decisions = 0          #: decisions taken under load (paces the exploration)
 
     def arrived(self, now: float) -> None:
         if self.last_arrival is not None:
-            gap = max(now - self.last_arrival, 0.0)
-            self.gap_s = gap if self.gap_s is None else (1 - self.ALPHA) * self.gap_s + self.ALPHA * gap
+            self.gap_s = self._ema(self.gap_s, max(now - self.last_arrival, 0.0))
         self.last_arrival = now
 
     def served(self, batch_size: int, seconds: float) -> None:
-        self.service_s = seconds if self.service_s is None else (1 - self.ALPHA) * self.service_s + self.ALPHA * seconds
+        n = max(batch_size, 1)
+        self.service_s = self._ema(self.service_s, seconds)
+        self.per_request_s = self._ema(self.per_request_s, seconds / n)
+        self.cost_s[n] = self._ema(self.cost_s.get(n), seconds / n)
         if self.budget_s is not None and seconds > self.budget_s:
             self.scale = max(self.scale / 2, 1 / 64)
         else:
             self.scale = min(self.scale * 1.05, 1.0)
+
+    def _ema(self, old: float | None, sample: float) -> float:
+        return sample if old is None else (1 - self.ALPHA) * old + self.ALPHA * sample
+
+    def keeps_up(self, queued: int) -> bool:
+        """The block serves requests faster than they arrive (nothing known yet counts as yes)."""
+        if queued >= self.policy.max_batch:
+            return False
+        return self.gap_s is None or self.per_request_s is None or self.gap_s >= self.per_request_s
+
+    def pays(self, k: int) -> bool:
+        """A batch of ``k`` was measured cheap enough per request to lower the mean latency of
+        ``k`` waiting requests against running them one after another (the module note)."""
+        one, batch = self.cost_s.get(1), self.cost_s.get(k)
+        return one is not None and batch is not None and batch * 2 * k <= one * (k + 1)
+
+    def cheaper(self, k: int) -> bool | None:
+        """A batch of ``k`` (or, never measured, of the nearest size measured above 1) was measured
+        cheaper per request than one request alone; None: nothing measured yet."""
+        one = self.cost_s.get(1)
+        sizes = [n for n in self.cost_s if n > 1]
+        if one is None or k <= 1 or not sizes:
+            return None
+        near = min(sizes, key=lambda n: (abs(n - k), -n))
+        return self.cost_s[near] < one
+
+    def take(self, queued: int) -> int:
+        """How many of the ``queued`` waiting requests to run now (before grouping by shape)."""
+        n = min(queued, self.policy.max_batch)
+        if not self.policy.auto or n <= 1:
+            return n
+        if self.keeps_up(queued):
+            return n if self.pays(n) else 1
+        self.loaded_decisions += 1
+        if self.cheaper(n) is False and self.loaded_decisions % self.EXPLORE_EVERY:
+            return 1
+        return n
 
     def delay(self, queued: int) -> float:
         """Seconds to wait for more requests when ``queued`` are waiting now."""
@@ -135,9 +194,11 @@ class DelayController:
             return 0.0
         if not p.auto:
             return p.max_queue_delay_us / 1e6
-        if self.gap_s is None or self.service_s is None or self.gap_s >= self.service_s:
-            return 0.0          # the block keeps up: batching would only add latency
+        if self.keeps_up(queued) or self.service_s is None:
+            return 0.0          # the block keeps up: waiting would only add latency
         expected = min(p.max_batch - queued, max(int(self.service_s / 2 / max(self.gap_s, 1e-6)), 0))
+        if self.cheaper(queued + expected) is False:
+            return 0.0          # that batch was measured no cheaper per request: not worth a wait
         return min(expected * self.gap_s, self.service_s / 2, AUTO_MAX_DELAY) * self.scale
 
 

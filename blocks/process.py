@@ -302,7 +302,7 @@ class Block(ChildProcess):
                 self.admit(pull.recv_multipart(zmq.NOBLOCK, copy=False))
             if backlog and self.batching is not None:
                 waited = self.fill_batch(poller)
-                items = [backlog.popleft() for _ in range(min(len(backlog), self.batching.max_batch))]
+                items = [backlog.popleft() for _ in range(self.batcher.take(len(backlog)))]
                 self.busy_since = time.monotonic()
                 try:
                     self.infer_batch(items, waited)

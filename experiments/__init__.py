@@ -61,7 +61,7 @@ CPU_SETTINGS = {
     "fused": [],                                                              # 2.5
     "validation_cost": [],                                                    # 0.2
     "peers": [],                                                              # 5 (skipped without [peers])
-    "batching": ["--rates", "6,12,20", "--duration", "10"],                   # 2
+    "batching": ["--rates", "6,12,20", "--duration", "8"],                    # 4.5 (2.5 of it half-load rounds)
     "chaos": ["--duration", "60"],                                            # 1.5
     "fuzz": [],                                                               # 0.5
     "soak": ["--minutes", "2"],                                               # 2.5

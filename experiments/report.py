@@ -554,13 +554,63 @@ def batching(d: dict) -> str:
              _f(u.get("block_cpu_ms_per_reply"), 0), _f(b["delivered_rps"]), _f(b["latency_ms"].get("p99"), 0),
              _f(b.get("block_cpu_ms_per_reply"), 0)] for u, b in zip(ru, rb)]
     s, c = d["summary"], d.get("compute", {}).get("rows", [])
-    bound = "; ".join(f"batch {r['batch']}: {_f(r['ms_per_image'], 1)} ms/image, bound {_f(r['bound_rps'], 1)} req/s"
-                      for r in c)
-    return (_table(["offered req/s", f"{lu} req/s", "p99 ms", "CPU ms/reply", f"{lb} req/s", "p99 ms",
-                    "CPU ms/reply"], rows)
-            + f"\n\nSaturation gain {_f(s['saturation_gain'])}x (goal 1.3x CPU, 3x GPU); p99 ratio at "
-            f"{_f(s['half_load_rate'], 0)} req/s {_f(s['p99_ratio_at_half_load'])} (goal <= 1.1)."
-            + (f" Path alone ({d['compute']['cores']} cores): {bound}." if c else ""))
+    bound = "; ".join(f"batch {r['batch']}: {_f(r['ms_per_image'], 1)} ms/image "
+                      f"({_f(r.get('speedup_per_image'))}x batch 1), bound {_f(r['bound_rps'], 1)} req/s" for r in c)
+    out = (_table(["offered req/s", f"{lu} req/s", "p99 ms", "CPU ms/reply", f"{lb} req/s", "p99 ms",
+                   "CPU ms/reply"], rows)
+           + f"\n\nSaturation gain {_f(s['saturation_gain'])}x (goal 1.3x CPU, 3x GPU)."
+           + (f" Path alone ({d['compute']['cores']} cores): {bound}." if c else ""))
+    half = d.get("half_load")
+    if not half:
+        return out + f" p99 ratio at {_f(s.get('half_load_rate'), 0)} req/s {_f(s.get('p99_ratio_at_half_load'))}."
+    hrows = [[r["round"], " then ".join(r["order"]), r["plain"]["n"], _f(r["plain"]["p99"], 0), r["batched"]["n"],
+              _f(r["batched"]["p99"], 0), _f(r["p99_ratio"])] for r in half["per_round"]]
+    pu, pb = half["pooled"]["plain"], half["pooled"]["batched"]
+    hrows.append(["all (pooled)", "", pu["n"], _f(pu.get("p99"), 0), pb["n"], _f(pb.get("p99"), 0),
+                  _f(half["pooled_p99_ratio"])])
+    ci = half.get("pooled_p99_ratio_ci95")
+    return (out + f"\n\nHalf load ({_f(half['rate'])} req/s, half the unbatched saturation), "
+            f"{half['rounds']} rounds of {half['window_s']:g} s per mode:\n\n"
+            + _table(["round", "order", "unbatched n", "p99 ms", "batched n", "p99 ms", "p99 ratio"], hrows)
+            + f"\n\np99 batched / unbatched at half load: median of the rounds {_f(half['p99_ratio_median'])} "
+            f"(min {_f(half['p99_ratio_min'])}, max {_f(half['p99_ratio_max'])}; goal <= 1.1), pooled "
+            f"{_f(half['pooled_p99_ratio'])}" + (f" (bootstrap 95% {_f(ci[0])}-{_f(ci[1])})" if ci else "") + ".")
+
+
+def batching_text(d: dict) -> str:
+    """What the batched blocks did at half load and at the top rate (KPI logs), in numbers."""
+    half = d.get("half_load") or {}
+    text = []
+    hb = (half.get("blocks") or {}).get("batched") or {}
+    if hb:
+        waits = [v["batch_wait_ms_p99"] for v in hb.values() if v.get("batch_wait_ms_p99") is not None]
+        text.append(f"At half load the batched blocks ran {_rng([v['mean_requests_in_batch'] for v in hb.values()])}"
+                    f" requests per inference on average, and the p99 of the time a request waited in the batcher "
+                    f"(`batch_wait`) was at most {_f(max(waits, default=None), 2)} ms per block.")
+    (lu, ru), (lb, rb) = list(d["rows"].items())
+    top_u, top_b = ru[-1].get("blocks") or {}, rb[-1].get("blocks") or {}
+    if top_b and d.get("path_blocks"):
+        shared = [b for b in d.get("path_blocks", []) if b in top_b and b in top_u]
+
+        def per(view, key):
+            v = [view[b].get(key) for b in shared]
+            return sum(v) if v and None not in v else None
+        text.append(f"At {_f(rb[-1]['offered_rps'], 0)} req/s, summed over the blocks of one task's path "
+                    f"({', '.join(shared)}), per request: inference "
+                    f"{_f(per(top_u, 'inf_ms_per_request'), 0)} ms unbatched vs "
+                    f"{_f(per(top_b, 'inf_ms_per_request'), 0)} ms batched ({_rng([top_b[b]['mean_requests_in_batch'] for b in shared])} requests per "
+                    f"batch), copy into the next slot {_f(per(top_u, 'share_ms_mean'), 1)} vs "
+                    f"{_f(per(top_b, 'share_ms_mean'), 1)} ms, send {_f(per(top_u, 'fwd_ms_mean'), 1)} vs "
+                    f"{_f(per(top_b, 'fwd_ms_mean'), 1)} ms.")
+    best = max((d.get("compute") or {}).get("rows") or [], key=lambda r: r.get("speedup_per_image") or 0,
+               default=None)
+    if best and best.get("speedup_per_image"):
+        text.append(f"The path alone is at best {_f(best['speedup_per_image'])}x cheaper per image (batch "
+                    f"{best['batch']}): that bounds what batching can gain on this machine"
+                    + (f"; building that batch (torch.cat at every block of the path) costs "
+                       f"{_f(best['cat_ms_per_image'], 2)} ms per image of its {_f(best['ms_per_image'], 0)} ms"
+                       if best.get("cat_ms_per_image") is not None else "") + ".")
+    return " ".join(text) or "–"
 
 
 def skipped(d: dict) -> str:
@@ -575,7 +625,7 @@ SECTIONS = [("offline_blocks", offline_blocks), ("rtt", rtt), ("pipeline_latency
 TEXTS = {"offline_blocks": offline_blocks_text, "rtt": rtt_text, "pipeline_latency": pipeline_latency_text,
          "hop_overhead": hop_overhead_text, "batch_scaling": batch_scaling_text, "multiclient": multiclient_text,
          "throughput": throughput_text, "utilization": utilization_text, "memory_model": memory_model_text,
-         "multi_gpu": multi_gpu_text}
+         "multi_gpu": multi_gpu_text, "batching": batching_text}
 
 
 def _safe(fn, d: dict, name: str) -> str:

@@ -100,8 +100,8 @@ def test_auto_delay_is_zero_when_the_block_keeps_up_and_bounded_under_load():
     for i in range(20):                            # arrivals every 100 ms, service 10 ms: light load
         d.arrived(i * 0.1)
         d.served(1, 0.010)
-    assert d.delay(1) == 0.0
-    for i in range(50):                            # arrivals every 1 ms, service 10 ms: overloaded
+    assert d.delay(1) == 0.0 and d.delay(3) == 0.0
+    for i in range(50):                            # arrivals every 1 ms, service 10 ms per batch of 4
         d.arrived(2.0 + i * 0.001)
         d.served(4, 0.010)
     wait = d.delay(1)
@@ -111,6 +111,57 @@ def test_auto_delay_is_zero_when_the_block_keeps_up_and_bounded_under_load():
     assert d.delay(1) < wait
     fixed = DelayController(BatchPolicy.parse({"max_batch": 4, "max_queue_delay_us": 250}))
     assert fixed.delay(1) == pytest.approx(0.00025) and fixed.delay(4) == 0.0
+
+
+def test_auto_keeps_up_compares_the_gap_with_the_time_per_request_not_per_batch():
+    """Batches of 8 taking 40 ms (5 ms a request) with a request every 10 ms: the block keeps up,
+    though a whole batch takes longer than a gap; it must not wait for more."""
+    d = DelayController(BatchPolicy.parse({"max_batch": 8, "max_queue_delay_us": "auto"}))
+    for i in range(30):
+        d.arrived(i * 0.010)
+        d.served(8, 0.040)
+    assert d.keeps_up(1) and d.delay(1) == 0.0
+    assert not d.keeps_up(8)                       # a full queue is load, whatever the averages say
+
+
+def test_auto_takes_one_request_at_a_time_at_light_load_unless_a_batch_pays():
+    """At light load a burst of waiting requests runs one after another (as unbatched) where a
+    batch is not cheaper per request by at least 2k/(k+1); under load it takes them all."""
+    def controller(cost_1: float, cost_4: float) -> DelayController:
+        d = DelayController(BatchPolicy.parse({"max_batch": 8, "max_queue_delay_us": "auto"}))
+        for i in range(20):
+            d.arrived(i * 0.5)                     # a request every 500 ms
+            d.served(1, cost_1)
+            d.served(4, 4 * cost_4)
+        return d
+    cpu_like = controller(0.070, 0.062)            # batch 4 only 1.13x cheaper per request
+    assert cpu_like.keeps_up(4) and cpu_like.take(4) == 1
+    gpu_like = controller(0.010, 0.003)            # 3.3x cheaper: worth it for the 4 waiting
+    assert gpu_like.take(4) == 4
+    assert gpu_like.take(3) == 1                   # batch 3 never measured: one at a time
+    for i in range(30):                            # arrivals every 5 ms: the block falls behind
+        cpu_like.arrived(10.0 + i * 0.005)
+    assert not cpu_like.keeps_up(4) and cpu_like.take(4) == 4 and cpu_like.take(20) == 8
+    fixed = DelayController(BatchPolicy.parse({"max_batch": 4, "max_queue_delay_us": 0}))
+    assert fixed.take(3) == 3 and fixed.take(9) == 4
+
+
+def test_auto_under_load_runs_one_at_a_time_where_batches_were_measured_no_cheaper():
+    """Behind its arrivals, a block batches (throughput) unless that batch size was measured no
+    cheaper per request than one alone; it still tries the batch now and then (EXPLORE_EVERY)."""
+    d = DelayController(BatchPolicy.parse({"max_batch": 8, "max_queue_delay_us": "auto"}))
+    for i in range(30):                            # a request every 5 ms, 70 ms each: far behind
+        d.arrived(i * 0.005)
+        d.served(1, 0.070)
+    assert d.take(20) == 8                         # batch 8 never measured: try it
+    for _ in range(5):
+        d.served(8, 8 * 0.075)                     # 75 ms per request in a batch of 8: no saving
+    assert d.delay(2) == 0.0                       # nor worth waiting for
+    takes = [d.take(20) for _ in range(4 * d.EXPLORE_EVERY)]
+    assert takes.count(8) == 4 and takes.count(1) == 4 * d.EXPLORE_EVERY - 4
+    for _ in range(10):
+        d.served(8, 8 * 0.020)                     # the machine changed: batches are 3.5x cheaper
+    assert all(d.take(20) == 8 for _ in range(3 * d.EXPLORE_EVERY))
 
 
 # -- served: real server, real block processes ------------------------------------------------------
@@ -223,3 +274,34 @@ def test_topology_update_while_requests_wait_in_a_batch(server_factory, identity
     for i, y in replies.items():
         assert isinstance(y, BlockFlowError) or torch.equal(y, torch.full((1, 3), 2.0 * i))
     assert torch.equal(after, torch.full((1, 3), 2.0))
+
+
+def test_auto_adds_no_batcher_wait_to_requests_sent_one_at_a_time(server_factory, identity_repo):
+    """A lone request at light load runs at once under ``auto``: its recorded ``batch_wait`` stays
+    near zero. The same requests at a block with a fixed delay wait that delay: the KPI measures
+    the wait (this test can fail)."""
+    import statistics
+    import time
+
+    from blockflow import Client
+
+    srv = server_factory(identity_repo)
+    srv.call("POST", "/system/update", {
+        "blocks": [{"name": "auto", "model": "toy/double.pt",
+                    "batching": {"max_batch": 8, "max_queue_delay_us": "auto"}},
+                   {"name": "fixed", "model": "toy/double.pt",
+                    "batching": {"max_batch": 8, "max_queue_delay_us": 100_000}}],
+        "tasks": [{"id": "light", "path": ["auto"]}, {"id": "delayed", "path": ["fixed"]}]}, timeout=60)
+    with Client(srv.dispatcher, timeout=60) as c:
+        for task, n in (("light", 15), ("delayed", 4)):
+            for i in range(n):
+                assert torch.equal(c.infer(task, torch.full((1, 3), float(i))), torch.full((1, 3), 2.0 * i))
+                time.sleep(0.02)  # pacing: light load, one request in flight at a time (not a wait for a condition)
+    auto = [r for r in _kpi_records(srv, "auto") if "error" not in r]
+    fixed = [r for r in _kpi_records(srv, "fixed") if "error" not in r]
+    assert len(auto) == 15 and len(fixed) == 4
+    assert all(r["requests_in_batch"] == 1 for r in auto + fixed)
+    # with no delay the batcher's wait is two clock reads apart (microseconds); 2 ms of median
+    # leaves room for a loaded 2-core CI, and is 50x below the fixed delay's wait
+    assert statistics.median(r["batch_wait"] for r in auto) < 2.0, [r["batch_wait"] for r in auto]
+    assert statistics.median(r["batch_wait"] for r in fixed) >= 80.0, [r["batch_wait"] for r in fixed]
