@@ -30,14 +30,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+#: The checkout's git-ignored model repository (experiments.common.DEFAULT_REPO, the one `make
+#: demo` and the experiments use): the tests' seeded exports live there too, so that one export
+#: serves the whole suite and the experiments' smoke tests instead of one per session and user.
+MODEL_REPO = os.path.join(ROOT, "model_repo")
+REPO_FILES = ("block1.pt", "block2.pt", "block3.pt", "block4.pt", "head.pt", "full.pt", "block4-x.pt", "head-x.pt")
+
+
 @pytest.fixture(scope="session")
-def model_repo(tmp_path_factory):
-    """resnet18 and resnet50 split into 4 blocks + head, with an 'x' variant of block4/head."""
-    from blockflow.blocks.repository import export_model
-    repo = tmp_path_factory.mktemp("model_repo")
+def model_repo():
+    """resnet18 and resnet50 split into 4 blocks + head, with an 'x' variant of block4/head,
+    exported into model_repo/ where a model lacks its manifest or a file (exports are
+    byte-for-byte repeatable, and the server checks every file against the manifest's sha256)."""
+    from blockflow.blocks.repository import BlockFileError, export_model, load_manifest
     for model in ("resnet18", "resnet50"):
-        export_model(model, repo, blocks=4, method="script", variants={"x": ["block4", "head"]})
-    return str(repo)
+        try:
+            listed = set(load_manifest(MODEL_REPO, model).get("blocks", {}))
+        except BlockFileError:  # an unreadable manifest: export again
+            listed = set()
+        if not all(f in listed and os.path.exists(os.path.join(MODEL_REPO, model, f)) for f in REPO_FILES):
+            export_model(model, MODEL_REPO, blocks=4, method="script", variants={"x": ["block4", "head"]})
+    return MODEL_REPO
 
 
 @pytest.fixture(scope="session")

@@ -32,9 +32,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def resnet_repo():
-    """The ResNet50 repository the experiments use (exported once into model_repo/ if missing)."""
+def resnet_repo(model_repo):
+    """The ResNet50 repository the experiments use: model_repo/, which conftest's model_repo
+    fixture has already exported for the rest of the suite (no second export on a fresh clone)."""
     from experiments.common import DEFAULT_REPO, ensure_repo
+    assert os.path.samefile(model_repo, DEFAULT_REPO), (model_repo, DEFAULT_REPO)
     return ensure_repo(DEFAULT_REPO)
 
 
