@@ -51,10 +51,18 @@ def test_a_full_send_queue_refuses_at_once():
                 break
         assert refused is not None, "5000 requests were queued with a queue of 50"
         assert refused.code == "overloaded" and "already waiting to be sent" in str(refused)
-        t1 = time.monotonic()
-        with pytest.raises(BlockFlowError, match="already waiting to be sent"):
-            c.submit("t", x)
-        assert time.monotonic() - t1 < 0.5  # at once, not after a deadline
+        # the owner thread may still be moving queued requests into ZeroMQ (a loaded machine
+        # refuses before ZeroMQ's high-water mark is reached): once it cannot, a submit is
+        # refused, and at once, not after a deadline
+        while True:
+            t1 = time.monotonic()
+            try:
+                futures.append(c.submit("t", x))
+            except BlockFlowError as exc:
+                assert "already waiting to be sent" in str(exc)
+                assert time.monotonic() - t1 < 0.5
+                break
+            assert t1 - t0 < 4.0, "the send queue kept draining with no peer to take it"
         assert time.monotonic() - t0 < 5.0
         done, not_done = wait(futures, timeout=5.0 + 3.0)
         assert not not_done
