@@ -401,7 +401,7 @@ VARIANT_WARMUP = 5
 IDLE_GAP_S = 0.1
 #: Bytes touched before each block call in the "cache_flushed" alone series (> the 32 MB L3 here).
 FLUSH_BYTES = 64 << 20
-ALONE_MODES = ("back_to_back", "idle_gap", "cache_flushed")
+ALONE_MODES = ("back_to_back", "heap_trimmed", "idle_gap", "busy_gap", "cache_flushed")
 
 
 def variant_fields(variant: str, i: int) -> dict:
@@ -465,11 +465,16 @@ def variant_phase(repo: str, names: list[str], transport: str, threads: int, dev
 
 
 def alone_phase(blocks: dict, x: torch.Tensor, device: str, n: int) -> list[dict]:
-    """Each block alone in this process three ways, interleaved in every sample: back to back (as
-    the offline series), after ``IDLE_GAP_S`` of sleep (the pipeline's idle time between two
-    requests, without the other blocks), and after writing ``FLUSH_BYTES`` (caches evicted,
-    as the other blocks' weights and activations do). Minor page faults per call beside each time."""
+    """Each block alone in this process five ways, interleaved in every sample: back to back (as
+    the offline series), after the free memory of this process's heap went back to the kernel
+    (malloc_trim: what glibc's own trimming does to a block after every request, so the call
+    page-faults its activations back in), after ``IDLE_GAP_S`` of sleep (the pipeline's idle time between two
+    requests, without the other blocks), after the same gap spent spinning (the process waits
+    but its CPU does not go idle), and after writing ``FLUSH_BYTES`` (caches evicted, as the other
+    blocks' weights and activations do). Minor page faults per call beside each time."""
+    import ctypes
     import resource
+    libc = ctypes.CDLL(None)
     inputs, y = {}, x
     with torch.inference_mode():
         for name, m in blocks.items():
@@ -481,15 +486,21 @@ def alone_phase(blocks: dict, x: torch.Tensor, device: str, n: int) -> list[dict
         rec = {}
         for mode in ALONE_MODES:
             for name, m in blocks.items():
-                if mode == "idle_gap":
+                if mode == "heap_trimmed":  # what glibc does to a block process after each request
+                    libc.malloc_trim(0)
+                elif mode == "idle_gap":
                     time.sleep(IDLE_GAP_S)
+                elif mode == "busy_gap":  # the same gap with this CPU kept busy: idle CPU or idle process?
+                    end = time.perf_counter() + IDLE_GAP_S
+                    while time.perf_counter() < end:
+                        pass
                 elif mode == "cache_flushed":
                     buf.add_(1.0)
                 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 rec[f"{mode}.{name}"] = time_call(lambda: m(inputs[name]), device)
                 rec[f"{mode}.{name}.faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         return rec
-    return Series(n, None).run(step, "blocks alone: back to back, after idle, after cache flush")
+    return Series(n, None).run(step, "blocks alone: back to back, heap trimmed, after idle, after cache flush")
 
 
 def summarise_variants(runs: dict, alone: list[dict] | None, offline_blocks: dict, transport: str,
@@ -741,7 +752,7 @@ def main(argv=None) -> int:
         vt = "tensormq" if "tensormq" in transports else transports[0]
         vn = args.variant_n or (4 if args.quick else VARIANT_N)
         vr = args.variant_rounds or (1 if args.quick else VARIANT_ROUNDS)
-        alone = alone_phase(blocks, xd, device, vn)
+        alone = alone_phase(blocks, xd, device, max(4, vn // 2))
         runs = variant_phase(repo, variants, vt, args.threads, device, full, x, vn, vr)
         summary["variants"] = summarise_variants(runs, alone, summary["offline"]["blocks_ms"], vt, vn, vr)
     mono_alone = summary["offline"]["monolithic_ms"]["p50"]
