@@ -101,6 +101,12 @@ DRAIN_TIMEOUT: float = _read("BLOCKFLOW_DRAIN_TIMEOUT", 10.0, _seconds,
 MAX_BLOCKS: int = _read("BLOCKFLOW_MAX_BLOCKS", 64, _positive_int, "blocks in one system update")
 MAX_TASKS: int = _read("BLOCKFLOW_MAX_TASKS", 256, _positive_int, "tasks in one system update")
 
+# -- block processes ------------------------------------------------------------------------------
+MALLOC_TRIM: int = _read("BLOCKFLOW_MALLOC_TRIM", 256 << 20, _positive_int,
+                         "freed heap memory a block process keeps instead of returning it to the kernel "
+                         "(glibc M_TRIM_THRESHOLD, bytes): with glibc's default a ResNet50 block page-faults its "
+                         "activations back in on every request; 0 keeps glibc's default", "256 MiB")
+
 # -- observability --------------------------------------------------------------------------------
 MONITOR_INTERVAL: float = _read("BLOCKFLOW_MONITOR_INTERVAL", 0.25, _seconds,
                                 "period of the per-block resource sampler (psutil, pynvml)", "0.25 s")

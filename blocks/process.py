@@ -49,6 +49,7 @@ from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, RESULT_KEYS, Tran
 from blockflow.tensormq.wire import WireError, check_path, dumps, loads_header
 
 from .batching import BatchPolicy, DelayController, plan_batches, run_batch
+from .heap import keep_freed_memory
 from .kpilog import KpiLog
 from .monitor import DEFAULT_INTERVAL, ResourceSampler
 from blockflow import settings
@@ -92,6 +93,7 @@ class BlockSpec(ChildSpec):
     monitor_interval: float = DEFAULT_INTERVAL
     warmup: bool = True
     batching: dict | None = None    # BatchPolicy.to_json(); None: one request at a time
+    malloc_trim: int = settings.MALLOC_TRIM  # blocks/heap.py: freed heap bytes kept between requests
     extra: dict = field(default_factory=dict)
 
     def endpoint_hint(self) -> str:
@@ -140,6 +142,7 @@ class Block(ChildProcess):
             os.sched_setaffinity(0, spec.cpus)
         if spec.threads:
             torch.set_num_threads(spec.threads)
+        keep_freed_memory(spec.malloc_trim)  # before the model loads: see blocks/heap.py
         from blockflow.schema import canonical_device
         self.device = torch.device(canonical_device(spec.device))  # set_device refuses a bare "cuda"
         if self.device.type == "cuda":

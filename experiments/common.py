@@ -410,12 +410,14 @@ class Server:
 
 
 @contextlib.contextmanager
-def blockflow_server(repo: str, log_level: str = "WARNING", extra: list[str] | None = None):
+def blockflow_server(repo: str, log_level: str = "WARNING", extra: list[str] | None = None,
+                     env: dict | None = None):
     """``blockflow serve`` on free ports with a private, short state directory (ipc paths are
-    limited to ~107 characters); stopped with SIGTERM and cleaned up on exit."""
+    limited to ~107 characters); stopped with SIGTERM and cleaned up on exit. ``env``: extra
+    environment variables of the server (and so of the processes it starts)."""
     from blockflow.demo import start_server, stop_server
     state = tempfile.mkdtemp(prefix="bfx-")
-    env = dict(os.environ, BLOCKFLOW_LOG=log_level)
+    env = {**os.environ, "BLOCKFLOW_LOG": log_level, **(env or {})}
     t0 = time.monotonic()
     proc, info = start_server(os.path.abspath(repo), state, extra=["--quiet", *(extra or [])], env=env)
     log.info("blockflow serve up in %.1fs (REST %s, dispatcher %s)", time.monotonic() - t0, info["rest"],

@@ -139,7 +139,7 @@ def test_rtt(tmp_path, leak_check):
 
 def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
     out = str(tmp_path)
-    stdout = run_experiment("pipeline_latency", out, "--n", "8", "--repo", resnet_repo)
+    stdout = run_experiment("pipeline_latency", out, "--n", "8", "--repo", resnet_repo, "--variants", "default,no-trim")
     data = load(out, "pipeline_latency")
     assert_env(data, n=8, quick=True, threads=1, batch=1, transports=["zeromq", "tensormq"], http=True)
     s = data["summary"]
@@ -202,6 +202,16 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
     # ... and so are the sentences with numbers: the overhead of eq. 4.1, not round trip - inference
     prose = text(out, "pipeline_latency")
     assert f"overhead Σo_b {s['transports']['zeromq']['overhead_ms']['mean']:,.2f} ms" in prose, prose
+    # --variants (issue 11): one server per variant; glibc's own heap trimming makes block1 page-fault
+    # its activations back in on every request, the served default (BLOCKFLOW_MALLOC_TRIM) does not
+    var = s["variants"]["variants"]
+    assert list(var) == ["default", "no-trim"] and all(v["n"] == 4 and v["kpi_requests"] == 4 for v in var.values())
+    assert var["no-trim"]["minor_faults_per_request"]["b1"] > 1000 > 200 > var["default"]["minor_faults_per_request"]["b1"]
+    for v in var.values():
+        assert v["ratio_p50"] == pytest.approx(v["rtt_ms"]["p50"] / v["monolithic_interleaved_ms"]["p50"])
+        assert set(v["block_slowdown_pct"]) == {"b1", "b2", "b3", "b4", "h"}
+    assert set(s["variants"]["alone"]["modes"]) == {"back_to_back", "heap_trimmed", "idle_gap", "busy_gap", "cache_flushed"}
+    assert f"| no-trim | glibc's own heap trimming" in table and f"no-trim {var['no-trim']['ratio_p50']:,.2f}x" in prose
 
 
 #: Experiments with a detailed test (above, or in the file named) run for real; every other one
