@@ -50,7 +50,7 @@ EXPERIMENTS = [
 CPU_SETTINGS = {
     "offline_blocks": ["--n", "50", "--export"],                              # 3.5 (the README compares formats)
     "rtt": ["--n", "3000"],                                                   # 1.5
-    "pipeline_latency": ["--duration", "20"],                                 # 2.5
+    "pipeline_latency": ["--duration", "20", "--variants", "default,no-trim,pinned"],  # 6 (3.5 of it variants)
     "hop_overhead": ["--budget", "3"],                                        # 3
     "batch_scaling": [],                                                      # 2 (3 s per series and batch)
     "multiclient": ["--clients", "1,2,4,8", "--duration", "8"],               # 2.5

@@ -169,7 +169,11 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
         # the blocks' time is m + o + w summed over the blocks, and the round trip contains it
         assert ts["in_blocks_ms"]["mean"] >= 0.999 * (
             ts["inference_ms"]["mean"] + ts["overhead_ms"]["mean"] + ts["wait_ms"]["mean"])
-        assert ts["rtt_ms"]["mean"] > ts["in_blocks_ms"]["mean"]
+        # the round trip contains every block's time up to the hand-over of its output; a block's
+        # ``fwd`` (its send returning) can overlap the next block's start when it is descheduled
+        # right after the send, so the sum with ``fwd`` may exceed the round trip on a loaded machine
+        fwd = sum(comp["components_ms"]["fwd"]["mean"] for comp in ts["blocks"].values())
+        assert ts["rtt_ms"]["mean"] > ts["in_blocks_ms"]["mean"] - fwd
         assert ts["rtt_minus_inference_ms"]["mean"] > ts["overhead_ms"]["mean"] > 0
         assert ts["inference_ms"]["mean"] > 0.5 * ts["rtt_ms"]["mean"]
         assert all(rss > 50 for rss in ts["block_rss_mb"].values())
