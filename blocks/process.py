@@ -9,13 +9,14 @@ Threads and what each owns (ZeroMQ sockets are never shared between threads)::
 
 - *inference* (Algorithm 2, the process's main thread): owns the data socket it receives on
   (PULL), the ``Transport`` (one PUSH socket and one slot pool per next hop) and one end of
-  the mailbox. It waits on the data socket and the mailbox together, takes a message, runs
-  the model and sends the output itself: one thread wake-up per hop. Between two requests it
-  looks at the mailbox, so a topology update never waits behind queued tensors.
-- *control* (Algorithm 5): owns the DEALER socket to the controller and the other end of the
-  mailbox; answers ``ping`` (with the inference thread's heartbeat), ``store``, ``monitor``
-  itself, hands ``update`` and ``stop`` to the inference thread through the mailbox, and
-  watches the parent process.
+  the mailbox. It blocks in a receive on the data socket alone, takes a message, runs the
+  model and sends the output itself: one thread wake-up per hop, and no poll set to build or
+  socket events to ask on the way (Note [One wait per hop]). Between two requests it looks at
+  the mailbox flag, so a topology update never waits behind queued tensors.
+- *control* (Algorithm 5): owns the DEALER socket to the controller, the other end of the
+  mailbox and the wake-up socket; answers ``ping`` (with the inference thread's heartbeat),
+  ``store``, ``monitor`` itself, hands ``update`` and ``stop`` to the inference thread through
+  the mailbox, and watches the parent process.
 - *monitor*: samples psutil/pynvml every 250 ms while enabled.
 
 Queueing and ``max_queue``: a message waits first in the PULL socket's ZeroMQ buffer (RCVHWM
@@ -28,6 +29,19 @@ inference late.
 
 Blocks make no routing decision: every message carries its remaining path, return address
 last.
+
+Note [One wait per hop]
+~~~~~~~~~~~~~~~~~~~~~~~
+An idle block waits in ``recv`` on its data socket (timeout ``BEAT_INTERVAL``, its heartbeat),
+the way the bare pyzmq relay of experiments/hop_overhead.py does, not in a poll over the data
+socket and the mailbox: on this 2-core VM a block's caches are cold when a request wakes it,
+and every call on the way (building the poll set, asking each socket for its events) cost
+tens of microseconds there. The mailbox is still checked between any two requests, through a
+flag: the control thread (1) sends the command into the mailbox, (2) sets ``mail_waiting``,
+(3) sends an empty message into the data socket through an inproc endpoint that only this
+process knows, which ends a wait at once. The inference thread clears the flag before it
+reads the mailbox dry, so a command sent while it reads is seen by the next round. An empty
+message on the data socket is that wake-up and nothing else: it is never answered.
 """
 from __future__ import annotations
 
@@ -128,6 +142,8 @@ class Block(ChildProcess):
         self.busy_since = 0.0
         self.beat = time.monotonic()
         self._mail_seq = 0
+        #: set by the control thread after it posts to the mailbox (Note [One wait per hop])
+        self.mail_waiting = False
         #: dynamic batching across tasks (blocks/batching.py); None: one request at a time
         self.batching = BatchPolicy.parse(spec.batching) if spec.batching else None
         self.batcher = DelayController(self.batching, spec.max_inference_s / 4) if self.batching else None
@@ -190,6 +206,12 @@ class Block(ChildProcess):
         self.mail_out = self.ctx.socket(zmq.PAIR)
         self.mail_out.linger = 0
         self.mail_out.connect(f"inproc://mailbox-{id(self)}")
+        # the wake-up: the data socket also listens in-process, for the control thread only
+        self.pull.bind(f"inproc://wake-{id(self)}")
+        self.waker = self.ctx.socket(zmq.PUSH)
+        self.waker.linger = 0
+        self.waker.sndhwm = 4  # one pending wake-up is enough; more are dropped (send NOBLOCK)
+        self.waker.connect(f"inproc://wake-{id(self)}")
         self.transport = Transport(self.ctx, f"{self.name}-{spec.incarnation}", spec.transport, spec.shm_dir,
                                    window=spec.window, send_timeout=spec.send_timeout)
         self.transport.stopping = self.stopping  # a stopping block waits for no slot
@@ -225,6 +247,7 @@ class Block(ChildProcess):
             if self.ctrl is not None:
                 self.ctrl.close(linger=0)
             self.mail_out.close(linger=0)
+            self.waker.close(linger=0)
 
     # commands the control thread answers itself (ChildProcess answers "ping" and "stop" too)
     def cmd_ping(self, args: dict) -> dict:
@@ -248,16 +271,25 @@ class Block(ChildProcess):
 
     def cmd_stop(self, args: dict) -> dict:
         answer = super().cmd_stop(args)
-        # the inference thread sees stopping within BEAT_INTERVAL (its poll timeout); a
-        # wake-up in its mailbox makes that at once
-        self.mail_out.send(dumps({"seq": 0, "kind": "wake", "args": {}}))
+        # the inference thread sees stopping within BEAT_INTERVAL (its receive timeout); a
+        # wake-up makes that at once
+        self.wake()
         return answer
+
+    def wake(self) -> None:
+        """End the inference thread's wait on its data socket now (control thread)."""
+        try:
+            self.waker.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # wake-ups already pending: the inference thread is about to go around anyway
 
     def ask_inference(self, kind: str, args: dict, timeout: float) -> dict:
         """Post a command to the inference thread's mailbox and wait for its answer (control thread)."""
         self._mail_seq += 1
         seq = self._mail_seq
         self.mail_out.send(dumps({"seq": seq, "kind": kind, "args": args}))
+        self.mail_waiting = True  # after the send: see Note [One wait per hop]
+        self.wake()
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -287,22 +319,27 @@ class Block(ChildProcess):
             self.inference_loop()
 
     def inference_loop(self) -> None:
-        poller = zmq.Poller()
+        poller = zmq.Poller()  # the batcher's wait only (fill_batch)
         poller.register(self.pull, zmq.POLLIN)
         poller.register(self.mail_in, zmq.POLLIN)
-        pull, mail_in, backlog = self.pull, self.mail_in, self.backlog
-        beat_ms = BEAT_INTERVAL * 1e3
+        pull, backlog, admit = self.pull, self.backlog, self.admit
+        pull.rcvtimeo = int(BEAT_INTERVAL * 1e3)
         while not self.stopping.is_set():
             self.beat = time.monotonic()
-            if not backlog and not poller.poll(beat_ms):
-                continue  # idle: the loop still goes around, so beat_age_s stays below BEAT_INTERVAL
-            if mail_in.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if self.mail_waiting:
                 self.read_mailbox()
-                continue
+            if not backlog:
+                try:  # Note [One wait per hop]
+                    admit(pull.recv_multipart(copy=False))
+                except zmq.Again:
+                    continue  # idle: the loop still goes around, so beat_age_s stays below BEAT_INTERVAL
             for _ in range(DRAIN_LIMIT):  # bounded: a flood must not keep the model from running
+                # asked, not tried: a zmq.Again raised per request costs more than the question
                 if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     break
-                self.admit(pull.recv_multipart(zmq.NOBLOCK, copy=False))
+                admit(pull.recv_multipart(zmq.NOBLOCK, copy=False))
+            if self.mail_waiting:
+                continue  # a topology update goes before the next request
             if backlog and self.batching is not None:
                 waited = self.fill_batch(poller)
                 items = [backlog.popleft() for _ in range(self.batcher.take(len(backlog)))]
@@ -339,19 +376,27 @@ class Block(ChildProcess):
         return t_start, time.perf_counter()
 
     def read_mailbox(self) -> None:
-        msg = json.loads(self.mail_in.recv())
-        if msg["kind"] == "topology":  # "wake" only ends the wait: the loop then sees stopping
-            args = msg["args"]
+        """Apply every command waiting in the mailbox (inference thread)."""
+        self.mail_waiting = False  # before reading: a command posted meanwhile sets it again
+        while True:
             try:
-                answer = {"result": {"dropped": self.transport.set_topology(args.get("live", []),
-                                                                             args.get("devices"))}}
-            except Exception as exc:  # a bad update is the controller's error, not the end of the block
-                answer = {"error": f"{type(exc).__name__}: {exc}"}
-            self.mail_in.send(dumps({"seq": msg["seq"], **answer}))
+                msg = json.loads(self.mail_in.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if msg["kind"] == "topology":
+                args = msg["args"]
+                try:
+                    answer = {"result": {"dropped": self.transport.set_topology(args.get("live", []),
+                                                                                 args.get("devices"))}}
+                except Exception as exc:  # a bad update is the controller's error, not the end of the block
+                    answer = {"error": f"{type(exc).__name__}: {exc}"}
+                self.mail_in.send(dumps({"seq": msg["seq"], **answer}))
 
     def admit(self, frames: list) -> None:
         """Check one message's envelope once; accept it into the backlog, or answer an error."""
         arrival, arrival_wall = time.perf_counter(), time.time()
+        if len(frames) == 1 and not len(frames[0]):
+            return  # the control thread's wake-up (Note [One wait per hop])
         try:
             header = loads_header(frames[0])
             path = check_path(header.get("path"))

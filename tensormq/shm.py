@@ -20,9 +20,9 @@ is one file in the instance's private shared-memory directory (``0700``, under /
     IN_FLIGHT  released <  generation: the producer acquired it (generation += 1) and the
                holder of that generation has not released it yet (released = generation)
 
-- Every header word has one writer, and every write is one aligned 8-byte store (a numpy
-  view, never ``struct.pack_into``): ``generation`` is the producer's, ``released`` is the
-  consumer's. A release therefore cannot undo a later acquire. (It could when both wrote
+- Every header word has one writer, and every write is one aligned 8-byte store (an item
+  of a ``memoryview`` cast to native ``Q``, which CPython stores with one 8-byte copy; never
+  ``struct.pack_into``): ``generation`` is the producer's, ``released`` is the consumer's. A release therefore cannot undo a later acquire. (It could when both wrote
   one ``state`` word: a consumer that read IN_FLIGHT, was preempted inside its write --
   ``pack_into`` zeroes the field and then stores it, two stores -- and finished after the
   producer had reused the slot freed a message still in flight: the rare "generation N is
@@ -68,10 +68,10 @@ import mmap
 import os
 import re
 import stat
+import sys
 import time
 from collections import OrderedDict
 
-import numpy as np
 import torch
 
 from .wire import TensorDesc, WireError, dtype_name
@@ -137,9 +137,15 @@ def round_capacity(nbytes: int) -> int:
     return cap
 
 
-def _header(mm: mmap.mmap) -> np.ndarray:
-    """The slot's header words; reads and writes of one element are single aligned accesses."""
-    return np.frombuffer(mm, dtype="<u8", count=HEADER // 8)
+if sys.byteorder != "little":  # the header words are little-endian u64 on every host that shares them
+    raise ImportError("TensorMQ's shared-memory slots need a little-endian host")
+
+
+def _header(mm: mmap.mmap) -> memoryview:
+    """The slot's header words; reads and writes of one element are single aligned accesses.
+    A memoryview, not a numpy array: reading a word gives a Python int at once (a numpy
+    scalar and its int() cost ten times more, and the slot's words are read on every hop)."""
+    return memoryview(mm)[:HEADER].cast("Q")
 
 
 def _map_file(path: str, size: int | None, create: bool) -> mmap.mmap:

@@ -21,10 +21,9 @@ says where the memory is (``loc``):
 """
 from __future__ import annotations
 
-import functools
+import math
 import os
 import re
-from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -114,33 +113,35 @@ def _int(obj: dict, key: str, lo: int = 0, hi: int = 1 << 62, where: str = "x") 
     return val
 
 
-@dataclass(frozen=True)
-class TensorDesc:
-    """What a receiver needs to rebuild a tensor view; validated on construction from a header."""
+#: What every dimension of a valid shape or stride list is: a JSON integer, never a bool or float.
+_INT_ONLY = {int}
 
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    loc: str
-    fields: dict  # the raw descriptor (loc-specific fields: seg, gen, off, nbytes, handle, ...)
+
+def _dims(val, key: str) -> None:
+    """A shape or stride: a list of at most MAX_DIMS integers in [0, 2**40). Checked with C
+    builtins (set, map, min, max), not a Python loop: this runs on every hop, cold."""
+    if (type(val) is not list or len(val) > MAX_DIMS
+            or (val and (set(map(type, val)) != _INT_ONLY or min(val) < 0 or max(val) >= _DIM_LIMIT))):
+        raise WireError(f"x.{key} must be a list of at most {MAX_DIMS} non-negative integers")
+
+
+class TensorDesc:
+    """What a receiver needs to rebuild a tensor view; validated on construction from a header.
+    ``numel`` and the span in bytes are computed once, here (a hop asks for them three times)."""
+
+    __slots__ = ("dtype", "shape", "stride", "loc", "fields", "numel", "_span")
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...], loc: str,
+                 fields: dict):
+        self.dtype, self.shape, self.stride, self.loc = dtype, shape, stride, loc
+        self.fields = fields  # the raw descriptor (loc-specific fields: seg, gen, off, nbytes, handle, ...)
+        self.numel = numel = math.prod(shape)
+        # bytes from the first element to one past the last, following the strides
+        self._span = (sum([(s - 1) * st for s, st in zip(shape, stride)]) + 1) * dtype.itemsize if numel else 0
 
     @property
     def itemsize(self) -> int:
         return self.dtype.itemsize  # on every hop: no tensor made to ask
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @functools.cached_property  # asked three times per hop (parse, open); the fields never change
-    def _span(self) -> int:
-        if self.numel == 0:
-            return 0
-        last = sum((s - 1) * st for s, st in zip(self.shape, self.stride))
-        return (last + 1) * self.itemsize
 
     def span_bytes(self) -> int:
         """Bytes from the first element to one past the last, following the strides."""
@@ -149,11 +150,14 @@ class TensorDesc:
     def to_json(self) -> dict:
         return self.fields
 
+    def __repr__(self) -> str:
+        return f"TensorDesc({self.fields!r})"
+
     @staticmethod
     def of(tensor: torch.Tensor, loc: str, **fields) -> "TensorDesc":
-        d = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
-             "stride": list(tensor.stride()), "loc": loc, **fields}
-        return TensorDesc(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), loc, d)
+        shape, stride = tuple(tensor.shape), tensor.stride()
+        d = {"dtype": dtype_name(tensor.dtype), "shape": list(shape), "stride": list(stride), "loc": loc, **fields}
+        return TensorDesc(tensor.dtype, shape, stride, loc, d)
 
     @staticmethod
     def parse(x, max_bytes: int = MAX_TENSOR_BYTES) -> "TensorDesc":
@@ -163,27 +167,22 @@ class TensorDesc:
         if not isinstance(name, str) or name not in DTYPES:  # a list or object is unhashable
             raise WireError(f"x.dtype {name!r:.40} is not supported; use one of {', '.join(DTYPES)}")
         shape, stride = x.get("shape"), x.get("stride")
-        for key, val in (("shape", shape), ("stride", stride)):
-            # type() is: a bool is not a dimension (JSON decodes only plain ints); one loop, no generator
-            if type(val) is not list or len(val) > MAX_DIMS:
-                raise WireError(f"x.{key} must be a list of at most {MAX_DIMS} non-negative integers")
-            for v in val:
-                if type(v) is not int or not 0 <= v < _DIM_LIMIT:
-                    raise WireError(f"x.{key} must be a list of at most {MAX_DIMS} non-negative integers")
+        _dims(shape, "shape")
+        _dims(stride, "stride")
         if len(shape) != len(stride):
             raise WireError(f"x.shape has {len(shape)} dimensions but x.stride has {len(stride)}")
         # a zero-sized tensor passes the byte limit whatever its other dimensions, but torch
         # computes contiguous strides from them and fails on int64 overflow: bound their product
-        extent = 1
-        for dim in shape:
-            extent *= max(dim, 1)
-        if extent >= 1 << 62:
+        if 0 in shape and math.prod([d for d in shape if d]) >= 1 << 62:
             raise WireError(f"x.shape {shape} has dimensions whose product exceeds 2**62")
         loc = x.get("loc")
         if not isinstance(loc, str) or loc not in ("bytes", "shm", "cuda"):
             raise WireError(f"x.loc {loc!r:.40} is not one of bytes, shm, cuda")
-        desc = TensorDesc(DTYPES[name], tuple(shape), tuple(stride), loc, x)
-        if desc.numel * desc.dtype.itemsize > max_bytes or desc.span_bytes() > max_bytes:
+        dtype = DTYPES[name]
+        if 0 not in shape and math.prod(shape) * dtype.itemsize > max_bytes:  # before any sum of strides
+            raise WireError(f"tensor of shape {shape} {name} is larger than the limit of {max_bytes} bytes")
+        desc = TensorDesc(dtype, tuple(shape), tuple(stride), loc, x)
+        if desc._span > max_bytes:
             raise WireError(f"tensor of shape {shape} {name} is larger than the limit of {max_bytes} bytes")
         return desc
 
@@ -197,14 +196,29 @@ def contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+#: [name, address] hops check_path() has accepted in this process: paths repeat on every request,
+#: and two regular expressions per hop are the dearest part of a header's checks when cold.
+#: Bounded (cleared when full) since paths come from messages.
+_ACCEPTED_HOPS: set[tuple[str, str]] = set()
+_ACCEPTED_HOPS_MAX = 4096
+
+
 def check_path(path) -> list[list[str]]:
     """Validate a remaining path: a non-empty list of [name, address] pairs (return address last)."""
     if not isinstance(path, list) or not 1 <= len(path) <= MAX_PATH:
         raise WireError(f"path must be a list of 1 to {MAX_PATH} hops")
+    accepted = _ACCEPTED_HOPS
     for i, hop in enumerate(path):
-        if (not isinstance(hop, list) or len(hop) != 2 or not isinstance(hop[0], str)
-                or not isinstance(hop[1], str) or not _NAME_RE.fullmatch(hop[0]) or not _ADDR_RE.fullmatch(hop[1])):
+        if type(hop) is not list or len(hop) != 2 or type(hop[0]) is not str or type(hop[1]) is not str:
             raise WireError(f"path[{i}] must be [name, 'ipc://...' or 'tcp://host:port'], got {str(hop):.80}")
+        pair = (hop[0], hop[1])
+        if pair in accepted:
+            continue
+        if not _NAME_RE.fullmatch(pair[0]) or not _ADDR_RE.fullmatch(pair[1]):
+            raise WireError(f"path[{i}] must be [name, 'ipc://...' or 'tcp://host:port'], got {str(hop):.80}")
+        if len(accepted) >= _ACCEPTED_HOPS_MAX:
+            accepted.clear()
+        accepted.add(pair)
     return path
 
 
