@@ -45,6 +45,8 @@ FLUSH_INTERVAL = settings.KPI_FLUSH_INTERVAL
 
 #: The latency components of thesis eq. 4.1, in milliseconds, in the order they happen.
 LATENCY_FIELDS = ("wait", "deser", "dev", "inf", "share", "fwd", "total")
+#: The fields of a latency record added as a row (``add_row``), in the row's order.
+LATENCY_ROW = ("ts", "rid", "task", *LATENCY_FIELDS, "t_in", "t_out", "queue", "batch")
 
 
 class KpiLog:
@@ -57,6 +59,7 @@ class KpiLog:
         for path in self.paths.values():
             open(path, "a").close()  # present from the start: "no records yet", not "no such block"
         self._buf: dict[str, list[dict]] = {"latency": [], "resources": []}
+        self._rows: list[tuple] = []  # latency records added with add_row, written after _buf's
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()  # the timer and a store/shutdown flush append in order
         self.count = 0
@@ -83,11 +86,24 @@ class KpiLog:
         if full:
             self.flush()
 
+    def add_row(self, row: tuple) -> None:
+        """A latency record as a tuple in ``LATENCY_ROW``'s order, from the inference thread
+        only. It runs right after a request was sent on, while the next block starts on it --
+        often on this core, where anything done here delays it -- so it does the least it can:
+        one append (atomic under the GIL; ``flush`` swaps the buffer under the lock), the dict
+        is made when the record is written."""
+        self._rows.append(row)
+        self.count += 1
+        if len(self._rows) >= FLUSH_EVERY:
+            self.flush()
+
     def flush(self) -> int:
         with self._write_lock:
             with self._lock:
                 bufs, self._buf = self._buf, {"latency": [], "resources": []}
+                rows, self._rows = self._rows, []
             written = 0
+            bufs["latency"] += [dict(zip(LATENCY_ROW, row)) for row in rows]
             for kind, records in bufs.items():
                 if records:
                     with open(self.paths[kind], "a") as f:

@@ -544,17 +544,21 @@ class Block(ChildProcess):
             self.fail(req, exc, x_desc)
             return
         total = (t5 - req.arrival) * 1e3
+        if self.batching is None:  # the common case, in LATENCY_ROW's order (see KpiLog.add_row)
+            self.kpi.add_row((req.arrival_wall, header["rid"], header.get("task"), hop["wait"], hop["deser"],
+                              hop["dev"], inf, hop["share"], (t5 - t4) * 1e3, total, hop["t_in"], hop["t_out"],
+                              len(self.backlog), y.shape[0] if y.dim() else 1))
+            return
         rec = {"ts": req.arrival_wall, "rid": header["rid"], "task": header.get("task"),
                "wait": hop["wait"], "deser": hop["deser"], "dev": hop["dev"], "inf": inf, "share": hop["share"],
                "fwd": (t5 - t4) * 1e3, "total": total, "t_in": hop["t_in"], "t_out": hop["t_out"],
                "queue": len(self.backlog),
                "batch": int(y.shape[0]) if y.dim() else 1}
-        if self.batching is not None:
-            # in a batch the request also waited for the batcher and for its batch-mates' inputs and
-            # outputs: that time is part of "wait", so the components still add up to "total"
-            rec["wait"] = total - (rec["deser"] + rec["dev"] + inf + rec["share"] + rec["fwd"])
-            rec["requests_in_batch"] = batch
-            rec["batch_wait"] = req.batch_wait
+        # in a batch the request also waited for the batcher and for its batch-mates' inputs and
+        # outputs: that time is part of "wait", so the components still add up to "total"
+        rec["wait"] = total - (rec["deser"] + rec["dev"] + inf + rec["share"] + rec["fwd"])
+        rec["requests_in_batch"] = batch
+        rec["batch_wait"] = req.batch_wait
         self.kpi.add("latency", rec)
 
     def fail(self, req: "_Request", exc: Exception, x_desc: dict | None = None) -> None:

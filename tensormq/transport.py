@@ -219,11 +219,17 @@ class Transport:
 
     def send(self, address: str, header: dict, payload=None, timeout: float | None = None) -> None:
         """Send one message; raises TimeoutError instead of blocking forever on a dead peer."""
-        frames = [dumps(header)]
-        if payload is not None:
-            frames.append(payload)
-        copy = payload is None or len(memoryview(payload).cast("B")) < ZERO_COPY_THRESHOLD
         sock = self.socket(address)
+        if payload is None:  # a handle or an error: one frame, and a socket with room takes it at once
+            data = dumps(header)
+            try:
+                sock.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                frames, copy = [data], True
+        else:
+            frames = [dumps(header), payload]
+            copy = len(memoryview(payload).cast("B")) < ZERO_COPY_THRESHOLD
         deadline = time.monotonic() + (self.send_timeout if timeout is None else timeout)
         while True:
             try:

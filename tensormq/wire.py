@@ -70,10 +70,11 @@ class WireError(ValueError):
 # the same dicts, lists and ints json.loads does) instead of the json module: on this 2-core
 # VM a block's caches are cold when a request wakes it, and there a header costs 33 us to
 # parse and 27 us to write with msgspec against 102 us and 90 us with json (warm: 2.7/1.8
-# against 11/12 us; /tmp-free microbenchmark in experiments/validation_cost.py's "codec"
-# rows). The checks stay ours (check_path, TensorDesc.parse: field-named errors). What the
-# codec refuses that json accepted: NaN/Infinity literals, lone surrogates, integers past
-# 64 bits (rid is one); all were errors further on anyway.
+# against 11/12 us; python -m experiments.validation_cost, header_slept_us column, has the
+# parse side with and without our checks). The checks stay ours (check_path,
+# TensorDesc.parse: field-named errors). What the codec refuses that json accepted: NaN and
+# Infinity literals and lone surrogates, which no header of ours holds; integers longer than
+# Python's digit limit are refused by both.
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder()
 
