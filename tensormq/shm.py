@@ -367,19 +367,20 @@ class Mapped:
     words and its data area (as uint8 and per dtype). Made once per slot, not per message.
     ``drop()`` lets go of the views before it closes the mapping (a view would keep it open)."""
 
-    __slots__ = ("mm", "hdr", "data", "typed")
+    __slots__ = ("mm", "hdr", "data", "cap", "typed")
 
     def __init__(self, mm: mmap.mmap, data: torch.Tensor):
         self.mm = mm
         self.hdr = _header(mm)
         self.data = data  # uint8 over the data area
+        self.cap = data.numel()  # its bytes
         self.typed: dict[torch.dtype, torch.Tensor] = {}
 
     def as_dtype(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The data area viewed as ``dtype`` (None when its size is not a multiple of the item)."""
         typed = self.typed.get(dtype)
         if typed is None:
-            if self.data.numel() % dtype.itemsize:
+            if self.cap % dtype.itemsize:
                 return None
             typed = self.typed[dtype] = self.data.view(dtype)
         return typed
@@ -463,26 +464,34 @@ class SlotMapper:
         """The tensor the handle names, viewed in place, and the lease to release it with."""
         f = desc.fields
         seg = f.get("seg")
-        if not isinstance(seg, str) or not _SEG_RE.fullmatch(seg):
-            raise WireError("x.seg must be a slot name")
+        m = self.maps.get(seg) if type(seg) is str else None  # a mapped slot's name was checked once
+        if m is not None:
+            self.maps.move_to_end(seg)
+        else:
+            if not isinstance(seg, str) or not _SEG_RE.fullmatch(seg):
+                raise WireError("x.seg must be a slot name")
+            m = self._open(seg)
         gen = f.get("gen")
         off = f.get("off")
         nbytes = f.get("nbytes")
-        for key, val in (("gen", gen), ("off", off), ("nbytes", nbytes)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-                raise WireError(f"x.{key} must be a non-negative integer")
-        m = self._open(seg)
-        self.check_kind(m, seg, "shm")
-        self.check_in_flight(m, seg, gen)
-        cap = m.data.numel()
-        span = desc.span_bytes()
-        if off % desc.itemsize or off + max(nbytes, span) > cap or span > nbytes:
+        if type(gen) is not int or type(off) is not int or type(nbytes) is not int or min(gen, off, nbytes) < 0:
+            for key, val in (("gen", gen), ("off", off), ("nbytes", nbytes)):
+                if type(val) is not int or val < 0:
+                    raise WireError(f"x.{key} must be a non-negative integer")
+        hdr = m.hdr  # the checks of check_kind() and check_in_flight(), inline: once per hop
+        if hdr[W_KIND] != KIND_HOST:
+            self.check_kind(m, seg, "shm")
+        if hdr[W_GENERATION] != gen or hdr[W_RELEASED] == gen:
+            self.check_in_flight(m, seg, gen)
+        span = desc._span
+        itemsize = desc.dtype.itemsize
+        if off % itemsize or off + max(nbytes, span) > m.cap or span > nbytes:
             raise WireError(f"x.off/x.nbytes/x.shape describe memory outside slot {seg}")
         typed = m.as_dtype(desc.dtype)
         if typed is None:
             raise WireError(f"slot {seg} is not aligned for {dtype_name(desc.dtype)}")
-        tensor = torch.as_strided(typed, desc.shape, desc.stride, off // desc.itemsize)
-        return tensor, ShmLease(m, seg, gen, desc.fields)
+        tensor = torch.as_strided(typed, desc.shape, desc.stride, off // itemsize)
+        return tensor, ShmLease(m, seg, gen, f)
 
     def close(self) -> None:
         for m in self.maps.values():

@@ -54,6 +54,24 @@ def test_descriptor_validation_names_the_field(bad, word):
         TensorDesc.parse(bad)
 
 
+def test_a_remembered_descriptor_is_built_from_its_checked_values():
+    """Note [Descriptor memo]: once a descriptor is accepted, an equal one is not checked again,
+    but what it builds comes from the checked integers, and any other change is checked anew."""
+    good = {"dtype": "float32", "shape": [2, 3], "stride": [3, 1], "loc": "shm", "seg": "p.1.1"}
+    first = TensorDesc.parse(dict(good))
+    assert first.shape == (2, 3) and first.numel == 6 and first.span_bytes() == 24
+    forged = {**good, "shape": [2.0, 3]}  # equal in Python to the accepted [2, 3]
+    desc = TensorDesc.parse(forged)
+    assert desc.shape == (2, 3) and all(type(d) is int for d in desc.shape)  # the memo's own ints
+    assert desc.fields is forged and desc.loc == "shm"
+    for bad, word in (({**good, "shape": [2, -3]}, "shape"), ({**good, "shape": [2.0, 1], "stride": [1, 1]}, "shape"), ({**good, "stride": [3, "1"]}, "stride"),
+                      ({**good, "loc": "elsewhere"}, "loc"), ({**good, "shape": [[2], 3]}, "shape")):
+        with pytest.raises(WireError, match=word):
+            TensorDesc.parse(bad)
+    with pytest.raises(WireError, match="limit"):  # a remembered descriptor still meets each limit
+        TensorDesc.parse(dict(good), max_bytes=8)
+
+
 def test_payload_size_must_match_shape():
     desc = TensorDesc.parse({"dtype": "float32", "shape": [4], "stride": [1], "loc": "bytes"})
     with pytest.raises(WireError, match="needs 16"):
