@@ -59,7 +59,7 @@ import zmq
 from blockflow.childproc import BootError, ChildProcess, ChildSpec, exit_with, serve, spec_from_argv
 from blockflow.protocol import RETURN_HOP, ErrorCode
 from blockflow.tensormq.shm import HopGone, ShmExhausted
-from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, RESULT_KEYS, Transport, receive_limit
+from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, RESULT_KEYS, Transport, receive_limit, recv_message
 from blockflow.tensormq.wire import WireError, check_path, dumps, loads_header
 
 from .batching import BatchPolicy, DelayController, plan_batches, run_batch
@@ -330,14 +330,14 @@ class Block(ChildProcess):
                 self.read_mailbox()
             if not backlog:
                 try:  # Note [One wait per hop]
-                    admit(pull.recv_multipart(copy=False))
+                    admit(recv_message(pull))
                 except zmq.Again:
                     continue  # idle: the loop still goes around, so beat_age_s stays below BEAT_INTERVAL
             for _ in range(DRAIN_LIMIT):  # bounded: a flood must not keep the model from running
                 # asked, not tried: a zmq.Again raised per request costs more than the question
                 if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     break
-                admit(pull.recv_multipart(zmq.NOBLOCK, copy=False))
+                admit(recv_message(pull, zmq.NOBLOCK))
             if self.mail_waiting:
                 continue  # a topology update goes before the next request
             if backlog and self.batching is not None:
@@ -372,7 +372,7 @@ class Block(ChildProcess):
             if self.pull not in events:
                 break
             while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN and len(self.backlog) < self.batching.max_batch:
-                self.admit(self.pull.recv_multipart(zmq.NOBLOCK, copy=False))
+                self.admit(recv_message(self.pull, zmq.NOBLOCK))
         return t_start, time.perf_counter()
 
     def read_mailbox(self) -> None:
@@ -583,7 +583,7 @@ class Block(ChildProcess):
         """Every request accepted or still waiting in the data socket is answered with an error
         and its slot released."""
         while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self.admit(self.pull.recv_multipart(zmq.NOBLOCK, copy=False))
+            self.admit(recv_message(self.pull, zmq.NOBLOCK))
         while self.backlog:
             header = self.backlog.popleft()[2]
             self.release_unused(header)

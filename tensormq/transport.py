@@ -66,6 +66,18 @@ def read_result_keys(path: str) -> dict | None:
     return keys if isinstance(keys, dict) and {"endpoint", "server", "public", "secret"} <= set(keys) else None
 
 
+def recv_message(sock: zmq.Socket, flags: int = 0) -> list:
+    """One message's frames (zmq.Frame, zero-copy), as ``recv_multipart(copy=False)`` gives them,
+    for one call less per frame: a frame says itself whether more follow (``Frame.more``), where
+    recv_multipart asks the socket (getsockopt RCVMORE), on every hop."""
+    frame = sock.recv(flags, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(flags, copy=False)
+        frames.append(frame)
+    return frames
+
+
 def decode_bytes(desc: TensorDesc, frame) -> torch.Tensor:
     """Rebuild a tensor over a received frame's memory (no copy)."""
     expected = desc.numel * desc.itemsize
