@@ -36,18 +36,14 @@ CHAIN2 = ("block12", "block34", "head")
 
 
 @pytest.fixture(scope="session")
-def exported(tmp_path_factory, request):
+def exported(tmp_path_factory):
     """export(model, method) -> repo dir; each export runs once per session."""
     cache: dict[tuple[str, str], Path] = {}
 
     def get(model: str, method: str = "script") -> Path:
         key = (model, method)
         if key not in cache:
-            if key == ("resnet50", "script"):
-                # conftest's model_repo fixture made this export already (4 blocks, scripted, the
-                # same seed; its 'x' variant of block4/head is extra): no second ResNet50 export
-                cache[key] = Path(request.getfixturevalue("model_repo"))
-            elif key == ("resnet50", "trace"):
+            if key == ("resnet50", "trace"):
                 # the very same export (4 blocks, traced, no variants) that offline_blocks keeps in
                 # model_repo/_traced: made once for the suite (and kept), not twice
                 from experiments.common import DEFAULT_REPO, traced_repo
