@@ -85,6 +85,11 @@ def serve(host: str = "127.0.0.1", port: int = 8080, dispatcher_host: str = "127
         "checker.on": False,
         "environment": "production",
     })
+    # cheroot's connection loop notices a stop only when its select() times out: every
+    # `expiration_interval` (0.5 s) when idle, which every server stop waited for on average
+    httpserver, bind_addr = cherrypy.server.httpserver_from_self()
+    httpserver.expiration_interval = 0.05
+    cherrypy.server.httpserver, cherrypy.server.bind_addr = httpserver, bind_addr
     # CherryPy's loggers carry their own INFO level and propagate to the root handler:
     # hold them to the level the user chose (BLOCKFLOW_LOG), the access log to WARNING when quiet
     app = cherrypy.tree.mount(Root(manager), "/", app_config(token))

@@ -12,11 +12,15 @@ pipeline_latency compares the served pipeline with (thesis: 11.703 ms on the GV1
 N = 100 by default (the thesis: 1000; 12 fresh interpreters of 100 inferences fit in 2 minutes
 on a 2-core machine), 20 untimed inferences first; --quick: 20. By default scripted and traced,
 as Table 4.2; torch.export programs (seconds to load each) with --export, and in --quick.
+--quick (the smoke test) forks each (method, block)'s process from a forkserver that has torch
+imported, as the served blocks are, instead of starting a fresh interpreter (2-3 s of torch import
+each): every block is still loaded alone in a process that has loaded no other model.
 
     python -m experiments.offline_blocks [--quick] [--n N] [--threads T] [--device cpu|cuda]
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -111,6 +115,28 @@ def run_worker(repo: str, block: str, method: str, n: int, warmup: int, threads:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+class ForkedWorkers:
+    """--quick: one process per (method, block), forked from a forkserver that imported torch once."""
+
+    def __enter__(self):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "psutil", "blockflow.blocks.repository", "experiments.offline_blocks"])
+        # max_tasks_per_child=1: a fresh process for every worker, so no block shares a process
+        self.pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1)
+        return self
+
+    def run(self, repo: str, block: str, method: str, n: int, warmup: int, threads: int, device: str) -> dict:
+        spec = dict(repo=repo, block=block, method=method, n=n, warmup=warmup, threads=threads, device=device)
+        return self.pool.submit(worker, spec).result()
+
+    def __exit__(self, *exc):
+        self.pool.shutdown(wait=True)
+        from blockflow.manager.manager import stop_forkserver
+        stop_forkserver()  # and its resource tracker: nothing this run started outlives it
+
+
 def plot(rows: list[dict], out: str) -> None:
     plt = common.pyplot()
     scripted = [r for r in rows if r["method"] == "script" and r["block"] != "full"]
@@ -168,9 +194,12 @@ def main(argv=None) -> int:
     plan = [(m, b) for m in methods_run for b in BLOCKS if not (args.quick and m == "export" and b not in QUICK_EXPORT)]
     settings["plan"] = [f"{m}/{b}" for m, b in plan]
     rows = []
-    with common.Progress(len(plan), "offline blocks") as bar:
+    if args.quick:
+        settings["isolation"] = "one process per (method, block), forked from a forkserver with torch imported"
+    with common.Progress(len(plan), "offline blocks") as bar, (ForkedWorkers() if args.quick else contextlib.nullcontext()) as forked:
         for method, block in plan:
-            rows.append(run_worker(repos[method], block, method, n, warmup, args.threads, device))
+            rows.append((forked.run if forked else run_worker)(repos[method], block, method, n, warmup,
+                                                                args.threads, device))
             bar.update()
     times = {f"{r['method']}/{r['block']}": r.pop("times_ms") for r in rows}
     offline_sum = {}

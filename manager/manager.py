@@ -48,6 +48,7 @@ from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, describe_exit, ident
 from blockflow.schema import BlockDecl, validate_update
 
 from .controller import ControlError, Controller
+from .forkserver import context as forkserver_context
 from .models import ModelCatalog
 from .reconcile import Desired, Plan, Running, diff_tasks, plan, without_block
 from .state import StateDir, process_record, slot_budget
@@ -189,8 +190,7 @@ class Manager:
         self.state.prepare()
         self.state.clean_leftovers()
         self.state.sweep_orphans()
-        self.mp = multiprocessing.get_context("forkserver")
-        self.mp.set_forkserver_preload(["blockflow.blocks.process", "blockflow.dispatcher.process"])
+        self.mp = forkserver_context()  # already running when `blockflow serve` started it early
         try:
             import torch
             self.gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
