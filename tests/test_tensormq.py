@@ -15,6 +15,7 @@ import zmq
 
 from blockflow.tensormq.shm import FREE, IN_FLIGHT, SlotMapper, SlotPool
 from blockflow.tensormq.transport import Transport, decode_bytes, encode_bytes
+from blockflow.tensormq import wire
 from blockflow.tensormq.wire import TensorDesc, WireError, check_path, loads_header
 
 
@@ -57,14 +58,16 @@ def test_descriptor_validation_names_the_field(bad, word):
 def test_a_remembered_descriptor_is_built_from_its_checked_values():
     """Note [Descriptor memo]: once a descriptor is accepted, an equal one is not checked again,
     but what it builds comes from the checked integers, and any other change is checked anew."""
-    good = {"dtype": "float32", "shape": [2, 3], "stride": [3, 1], "loc": "shm", "seg": "p.1.1"}
+    wire._ACCEPTED_DESCS.clear()  # the memo is per process: what earlier tests parsed is in it
+    good = {"dtype": "float32", "shape": [7, 3], "stride": [3, 1], "loc": "shm", "seg": "p.1.1"}
     first = TensorDesc.parse(dict(good))
-    assert first.shape == (2, 3) and first.numel == 6 and first.span_bytes() == 24
-    forged = {**good, "shape": [2.0, 3]}  # equal in Python to the accepted [2, 3]
+    assert first.shape == (7, 3) and first.numel == 21 and first.span_bytes() == 84
+    forged = {**good, "shape": [7.0, 3]}  # equal in Python to the accepted [7, 3]
     desc = TensorDesc.parse(forged)
-    assert desc.shape == (2, 3) and all(type(d) is int for d in desc.shape)  # the memo's own ints
+    assert desc.shape == (7, 3) and all(type(d) is int for d in desc.shape)  # the memo's own ints
     assert desc.fields is forged and desc.loc == "shm"
-    for bad, word in (({**good, "shape": [2, -3]}, "shape"), ({**good, "shape": [2.0, 1], "stride": [1, 1]}, "shape"), ({**good, "stride": [3, "1"]}, "stride"),
+    for bad, word in (({**good, "shape": [7, -3]}, "shape"), ({**good, "shape": [7.0, 5], "stride": [5, 1]}, "shape"),
+                      ({**good, "stride": [3, "1"]}, "stride"),
                       ({**good, "loc": "elsewhere"}, "loc"), ({**good, "shape": [[2], 3]}, "shape")):
         with pytest.raises(WireError, match=word):
             TensorDesc.parse(bad)
