@@ -3,6 +3,8 @@ glibc's defaults a ResNet50 block1 process took ~4,000 minor page faults per req
 top given back to the kernel after every request), each one a zeroed page inside the inference."""
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -18,22 +20,30 @@ def test_keep_freed_memory_is_applied_and_zero_leaves_glibc_alone():
     assert MMAP_THRESHOLD == 32 << 20
 
 
-@pytest.mark.parametrize("trim, most", [(None, 100), ("0", None)], ids=["default", "glibc-default"])
-def test_a_served_block_does_not_page_fault_its_activations_back_in(server_factory, model_repo, trim, most):
+# The bound sits between the two regimes, not at the best figure: on this 2-core VM a block that keeps its
+# heap takes ~20 faults per request and one with glibc's trimming ~4,000; CI's machine measured ~200 for
+# the first (another CPU, other oneDNN scratch sizes). Each request is counted on its own and the median
+# taken, so one request that also flushes the KPI log or grows a buffer does not decide the test.
+SPLIT = 1000
+
+
+@pytest.mark.parametrize("trim", [None, "0"], ids=["default", "glibc-default"])
+def test_a_served_block_does_not_page_fault_its_activations_back_in(server_factory, model_repo, trim):
     srv = server_factory(model_repo, env={"BLOCKFLOW_MALLOC_TRIM": trim} if trim else None)
     srv.call("POST", "/system/update", {"transport": "tensormq", "blocks": [
         {"name": "b1", "model": "resnet50/block1.pt", "threads": 1}], "tasks": [{"id": "t", "path": ["b1"]}]})
     pid = srv.call("GET", "/system")["blocks"][0]["pid"]
     x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))
-    n = 4
+    faults = []
     with Client(srv.dispatcher, timeout=60) as c:
         for _ in range(3):  # the first requests map slots and grow the heap once
             c.infer("t", x)
-        before = minor_faults(pid)
-        for _ in range(n):
+        for _ in range(7):
+            before = minor_faults(pid)
             c.infer("t", x)
-        per_request = (minor_faults(pid) - before) / n
-    if most is not None:
-        assert per_request < most, f"block1 took {per_request:.0f} minor page faults per request"
+            faults.append(minor_faults(pid) - before)
+    per_request = statistics.median(faults)
+    if trim is None:
+        assert per_request < SPLIT, f"block1 took {per_request:.0f} minor page faults per request: {faults}"
     else:  # what the setting is for: glibc's own trimming faults the activations back in each time
-        assert per_request > 1000, f"block1 took {per_request:.0f} minor page faults per request"
+        assert per_request > SPLIT, f"block1 took {per_request:.0f} minor page faults per request: {faults}"
