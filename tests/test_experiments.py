@@ -174,7 +174,10 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
         # right after the send, so the sum with ``fwd`` may exceed the round trip on a loaded machine
         fwd = sum(comp["components_ms"]["fwd"]["mean"] for comp in ts["blocks"].values())
         assert ts["rtt_ms"]["mean"] > ts["in_blocks_ms"]["mean"] - fwd
-        assert ts["rtt_minus_inference_ms"]["mean"] > ts["overhead_ms"]["mean"] > 0
+        # the same holds for eq. 4.1's overhead: only its ``fwd`` part may overlap (a loaded run
+        # measured 9.0 ms of overhead against 4.0 ms of round trip beyond the inferences)
+        assert ts["rtt_minus_inference_ms"]["mean"] > ts["overhead_ms"]["mean"] - fwd
+        assert ts["overhead_ms"]["mean"] > 0
         assert ts["inference_ms"]["mean"] > 0.5 * ts["rtt_ms"]["mean"]
         assert all(rss > 50 for rss in ts["block_rss_mb"].values())
         for m in ts["block_memory_mb"].values():  # Fig. 4.14 on a CPU: RSS and USS
