@@ -32,7 +32,11 @@ and, measured in the same run, the *floor*: chains of bare pyzmq relay processes
 stamp, send the same parts on) passing what a hop passes -- the header alone (tensormq's
 handle) or the header and the tensor's bytes (zeromq). Each relay appends its own
 perf_counter instant as an 8-byte frame, so the floor is measured the same way. No Python
-block can hop faster than its floor.
+block can hop faster than its floor. The TensorMQ floor is measured twice: as it is, and with
+two copies of the tensor's bytes before each round trip (``floor-cold`` rows), as a BlockFlow
+round trip makes them outside its hops (client to dispatcher, dispatcher into a slot, the way
+back): a block in the chains below wakes, like those relays, with its caches emptied by them,
+so its hop is compared with the cold floor at sizes beyond the caches (batch 32).
 
 Both kinds of block share one deployment per transport (process start-up, mostly importing
 torch, is most of a short run). Each size is sampled until ``--n`` samples or, once
@@ -231,6 +235,31 @@ def _floor_header(shape, chain: int) -> bytes:
                   "hops": [hop] * (chain // 2)})
 
 
+def _floor_after_copies(shape, chain, frames, trip, short_sock, long_sock, n, budget, least) -> dict:
+    """The floor again, each round trip preceded by two copies of the tensor's bytes in the
+    measuring process, as a BlockFlow round trip makes them outside the hops (the client's send
+    and the dispatcher's copy into a slot, the result's way back). A relay then wakes the way a
+    block does in the chains below: with what the copies evicted from the caches (32 MB of L3 on
+    the 2-core VM) to fetch again. The copies come before the trip, so the relays' stamps, which
+    give the hop, do not hold them; the round trips (``rtt*``) do."""
+    nbytes = math.prod(shape) * 4
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+
+    def swept(sock):
+        dst.copy_(src)
+        src.copy_(dst)
+        return trip(sock, frames)
+    swept(short_sock)
+    swept(long_sock)
+    short, long_, stamps = _sample(lambda: swept(short_sock), lambda: swept(long_sock), n, budget, least)
+    row = _row("tensormq", "floor-cold", shape, "cpu", chain, short, long_)
+    row.update({"hop_wait_ms": None, "hop_deser_ms": None, "hop_inf_ms": None, "hop_share_ms": None})
+    row.update(_in_block(stamps))
+    row["transport_ms"] = row["hop_median_ms"]
+    _print(row)
+    return row
+
+
 def measure_floor(sizes: list[tuple], n: int, chain: int, transports, budget: float = 2.0,
                   least: int = 10) -> list[dict]:
     """The floor of a hop on this machine, in the same run: chains of 1 and K relay processes
@@ -282,6 +311,8 @@ def measure_floor(sizes: list[tuple], n: int, chain: int, transports, budget: fl
                 row["transport_ms"] = row["hop_median_ms"]
                 rows.append(row)
                 _print(row)
+                if transport == "tensormq":
+                    rows.append(_floor_after_copies(shape, chain, frames, trip, short_sock, long_sock, n, budget, least))
         for head in heads:
             head.send_multipart([b"stop"])
     finally:
@@ -311,14 +342,15 @@ def summary(rows: list[dict]) -> str:
 
     def f(v):
         return "-" if v is None else f"{v:.3f}"
-    lines = ["| shape | MB | floor tmq | identity tmq (p99) | floor zmq | identity zmq (p99) | copy transport tmq | "
-             "copy transport zmq | copy tmq/zmq | identity tmq, round trips |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | MB | floor tmq | floor tmq after copies | identity tmq (p99) | floor zmq | identity zmq (p99) | copy transport tmq | "
+             "copy transport zmq | copy tmq/zmq | identity tmq, round trips |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape in sorted({tuple(r["shape"]) for r in rows}, key=lambda s: (s[0], -math.prod(s))):
         shape = list(shape)
         ct, cz = get("copy", "tensormq", shape, "transport_ms"), get("copy", "zeromq", shape, "transport_ms")
         lines.append("| " + " | ".join([
             "x".join(map(str, shape)), f"{math.prod(shape) * 4 / 1e6:.1f}",
             f(get("floor", "tensormq", shape, "hop_median_ms")),
+            f(get("floor-cold", "tensormq", shape, "hop_median_ms")),
             f"{f(get('identity', 'tensormq', shape, 'hop_median_ms'))} ({f(get('identity', 'tensormq', shape, 'hop_p99_ms'))})",
             f(get("floor", "zeromq", shape, "hop_median_ms")),
             f"{f(get('identity', 'zeromq', shape, 'hop_median_ms'))} ({f(get('identity', 'zeromq', shape, 'hop_p99_ms'))})",
@@ -345,9 +377,15 @@ def plot(rows: list[dict], out: str) -> None:
                         label=f"{t}, batch {b}")
                 fl = sorted((r for r in rows if r["transport"] == t and r["shape"][0] == b and r["block"] == "floor"),
                             key=lambda r: r["mbytes"])
+                color = ax.lines[-1].get_color()
                 if fl:  # what two bare pyzmq processes need for the same parts, measured in the same run
                     ax.plot([r["mbytes"] for r in fl], [max(r["hop_median_ms"], 1e-3) for r in fl], ":",
-                            color=ax.lines[-1].get_color(), label=f"floor ({t} parts), batch {b}")
+                            color=color, label=f"floor ({t} parts), batch {b}")
+                cold = sorted((r for r in rows if r["transport"] == t and r["shape"][0] == b
+                               and r["block"] == "floor-cold"), key=lambda r: r["mbytes"])
+                if cold and kind == "identity":
+                    ax.plot([r["mbytes"] for r in cold], [max(r["hop_median_ms"], 1e-3) for r in cold], "-.",
+                            color=color, lw=0.8, label=f"floor after the round trip's copies, batch {b}")
         if kind == "identity":
             ax.axhline(0.10, color="grey", lw=0.8, ls="--", label="goal 0.10 ms")
         ax.set_xscale("log")

@@ -355,7 +355,13 @@ def hop_overhead_text(d: dict) -> str:
         floor = [r for r in d["rows"] if r.get("block") == "floor" and r["transport"] == "tensormq"
                  and r["shape"][0] == b and r.get("hop_median_ms") is not None]
         if floor:
-            part += f" (two bare pyzmq relays passing the same header: {_rng([r['hop_median_ms'] for r in floor], 3, 'ms')})"
+            part += f" (two bare pyzmq relays passing the same header: {_rng([r['hop_median_ms'] for r in floor], 3, 'ms')}"
+            cold = [r for r in d["rows"] if r.get("block") == "floor-cold" and r["transport"] == "tensormq"
+                    and r["shape"][0] == b and r.get("hop_median_ms") is not None]
+            if cold:
+                part += (f"; {_rng([r['hop_median_ms'] for r in cold], 3, 'ms')} when each round trip is preceded"
+                         f" by two copies of the tensor, as BlockFlow's client and dispatcher make them")
+            part += ")"
         text.append(part)
     if not text:
         return ""

@@ -88,6 +88,7 @@ def _hop_rows(r: Results) -> list[list]:
     out = []
     ident = {b: pick("identity", "tensormq", b, 3.2) for b in (1, 32)}
     floor = {b: pick("floor", "tensormq", b, 3.2) for b in (1, 32)}
+    cold = {b: pick("floor-cold", "tensormq", b, 3.2) for b in (1, 32)}
     if any(i and i.get("hop_median_ms") is not None for i in ident.values()):
         # measured inside the blocks (Note [Hop timestamps] in blocks/kpilog.py): per request and hop
         vals = []
@@ -96,7 +97,9 @@ def _hop_rows(r: Results) -> list[list]:
             if i:
                 vals.append(f"batch {b}: {_ms(i['hop_median_ms'], 3)}, p99 {_ms(i['hop_p99_ms'], 3)}"
                             + (f" (ZeroMQ {_ms(z['hop_median_ms'], 3)}" if z else " (")
-                            + (f"{', ' if z else ''}bare pyzmq floor {_ms(f['hop_median_ms'], 3)}" if f else "") + ")")
+                            + (f"{', ' if z else ''}bare pyzmq floor {_ms(f['hop_median_ms'], 3)}" if f else "")
+                            + (f", {_ms(cold[b]['hop_median_ms'], 3)} after the round trip's copies" if cold[b] else "")
+                            + ")")
         ok = all(i["hop_median_ms"] <= 0.10 for i in ident.values() if i)
         out.append(["TensorMQ identity hop, median, minus the block's compute (timestamps inside the blocks)",
                     "; ".join(v.replace(" ()", "") for v in vals) + f" ({r.source('hop_overhead')})",
