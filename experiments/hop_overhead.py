@@ -251,8 +251,13 @@ def _floor_after_copies(shape, chain, frames, trip, short_sock, long_sock, n, bu
         return trip(sock, frames)
     swept(short_sock)
     swept(long_sock)
-    short, long_, stamps = _sample(lambda: swept(short_sock), lambda: swept(long_sock), n, budget, least)
-    row = _row("tensormq", "floor-cold", shape, "cpu", chain, short, long_)
+    return _floor_row("tensormq", "floor-cold", shape, chain,
+                      *_sample(lambda: swept(short_sock), lambda: swept(long_sock), n, budget, least))
+
+
+def _floor_row(transport, kind, shape, chain, short, long_, stamps) -> dict:
+    """A floor row from paired round trips and the relays' stamps (no block components)."""
+    row = _row(transport, kind, shape, "cpu", chain, short, long_)
     row.update({"hop_wait_ms": None, "hop_deser_ms": None, "hop_inf_ms": None, "hop_share_ms": None})
     row.update(_in_block(stamps))
     row["transport_ms"] = row["hop_median_ms"]
@@ -303,14 +308,9 @@ def measure_floor(sizes: list[tuple], n: int, chain: int, transports, budget: fl
                 for _ in range(3):
                     trip(short_sock, frames)
                     trip(long_sock, frames)
-                short, long_, stamps = _sample(lambda: trip(short_sock, frames), lambda: trip(long_sock, frames),
-                                               n, budget, least)
-                row = _row(transport, "floor", shape, "cpu", chain, short, long_)
-                row.update({"hop_wait_ms": None, "hop_deser_ms": None, "hop_inf_ms": None, "hop_share_ms": None})
-                row.update(_in_block(stamps))
-                row["transport_ms"] = row["hop_median_ms"]
-                rows.append(row)
-                _print(row)
+                rows.append(_floor_row(transport, "floor", shape, chain,
+                                       *_sample(lambda: trip(short_sock, frames), lambda: trip(long_sock, frames),
+                                                n, budget, least)))
                 if transport == "tensormq":
                     rows.append(_floor_after_copies(shape, chain, frames, trip, short_sock, long_sock, n, budget, least))
         for head in heads:

@@ -352,12 +352,12 @@ def hop_overhead_text(d: dict) -> str:
                 f"(median over the stages; p99 {_rng([r['hop_p99_ms'] for r in tm], 3, 'ms')})")
         if ident["zeromq"]:
             part += f", ZeroMQ {_rng([r['hop_median_ms'] for r in ident['zeromq']], 3, 'ms')}"
-        floor = [r for r in d["rows"] if r.get("block") == "floor" and r["transport"] == "tensormq"
-                 and r["shape"][0] == b and r.get("hop_median_ms") is not None]
+        def floor_rows(kind, b=b):
+            return [r for r in d["rows"] if r.get("block") == kind and r["transport"] == "tensormq"
+                    and r["shape"][0] == b and r.get("hop_median_ms") is not None]
+        floor, cold = floor_rows("floor"), floor_rows("floor-cold")
         if floor:
             part += f" (two bare pyzmq relays passing the same header: {_rng([r['hop_median_ms'] for r in floor], 3, 'ms')}"
-            cold = [r for r in d["rows"] if r.get("block") == "floor-cold" and r["transport"] == "tensormq"
-                    and r["shape"][0] == b and r.get("hop_median_ms") is not None]
             if cold:
                 part += (f"; {_rng([r['hop_median_ms'] for r in cold], 3, 'ms')} when each round trip is preceded"
                          f" by two copies of the tensor, as BlockFlow's client and dispatcher make them")
