@@ -28,9 +28,17 @@ endif
 	touch $(STAMP)
 	@echo "==> installed: $(VENV)/bin/blockflow"
 
-install: $(STAMP)
+# The output-in-slot extension (tensormq/outalloc.py): compiled against the installed PyTorch, about
+# 30 s; without a C++ compiler it warns and blocks copy their outputs into slots instead.
+EXT_STAMP := $(VENV)/.outalloc
+$(EXT_STAMP): $(STAMP) tensormq/outalloc.cpp
+	@echo "==> building the output-in-slot extension (C++, against the installed PyTorch)"
+	$(VENV)/bin/blockflow build-ext
+	touch $(EXT_STAMP)
 
-$(REPO)/resnet50/manifest.json: $(STAMP)
+install: $(STAMP) $(EXT_STAMP)
+
+$(REPO)/resnet50/manifest.json: $(STAMP) $(EXT_STAMP)
 	@echo "==> exporting ResNet50 blocks (seeded weights) into $(REPO)"
 	$(VENV)/bin/blockflow export --model resnet50 --blocks 4 --method script --out $(REPO) --variant x --variant-blocks block4,head
 
@@ -40,7 +48,7 @@ demo: export
 	@echo "==> running the end-to-end demo"
 	$(VENV)/bin/blockflow demo --repo $(REPO)
 
-test: $(STAMP)
+test: $(STAMP) $(EXT_STAMP)
 	@echo "==> running the test suite (pytest)"
 	$(PY) -m pytest -q
 

@@ -255,6 +255,23 @@ def _dispatcher(args) -> int:
     return main(["--spec", args.spec])
 
 
+def _build_ext(args) -> int:
+    from blockflow.tensormq import outalloc
+    if args.check:
+        ok = outalloc.load() is not None
+        print(f"output-in-slot extension: loaded from {outalloc.build_dir()}" if ok
+              else f"output-in-slot extension: not available: {outalloc.why_not()}")
+        return 0 if ok else 1
+    try:
+        outalloc.build(verbose=args.verbose)
+    except Exception as exc:  # no compiler, no ninja, no headers: blocks copy their outputs instead
+        print(f"blockflow build-ext: the output-in-slot extension was not built ({type(exc).__name__}: {exc}); "
+              "blocks will copy their outputs into slots instead", file=sys.stderr)
+        return 1 if args.strict else 0
+    print(f"built the output-in-slot extension in {outalloc.build_dir()}")
+    return 0
+
+
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, unless its help already says it or there is none to show."""
 
@@ -377,6 +394,15 @@ def build_parser() -> argparse.ArgumentParser:
                                  "experiments/results/_runs/<machine>); committing results is explicit: "
                                  "--out experiments/results/<machine>")
     b.set_defaults(fn=_bench)
+
+    x = sub.add_parser("build-ext", help="compile the C++ extension that lets a CPU block's model make its output "
+                                         "in a TensorMQ slot instead of copying it there (`make install` runs it; "
+                                         "without it blocks copy)")
+    x.add_argument("--check", action="store_true", help="build nothing: say whether a block would load it (exit 0 "
+                                                        "if it would, 1 if not)")
+    x.add_argument("--strict", action="store_true", help="exit 1 when the build fails (default: warn and exit 0, "
+                                                         "since blocks fall back to copying)")
+    x.set_defaults(fn=_build_ext)
 
     bl = sub.add_parser("block", help="run one block process by hand (the manager normally does)")
     bl.add_argument("--spec", required=True, help="BlockSpec as JSON")

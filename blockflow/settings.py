@@ -58,6 +58,17 @@ def _seconds(raw: str) -> float:
 
 _seconds.__name__ = "number of seconds"
 
+
+def _flag(raw: str) -> bool:
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+_flag.__name__ = "flag (1 or 0)"
+
 # -- data plane ---------------------------------------------------------------------------------
 MAX_TENSOR_BYTES: int = _read("BLOCKFLOW_MAX_TENSOR_BYTES", 1 << 30, _positive_int,
                               "largest tensor accepted on any socket, in bytes", "1 GiB")
@@ -106,6 +117,14 @@ MALLOC_TRIM: int = _read("BLOCKFLOW_MALLOC_TRIM", 256 << 20, _positive_int,
                          "freed heap memory a block process keeps instead of returning it to the kernel "
                          "(glibc M_TRIM_THRESHOLD, bytes): with glibc's default a ResNet50 block page-faults its "
                          "activations back in on every request; 0 keeps glibc's default", "256 MiB")
+
+OUTPUT_IN_SLOT: bool = _read("BLOCKFLOW_OUTPUT_IN_SLOT", True, _flag,
+                             "a CPU block's model allocates its output in a TensorMQ slot of the next hop instead of "
+                             "copying it there (Note [Outputs made in a slot]; needs the extension that `make install` "
+                             "builds); 0 copies", "1")
+EXT_DIR: str = _read("BLOCKFLOW_EXT_DIR", os.path.join(sys.prefix, "lib", "blockflow-ext"), str,
+                     "where `blockflow build-ext` compiles that extension (one "
+                     "subdirectory per PyTorch version and source)", "`<python prefix>/lib/blockflow-ext`")
 
 # -- observability --------------------------------------------------------------------------------
 MONITOR_INTERVAL: float = _read("BLOCKFLOW_MONITOR_INTERVAL", 0.25, _seconds,

@@ -122,13 +122,16 @@ class _Request:
     """One request inside a block, from its input to its output (timestamps: perf_counter,
     CLOCK_MONOTONIC on Linux: see Note [Hop timestamps] in blocks/kpilog.py)."""
 
-    __slots__ = ("arrival", "arrival_wall", "header", "x_in", "x", "lease", "t0", "t1", "t2", "batch_wait")
+    __slots__ = ("arrival", "arrival_wall", "header", "x_in", "x", "lease", "t0", "t1", "t2", "batch_wait", "key",
+                 "lend_ms")
 
     def __init__(self, arrival: float, arrival_wall: float, header: dict):
         self.arrival, self.arrival_wall, self.header = arrival, arrival_wall, header
         self.x_in = self.x = self.lease = None
         self.t0 = self.t1 = self.t2 = arrival
         self.batch_wait = 0.0
+        self.key = None  # (dtype, shape) of the input, where the block looked for a slot to lend
+        self.lend_ms = 0.0  # time spent lending a slot before the model ran
 
 
 class Block(ChildProcess):
@@ -149,6 +152,11 @@ class Block(ChildProcess):
         #: dynamic batching across tasks (blocks/batching.py); None: one request at a time
         self.batching = BatchPolicy.parse(spec.batching) if spec.batching else None
         self.batcher = DelayController(self.batching, spec.max_inference_s / 4) if self.batching else None
+        #: the output-in-slot extension (tensormq/outalloc.py), None where outputs are copied
+        self.lender = None
+        #: (dtype, input shape) -> bytes of the new tensor the model made from such an input last
+        #: time (0: it returned a view of its input); what a lent slot is armed for
+        self.out_bytes: dict[tuple, int] = {}
         self.register("store", self.cmd_store)
         self.register("monitor", self.cmd_monitor)
         self.register("update", self.cmd_update)
@@ -179,6 +187,11 @@ class Block(ChildProcess):
             with torch.inference_mode():
                 self.model(torch.zeros(entry["input_shape"], dtype=getattr(torch, entry.get("dtype", "float32")),
                                        device=self.device))
+        if spec.transport == "tensormq" and self.device.type == "cpu":
+            from blockflow.tensormq import outalloc
+            self.lender = outalloc.load()  # after the model: its weights are never made in a slot
+            if self.lender is None:
+                log.info("block %s: outputs are copied into slots (%s)", self.name, outalloc.why_not())
         self.kpi = KpiLog(spec.run_dir, self.name)
         self.sampler = ResourceSampler(spec.device)
         if spec.monitor:
@@ -255,7 +268,7 @@ class Block(ChildProcess):
     def cmd_ping(self, args: dict) -> dict:
         now, busy_since = time.monotonic(), self.busy_since
         return {**super().cmd_ping(args), "queue": len(self.backlog), "served": self.kpi.count,
-                "in_flight": self.transport.in_flight(),
+                "in_flight": self.transport.in_flight(), "outputs_made_in_slot": self.transport.made_in_slot,
                 "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat}
 
     def cmd_store(self, args: dict) -> dict:
@@ -459,14 +472,51 @@ class Block(ChildProcess):
         req = self.take_input(arrival, arrival_wall, header, frames)
         if req is None:
             return
+        lent, t_inf = (), req.t2
+        if self.out_bytes:  # lending is transport work: its time goes to "share", not "inf"
+            lent = self.lend_output(req)
+            if lent:
+                self.lender.arm([s.data.data_ptr() for s in lent], [s.capacity for s in lent],
+                                self.out_bytes[req.key])
+            t_inf = time.perf_counter()
+            req.lend_ms = (t_inf - req.t2) * 1e3
         try:
-            y = self.model(req.x)  # inference mode: entered once by run()
+            try:
+                y = self.model(req.x)  # inference mode: entered once by run()
+            finally:
+                if lent:
+                    self.lender.disarm()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as exc:
             self.fail(req, exc)
             return
-        self.send_output(req, y, req.t2, time.perf_counter(), 1)
+        self.send_output(req, y, t_inf, time.perf_counter(), 1, lent)
+
+    def lend_output(self, req: "_Request"):
+        """Free slots of the next hop for the model to make its output in (Note [Outputs made in
+        a slot] in tensormq/outalloc.py), when an input like this one gave a new tensor before."""
+        x = req.x
+        req.key = key = (x.dtype, x.shape)
+        nbytes = self.out_bytes.get(key)
+        if not nbytes:
+            return []
+        try:
+            return self.transport.lend(req.header["path"][0][1], nbytes)
+        except Exception:  # no slot could be made (shared memory full): the send after the model says why
+            return []
+
+    def learn_output(self, req: "_Request", y: torch.Tensor, new: bool) -> None:
+        """Remember what the model made from an input like ``req.x``: the size of a new tensor,
+        to lend a slot for next time, or 0 (a view of its input: nothing to lend). A block whose
+        outputs were all views never lends (``out_bytes`` stays empty)."""
+        if new and y.device.type == "cpu" and y.is_contiguous():
+            if len(self.out_bytes) >= 1024:
+                self.out_bytes.clear()
+            x = req.x
+            self.out_bytes[(x.dtype, x.shape)] = y.numel() * y.element_size()
+        elif req.key is not None:
+            self.out_bytes[req.key] = 0
 
     def infer_batch(self, items: list, waited: tuple[float, float]) -> None:
         """Several requests as few inferences as their shapes allow (blocks/batching.py): each
@@ -517,8 +567,9 @@ class Block(ChildProcess):
             return None
         return req
 
-    def send_output(self, req: "_Request", y, t_inf: float, t_done: float, batch: int) -> None:
-        """Send ``y`` on along the request's path, by handle where it is a view of the input."""
+    def send_output(self, req: "_Request", y, t_inf: float, t_done: float, batch: int, lent=()) -> None:
+        """Send ``y`` on along the request's path, by handle where it is a view of the input or
+        was made in one of the ``lent`` slots, else copied into a slot (or as bytes)."""
         header, lease, x_in = req.header, req.lease, req.x_in
         path = header["path"]
         x_desc = None  # the handle of a message not sent yet: its slot is ours to give back
@@ -527,8 +578,11 @@ class Block(ChildProcess):
                 raise TypeError(f"model returned {type(y).__name__}, not a tensor")
             t3 = time.perf_counter()
             next_name, next_addr = path[0]
-            if lease is not None and y is not x_in and not lease.contains(y):
+            new = y is not x_in and (lease is None or not lease.contains(y))
+            if lease is not None and new:
                 lease.release()  # done with the input: free its slot before we wait for ours
+            if self.lender is not None and (new or req.key is not None):
+                self.learn_output(req, y, new)
             inf = (t_done - t_inf) * 1e3
             hop = {"b": self.name, "wait": (req.t0 - req.arrival) * 1e3, "deser": (req.t1 - req.t0) * 1e3,
                    "dev": (req.t2 - req.t1) * 1e3, "inf": inf, "t_in": round(req.arrival, 6)}
@@ -541,11 +595,11 @@ class Block(ChildProcess):
                 header["path"] = path[1:]
             # an output that is the input itself keeps the input's handle as it came
             x_desc, payload = self.transport.encode(y, next_addr, lease,
-                                                    same_as=header["x"] if y is x_in else None)
+                                                    same_as=header["x"] if y is x_in else None, lent=lent)
             if lease is not None:
                 lease.release()  # no-op when the handle was forwarded: the duty went with it
             t4 = time.perf_counter()
-            hop["share"] = (t4 - t3) * 1e3
+            hop["share"] = (t4 - t3) * 1e3 + req.lend_ms
             hop["t_out"] = round(t4, 6)  # Note [Hop timestamps] in blocks/kpilog.py
             header["x"] = x_desc
             self.transport.send(next_addr, header, payload)

@@ -24,9 +24,11 @@ Two kinds of block:
 
 - ``identity`` returns its input: a TensorMQ hop forwards the handle it received and moves no
   tensor bytes, so its cost is the floor of the data plane.
-- ``copy`` returns ``x + 1``, a new tensor, as real blocks do: TensorMQ writes it into a slot
-  of its own. Its *transport cost* (``transport_ms``) is the hop above, the block's own
-  compute (``inf``, which includes ``x + 1``) taken off per request.
+- ``copy`` returns ``x + 1``, a new tensor, as real blocks do: with TensorMQ the block lends
+  slots of its next edge to PyTorch's allocator and ``x + 1`` is made in one of them (Note
+  [Outputs made in a slot]; ``made_in_slot`` is the share of outputs that were; without the
+  extension they are copied into a slot). Its *transport cost* (``transport_ms``) is the hop
+  above, the block's own compute (``inf``, which includes ``x + 1``) taken off per request.
 
 and, measured in the same run, the *floor*: chains of bare pyzmq relay processes (receive,
 stamp, send the same parts on) passing what a hop passes -- the header alone (tensormq's
@@ -144,9 +146,11 @@ def _row(transport, kind, shape, device, chain, short, long_) -> dict:
 
 
 def _print(row: dict) -> None:
+    made = row.get("made_in_slot")
+    made = "" if made is None else f", made in slot {made:.0%}"
     print(f"{row['transport']:8s} {row['block']:8s} {str(row['shape']):22s} {row['mbytes']:8.1f} MB  hop median "
           f"{row['hop_median_ms']:.3f} ms p99 {row['hop_p99_ms']:.3f} (transit {row['hop_transit_ms'] or 0:.3f}, "
-          f"share {row.get('hop_share_ms') or 0:.3f}, inf {row.get('hop_inf_ms') or 0:.3f})  round-trip "
+          f"share {row.get('hop_share_ms') or 0:.3f}, inf {row.get('hop_inf_ms') or 0:.3f}{made})  round-trip "
           f"difference {row['per_hop_paired_median_ms']:.3f}  rtt1 {row['rtt1_median_ms']:.3f} ms  "
           f"n {row['n']}", flush=True)
 
@@ -183,8 +187,10 @@ def _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kinds, bud
                     for _ in range(3):  # warm-up: slots, mappings, sockets
                         c.infer(f"{kind}-short", x)
                         c.infer(f"{kind}-long", x)
+                    made0, served0 = _slot_counts(p, tasks[f"{kind}-long"])
                     short, long_, results = _sample(lambda: c.infer(f"{kind}-short", x),
                                                     lambda: c.infer_details(f"{kind}-long", x), n, budget, least)
+                    made, served = (a - b for a, b in zip(_slot_counts(p, tasks[f"{kind}-long"]), (made0, served0)))
                     comps = [r.hops[1:] for r in results]  # hops after the first (its wait includes dispatcher ingress)
 
                     def comp(key):
@@ -196,12 +202,20 @@ def _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kinds, bud
                     row.update(_in_block([r.hops for r in results]))
                     # what the hop costs beyond the block's own compute (inf includes x + 1), per request
                     row["transport_ms"] = row["hop_median_ms"]
+                    # Note [Outputs made in a slot]: the share of outputs sent from the slot the model made them in
+                    row["made_in_slot"] = made / served if served else None
                     rows.append(row)
                     _print(row)
         left = p.stop()
         if left["left"] != {"slots": [], "sockets": []}:
             log.warning("left behind: %s", left["left"])
     return rows
+
+
+def _slot_counts(p, names) -> tuple[int, int]:
+    """(outputs made in a slot, requests served) summed over these blocks, from their pings."""
+    pings = [p.command(nm, "ping") for nm in names]
+    return sum(q.get("outputs_made_in_slot", 0) for q in pings), sum(q.get("served", 0) for q in pings)
 
 
 #: A relay: the least a Python process on a PUSH/PULL hop can do (receive, send the same parts on).

@@ -381,8 +381,13 @@ def http_phase(repo: str, threads: int, full, x: torch.Tensor, device: str, seri
 #: when the server's forkserver starts, and every block then is a fork of it.
 VARIANTS = {
     "default": ({}, None, "the pipeline as served"),
-    "no-trim": ({"BLOCKFLOW_MALLOC_TRIM": "0"}, None,
-                "glibc's own heap trimming in the blocks (BLOCKFLOW_MALLOC_TRIM=0: the default before it)"),
+    # outputs copied too: made in slots (the default), a block's largest activations are not on the
+    # heap, and glibc's trimming no longer costs block1 its page faults (1 per request, not ~4,000)
+    "no-trim": ({"BLOCKFLOW_MALLOC_TRIM": "0", "BLOCKFLOW_OUTPUT_IN_SLOT": "0"}, None,
+                "glibc's own heap trimming in the blocks, outputs copied into slots (BLOCKFLOW_MALLOC_TRIM=0 "
+                "BLOCKFLOW_OUTPUT_IN_SLOT=0: the heap before either setting)"),
+    "copy-out": ({"BLOCKFLOW_OUTPUT_IN_SLOT": "0"}, None,
+                 "outputs copied into the next slot instead of made there (BLOCKFLOW_OUTPUT_IN_SLOT=0)"),
     "quiet": ({"BLOCKFLOW_MONITOR_INTERVAL": "3600", "BLOCKFLOW_KPI_FLUSH_INTERVAL": "3600",
                "BLOCKFLOW_PING_INTERVAL": "2"}, None,
               "no resource sampler, no timed KPI flush, health pings every 2 s instead of 0.25 s"),
@@ -391,7 +396,7 @@ VARIANTS = {
     "pinned": ({}, "same", "every block pinned to CPU 0"),
     "spread": ({}, "alternate", "blocks pinned to alternating CPUs: the next block always on the other core"),
 }
-DEFAULT_VARIANTS = "default,no-trim,quiet,omp-passive,pinned"
+DEFAULT_VARIANTS = "default,no-trim,copy-out,quiet,omp-passive,pinned"
 VARIANT_N = 30
 VARIANT_ROUNDS = 2
 #: untimed requests through a new variant's pipeline before its timed ones (slots, sockets, caches)

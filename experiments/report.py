@@ -373,9 +373,12 @@ def hop_overhead_text(d: dict) -> str:
     for b in (1, 32):
         ct, cz = _hop_pick(d, "copy", "tensormq", b), _hop_pick(d, "copy", "zeromq", b)
         if ct and cz and cz.get("transport_ms"):
+            made = ct.get("made_in_slot")
+            how = ("copying the output into its slot" if made is None or made < 0.5
+                   else f"lending slots and sending the output made in one ({made:.0%} of them)")
             ratios.append(f"{_f(ct['mbytes'], 1)} MB {_f(ct['transport_ms'] / cz['transport_ms'])}x "
                           f"({_f(ct['transport_ms'], 3)} against {_f(cz['transport_ms'], 3)} ms, of which "
-                          f"TensorMQ's copy into its slot {_f(ct.get('hop_share_ms'), 3)} ms)")
+                          f"TensorMQ's {how} {_f(ct.get('hop_share_ms'), 3)} ms)")
     if ratios:
         out += (" A copying hop's transport cost (per request, its compute taken off), TensorMQ against ZeroMQ: "
                 + "; ".join(ratios) + "; the goal is at most 0.5x.")
@@ -664,7 +667,8 @@ def batching_text(d: dict) -> str:
                     f"({', '.join(shared)}), per request: inference "
                     f"{_f(per(top_u, 'inf_ms_per_request'), 0)} ms unbatched vs "
                     f"{_f(per(top_b, 'inf_ms_per_request'), 0)} ms batched ({_rng([top_b[b]['mean_requests_in_batch'] for b in shared])} requests per "
-                    f"batch), copy into the next slot {_f(per(top_u, 'share_ms_mean'), 1)} vs "
+                    f"batch), handing the output to the next slot (`share`: made there unbatched, copied there batched) "
+                    f"{_f(per(top_u, 'share_ms_mean'), 1)} vs "
                     f"{_f(per(top_b, 'share_ms_mean'), 1)} ms, send {_f(per(top_u, 'fwd_ms_mean'), 1)} vs "
                     f"{_f(per(top_b, 'fwd_ms_mean'), 1)} ms.")
     best = max((d.get("compute") or {}).get("rows") or [], key=lambda r: r.get("speedup_per_image") or 0,

@@ -35,6 +35,9 @@ is one file in the instance's private shared-memory directory (``0700``, under /
   and hands the obligation on; nothing is copied.
 - A release only succeeds when the generation in the slot still matches the handle, so a
   stale or forged handle can neither free a slot that was reused nor read its new data.
+- A producer may lend FREE slots to PyTorch's allocator for its model's output (Note [Outputs
+  made in a slot] in outalloc.py): a slot whose memory a tensor still holds is never filled,
+  lent or unmapped; it is retired from its edge and its mapping kept until the process ends.
 - Back-pressure: at most ``window`` slots per edge are in flight; ``acquire`` waits for a
   free one and raises ``TimeoutError`` after its deadline.
 - An edge's whole window is created on its first use, sized for that tensor (rounded up to
@@ -74,6 +77,7 @@ from collections import OrderedDict
 
 import torch
 
+from . import outalloc
 from .wire import TensorDesc, WireError, dtype_name
 from blockflow import settings
 
@@ -122,6 +126,9 @@ KIND_OF_LOC = {"shm": KIND_HOST, "cuda": KIND_CUDA}
 _SEG_RE = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
 #: What a slot or segment name may be; public because cuda_ipc.py checks its names with it too.
 SEG_RE = _SEG_RE
+
+#: Mappings of closed slots that a model-made storage still held (Note [Outputs made in a slot]).
+_KEPT_MAPPINGS: list = []
 
 #: Slots a producer keeps in flight per edge before it waits (back-pressure).
 DEFAULT_WINDOW = settings.WINDOW
@@ -200,6 +207,9 @@ class Slot:
         else:  # a header-only slot (CUDA slots keep their data on the GPU)
             self.data = torch.empty(0, dtype=torch.uint8)
         self.generation = 0
+        #: armed for an output at least once (Note [Outputs made in a slot]): the extension
+        #: knows this slot's data area and may have given it to a storage
+        self.lent = False
 
     @property
     def state(self) -> int:
@@ -232,13 +242,30 @@ class Slot:
         self.hdr[W_GENERATION] = self.generation
         self.hdr[W_RELEASED] = self.generation
 
+    def held(self) -> bool:
+        """Whether a storage made by the model still holds this slot's data area."""
+        lender = outalloc.active() if self.lent else None
+        return lender is not None and self.data is not None and lender.held(self.data.data_ptr())
+
     def close(self) -> None:
+        if self.lent and self.data is not None:
+            lender = outalloc.active()
+            if lender is not None and not lender.forget(self.data.data_ptr()):
+                # a tensor still lives in this memory: unmapping it would leave that tensor
+                # pointing at nothing, so the mapping stays until the process ends
+                _KEPT_MAPPINGS.append((self.mm, self.data))
+                self.data = self.hdr = None
+                self._unlink()
+                return
         self.data = None
         self.hdr = None
         try:
             self.mm.close()
         except BufferError:  # a tensor still views it; the mapping goes when that tensor does
             pass
+        self._unlink()
+
+    def _unlink(self) -> None:
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -255,6 +282,8 @@ class SlotPool:
         self.owner = owner
         self.window = window
         self.edges: dict[str, list[Slot]] = {}
+        #: slots taken off their edge because a storage kept their memory (closed with the pool)
+        self.retired: list[Slot] = []
         self._seq = 0
         self._closed = False
 
@@ -272,6 +301,8 @@ class SlotPool:
     def _try_acquire(self, edge: str, nbytes: int) -> Slot | None:
         slots = self.edges.setdefault(edge, [])
         free = [s for s in slots if s.state == FREE]
+        if free and any(s.lent for s in free):
+            free = self._without_held(slots, free)
         for s in free:
             if s.capacity >= nbytes:
                 return s
@@ -295,6 +326,62 @@ class SlotPool:
             slot = self._new_slot(round_capacity(nbytes))
             slots.append(slot)
             return slot
+        return None
+
+    def _without_held(self, slots: list[Slot], free: list[Slot]) -> list[Slot]:
+        """Retire the free slots whose memory a storage still holds: the model kept its output
+        or an intermediate made in the slot, and writing there would change that tensor."""
+        kept = []
+        for s in free:
+            if s.held():
+                slots.remove(s)
+                self.retired.append(s)
+                log.warning("%s: slot %s is still held by a tensor the model kept; it is retired from its edge "
+                            "(see Note [Outputs made in a slot]; BLOCKFLOW_OUTPUT_IN_SLOT=0 turns lending off)",
+                            self.owner, s.name)
+            else:
+                kept.append(s)
+        return kept
+
+    def lend(self, edge: str, nbytes: int, count: int = 3) -> list[Slot]:
+        """Up to ``count`` free slots of ``edge`` for the model to make an ``nbytes`` output in,
+        not in flight yet (none when every slot is in flight: the output is copied later, after
+        a wait). Several, because a model's tensors of its output's size are made one after the
+        other: with ResNet's blocks, three are alive at once (the identity branch, the last
+        convolution's output and its batch norm's), and the output is the last one made."""
+        if self._closed or not nbytes:
+            return []
+        first = self._try_acquire(edge, nbytes)
+        if first is None:
+            return []
+        lent = [first]
+        for s in self.edges[edge]:
+            if len(lent) >= count:
+                break
+            if s is not first and s.capacity >= nbytes and s.state == FREE and not s.held():
+                lent.append(s)
+        for s in lent:
+            s.lent = True
+        return lent
+
+    def adopt(self, lent: list[Slot], tensor: torch.Tensor) -> TensorDesc | None:
+        """The handle of ``tensor`` if the model made it in one of the ``lent`` slots (that slot
+        goes in flight, nothing is copied); None when it lives elsewhere."""
+        if tensor.device.type != "cpu":
+            return None
+        ptr = tensor.untyped_storage().data_ptr()
+        for slot in lent:
+            data = slot.data
+            if data is None or data.data_ptr() != ptr or slot.state != FREE:
+                continue
+            off = tensor.data_ptr() - ptr
+            desc = TensorDesc.of(tensor, slot.loc, seg=slot.name, off=off)
+            span = desc.span_bytes()
+            if off < 0 or off + span > slot.capacity:
+                return None
+            gen = slot.mark_in_flight()
+            desc.fields["gen"], desc.fields["nbytes"] = gen, span
+            return desc
         return None
 
     def acquire(self, edge: str, nbytes: int, timeout: float, give_up=None) -> Slot:
@@ -360,6 +447,8 @@ class SlotPool:
         for edge in list(self.edges):
             for s in self.edges.pop(edge):
                 s.close()
+        while self.retired:
+            self.retired.pop().close()
 
 
 class Mapped:

@@ -15,6 +15,7 @@ from blockflow.client import BlockFlowError, Client
 from blockflow.protocol import DISPATCHER
 from blockflow.blocks.repository import load_block
 from blockflow.standalone import StandalonePipeline
+from blockflow.tensormq import outalloc
 
 BRANCHY = {  # two tasks share block1-3 and own their block4/head (thesis scenario)
     "b1": "resnet18/block1.pt", "b2": "resnet18/block2.pt", "b3": "resnet18/block3.pt",
@@ -38,6 +39,7 @@ def pipeline(request, model_repo):
     # its own shared-memory prefix: parallel runs on one machine sweep each other's blockflow-* dirs
     p = StandalonePipeline(model_repo, BRANCHY, TASKS, transport=transport, device=device, shm_prefix=SHM_PREFIX)
     p.tol = 1e-4 if device == "cpu" else 1e-3  # cuDNN kernels differ from the CPU ones
+    p.mode = (transport, device)
     yield p
     result = p.stop()
     assert all(c == 0 for c in result["codes"].values()), f"exit codes {result['codes']}"
@@ -89,6 +91,11 @@ def test_every_request_gets_exactly_one_reply(pipeline, model_repo):
     # every slot came back once its consumer was done: nothing is held in shared or GPU memory
     for name in BRANCHY:
         assert pipeline.command(name, "ping")["in_flight"] == 0, name
+    if pipeline.mode == ("tensormq", "cpu") and outalloc.built():
+        # Note [Outputs made in a slot]: after the first request of a shape, every ResNet block's
+        # output was allocated in a slot of its next hop and sent from there (and equals the model's)
+        for name in BRANCHY:
+            assert pipeline.command(name, "ping")["outputs_made_in_slot"] > 0, name
 
 
 def test_hop_records_carry_ordered_instants(pipeline):

@@ -29,7 +29,10 @@ SPLIT = 1000
 
 @pytest.mark.parametrize("trim", [None, "0"], ids=["default", "glibc-default"])
 def test_a_served_block_does_not_page_fault_its_activations_back_in(server_factory, model_repo, trim):
-    srv = server_factory(model_repo, env={"BLOCKFLOW_MALLOC_TRIM": trim} if trim else None)
+    # outputs copied (BLOCKFLOW_OUTPUT_IN_SLOT=0): made in slots, block1's largest activations are
+    # not on the heap at all (Note [Outputs made in a slot]), and this test is about the heap
+    srv = server_factory(model_repo, env={"BLOCKFLOW_OUTPUT_IN_SLOT": "0",
+                                          **({"BLOCKFLOW_MALLOC_TRIM": trim} if trim else {})})
     srv.call("POST", "/system/update", {"transport": "tensormq", "blocks": [
         {"name": "b1", "model": "resnet50/block1.pt", "threads": 1}], "tasks": [{"id": "t", "path": ["b1"]}]})
     pid = srv.call("GET", "/system")["blocks"][0]["pid"]
