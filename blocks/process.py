@@ -58,7 +58,7 @@ import zmq
 
 from blockflow.childproc import BootError, ChildProcess, ChildSpec, exit_with, serve, spec_from_argv
 from blockflow.protocol import RETURN_HOP, ErrorCode
-from blockflow.tensormq.shm import HopGone, ShmExhausted
+from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, RESULT_KEYS, Transport, receive_limit, recv_message
 from blockflow.tensormq.wire import WireError, check_path, dumps, loads_header
 
@@ -80,6 +80,8 @@ RECEIVE_HWM = 1000
 DRAIN_LIMIT = 256
 #: A receive that took longer than this waited for its message: the block was idle.
 WOKEN_AFTER_S = 100e-6
+#: Slots lent at most for one output (Note [Outputs made in a slot]): ResNet's blocks need three.
+MAX_LENT = 4
 
 
 @dataclass
@@ -154,9 +156,9 @@ class Block(ChildProcess):
         self.batcher = DelayController(self.batching, spec.max_inference_s / 4) if self.batching else None
         #: the output-in-slot extension (tensormq/outalloc.py), None where outputs are copied
         self.lender = None
-        #: (dtype, input shape) -> bytes of the new tensor the model made from such an input last
-        #: time (0: it returned a view of its input); what a lent slot is armed for
-        self.out_bytes: dict[tuple, int] = {}
+        #: (dtype, input shape) -> [bytes of the new tensor the model made from such an input last
+        #: time (0: it returned a view of its input), how many slots to lend for it]
+        self.outputs: dict[tuple, list[int]] = {}
         self.register("store", self.cmd_store)
         self.register("monitor", self.cmd_monitor)
         self.register("update", self.cmd_update)
@@ -472,12 +474,9 @@ class Block(ChildProcess):
         req = self.take_input(arrival, arrival_wall, header, frames)
         if req is None:
             return
-        lent, t_inf = (), req.t2
-        if self.out_bytes:  # lending is transport work: its time goes to "share", not "inf"
+        lent, takes, t_inf = (), 0, req.t2
+        if self.outputs:  # lending is transport work: its time goes to "share", not "inf"
             lent = self.lend_output(req)
-            if lent:
-                self.lender.arm([s.data.data_ptr() for s in lent], [s.capacity for s in lent],
-                                self.out_bytes[req.key])
             t_inf = time.perf_counter()
             req.lend_ms = (t_inf - req.t2) * 1e3
         try:
@@ -485,38 +484,56 @@ class Block(ChildProcess):
                 y = self.model(req.x)  # inference mode: entered once by run()
             finally:
                 if lent:
-                    self.lender.disarm()
+                    takes = self.lender.disarm()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as exc:
             self.fail(req, exc)
             return
-        self.send_output(req, y, t_inf, time.perf_counter(), 1, lent)
+        self.send_output(req, y, t_inf, time.perf_counter(), 1, lent, takes)
 
-    def lend_output(self, req: "_Request"):
-        """Free slots of the next hop for the model to make its output in (Note [Outputs made in
-        a slot] in tensormq/outalloc.py), when an input like this one gave a new tensor before."""
+    def lend_output(self, req: "_Request") -> list:
+        """Free slots of the next hop, armed for the model to make its output in (Note [Outputs
+        made in a slot] in tensormq/outalloc.py), when an input like this one gave a new tensor
+        before; how many is learnt (``made_in``)."""
         x = req.x
         req.key = key = (x.dtype, x.shape)
-        nbytes = self.out_bytes.get(key)
-        if not nbytes:
+        known = self.outputs.get(key)
+        if not known or not known[0]:
             return []
         try:
-            return self.transport.lend(req.header["path"][0][1], nbytes)
+            lent = self.transport.lend(req.header["path"][0][1], known[0], known[1])
         except Exception:  # no slot could be made (shared memory full): the send after the model says why
             return []
+        if lent:
+            self.lender.arm([s.data.data_ptr() for s in lent], [s.capacity for s in lent], known[0])
+        return lent
+
+    def made_in(self, req: "_Request", y: torch.Tensor, lent: list, takes: int):
+        """The lent slot the model made ``y`` in, or None. When it made it elsewhere although
+        tensors of its size took every lent slot, the next input of this shape gets one more."""
+        i = SlotPool.holder(lent, y)
+        if i >= 0:
+            return lent[i]
+        known = self.outputs.get(req.key)
+        if known and takes >= len(lent) and known[1] < MAX_LENT:
+            known[1] += 1
+        return None
 
     def learn_output(self, req: "_Request", y: torch.Tensor, new: bool) -> None:
-        """Remember what the model made from an input like ``req.x``: the size of a new tensor,
-        to lend a slot for next time, or 0 (a view of its input: nothing to lend). A block whose
-        outputs were all views never lends (``out_bytes`` stays empty)."""
-        if new and y.device.type == "cpu" and y.is_contiguous():
-            if len(self.out_bytes) >= 1024:
-                self.out_bytes.clear()
-            x = req.x
-            self.out_bytes[(x.dtype, x.shape)] = y.numel() * y.element_size()
+        """Remember what the model made from an input like ``req.x``: the size of a new tensor
+        and how many slots to lend for it, or 0 (a view of its input: nothing to lend). A block
+        whose outputs were all views never lends (``outputs`` stays empty)."""
+        if new and y.is_cpu and y.is_contiguous():
+            x, nbytes = req.x, y.numel() * y.element_size()
+            key = (x.dtype, x.shape)
+            known = self.outputs.get(key)
+            if known is None or known[0] != nbytes:
+                if len(self.outputs) >= 1024:
+                    self.outputs.clear()
+                self.outputs[key] = [nbytes, 1]
         elif req.key is not None:
-            self.out_bytes[req.key] = 0
+            self.outputs[req.key] = [0, 0]
 
     def infer_batch(self, items: list, waited: tuple[float, float]) -> None:
         """Several requests as few inferences as their shapes allow (blocks/batching.py): each
@@ -567,9 +584,11 @@ class Block(ChildProcess):
             return None
         return req
 
-    def send_output(self, req: "_Request", y, t_inf: float, t_done: float, batch: int, lent=()) -> None:
+    def send_output(self, req: "_Request", y, t_inf: float, t_done: float, batch: int, lent=(),
+                    takes: int = 0) -> None:
         """Send ``y`` on along the request's path, by handle where it is a view of the input or
-        was made in one of the ``lent`` slots, else copied into a slot (or as bytes)."""
+        was made in one of the ``lent`` slots (``takes``: how many times the model's tensors took
+        one), else copied into a slot (or as bytes)."""
         header, lease, x_in = req.header, req.lease, req.x_in
         path = header["path"]
         x_desc = None  # the handle of a message not sent yet: its slot is ours to give back
@@ -581,6 +600,7 @@ class Block(ChildProcess):
             new = y is not x_in and (lease is None or not lease.contains(y))
             if lease is not None and new:
                 lease.release()  # done with the input: free its slot before we wait for ours
+            made_in = self.made_in(req, y, lent, takes) if lent and new else None
             if self.lender is not None and (new or req.key is not None):
                 self.learn_output(req, y, new)
             inf = (t_done - t_inf) * 1e3
@@ -595,7 +615,7 @@ class Block(ChildProcess):
                 header["path"] = path[1:]
             # an output that is the input itself keeps the input's handle as it came
             x_desc, payload = self.transport.encode(y, next_addr, lease,
-                                                    same_as=header["x"] if y is x_in else None, lent=lent)
+                                                    same_as=header["x"] if y is x_in else None, made_in=made_in)
             if lease is not None:
                 lease.release()  # no-op when the handle was forwarded: the duty went with it
             t4 = time.perf_counter()

@@ -31,12 +31,21 @@ std::atomic<bool> armed{false};                 // the fast path of every alloca
 std::thread::id armed_thread;
 std::vector<uintptr_t> armed_ptrs;              // the regions lent to the current model call
 size_t armed_size = 0;
+int64_t takes = 0;                              // allocations given a region since arm()
+std::atomic<int64_t> n_held{0};                 // regions a storage holds now: read without the lock
 c10::Allocator* wrapped = nullptr;
+
+void mark_free(Region& r) {
+  if (r.held) {
+    r.held = false;
+    n_held.fetch_sub(1, std::memory_order_relaxed);
+  }
+}
 
 void release_region(void* ctx) {
   std::lock_guard<std::mutex> g(mu);
   auto it = regions.find(reinterpret_cast<uintptr_t>(ctx));
-  if (it != regions.end()) it->second.held = false;
+  if (it != regions.end()) mark_free(it->second);
 }
 
 // raw_allocate() (oneDNN's scratch memory, among others) hands out allocate()'s pointer and
@@ -47,7 +56,7 @@ void raw_delete(void* p) {
     std::lock_guard<std::mutex> g(mu);
     auto it = regions.find(reinterpret_cast<uintptr_t>(p));
     if (it != regions.end()) {
-      it->second.held = false;
+      mark_free(it->second);
       return;
     }
   }
@@ -64,6 +73,8 @@ struct SlotLender final : c10::Allocator {
           auto it = regions.find(key);
           if (it != regions.end() && !it->second.held) {
             it->second.held = true;
+            n_held.fetch_add(1, std::memory_order_relaxed);
+            ++takes;
             void* p = reinterpret_cast<void*>(key);
             return {p, p, &release_region, c10::Device(c10::DeviceType::CPU)};
           }
@@ -112,20 +123,16 @@ void arm(std::vector<int64_t> ptrs, std::vector<int64_t> capacities, int64_t siz
   }
   armed_thread = std::this_thread::get_id();
   armed_size = static_cast<size_t>(size);
+  takes = 0;
   armed.store(true, std::memory_order_release);
 }
 
 int64_t disarm() {
   std::lock_guard<std::mutex> g(mu);
   armed.store(false, std::memory_order_release);
-  int64_t held = 0;
-  for (uintptr_t key : armed_ptrs) {
-    auto it = regions.find(key);
-    held += it != regions.end() && it->second.held;
-  }
   armed_ptrs.clear();
   armed_size = 0;
-  return held;
+  return takes;
 }
 
 bool held(int64_t ptr) {
@@ -143,6 +150,8 @@ bool forget(int64_t ptr) {
   return true;
 }
 
+int64_t held_count() { return n_held.load(std::memory_order_relaxed); }
+
 int64_t regions_known() {
   std::lock_guard<std::mutex> g(mu);
   return static_cast<int64_t>(regions.size());
@@ -156,8 +165,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("installed", &installed);
   m.def("arm", &arm, "for this thread: an allocation of exactly `size` bytes may take one of these regions",
         py::arg("ptrs"), py::arg("capacities"), py::arg("size"));
-  m.def("disarm", &disarm, "end the lend; how many of the regions a storage holds");
+  m.def("disarm", &disarm, "end the lend; how many allocations were given a region since arm()");
   m.def("held", &held, "whether a storage holds region `ptr`");
   m.def("forget", &forget, "drop region `ptr` (its mapping goes); False while a storage holds it");
+  m.def("held_count", &held_count, "how many regions storages hold now (0: every lent slot is free of them)");
   m.def("regions_known", &regions_known);
 }

@@ -8,16 +8,21 @@ of TensorMQ's hop on the 2-core VM, about what the model's own ``x + 1`` costs. 
 Python hook to say where a CPU tensor is allocated, so a small C++ extension
 (``outalloc.cpp``) wraps PyTorch's CPU allocator:
 
-- Before the model runs, the inference thread *lends* a free slot of the next edge
-  (``SlotPool.lend``) and *arms* it for the output's size, which the block learnt from the
+- Before the model runs, the inference thread *lends* free slots of the next edge
+  (``SlotPool.lend``) and *arms* them for the output's size, which the block learnt from the
   previous request with the same input shape (the first request of a shape copies as before).
-- While armed, an allocation *by that thread* of exactly that size is given the slot's data
-  area; every other allocation (other sizes, other threads) goes to PyTorch's allocator as
-  before. An intermediate of that size may take the slot and free it again: the region is
-  lendable again as soon as no storage holds it.
-- After the model, the slot is *adopted* when the output's storage is the slot
-  (``SlotPool.adopt``): the slot goes in flight with a handle, exactly as after a copy, and
-  nothing was copied. Otherwise the output is copied into a slot as before.
+- While armed, an allocation *by that thread* of exactly that size is given the first lent
+  region no storage holds; every other allocation (other sizes, other threads) goes to
+  PyTorch's allocator as before. An intermediate of that size may take a region and free it
+  again: the region is lendable again as soon as no storage holds it.
+- After the model, the slot the output was made in (``SlotPool.holder``) is *adopted*
+  (``SlotPool.adopt``): it goes in flight with a handle, exactly as after a copy, and nothing
+  was copied. Otherwise the output is copied into a slot as before.
+- How many slots to lend is learnt per input shape, from one: when the output was made
+  elsewhere although tensors of its size took every lent region (``disarm()`` counts the
+  takes), the next request lends one more, up to ``MAX_LENT`` (blocks/process.py). ``x + 1``
+  needs one; a ResNet stage needs two or three (the identity branch, the last convolution's
+  output and its batch norm's are alive together), learnt over its first few requests.
 
 Ownership (Note [TensorMQ slot ownership] in shm.py still holds): the slot's memory belongs to
 the producer's mapping, never to the allocator; the extension's deleter only records that no
@@ -40,6 +45,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import stat
 import sys
 
@@ -92,8 +98,15 @@ def build(root: str | None = None, verbose: bool = False):
     directory = build_dir(root)
     os.makedirs(directory, mode=0o700, exist_ok=True)
     os.chmod(directory, 0o700)
-    return load_extension(NAME, sources=[SOURCE], build_directory=directory, extra_cflags=["-O2"],
-                          with_cuda=False, verbose=verbose)
+    module = load_extension(NAME, sources=[SOURCE], build_directory=directory, extra_cflags=["-O2"],
+                            with_cuda=False, verbose=verbose)
+    # builds of older sources for this PyTorch and Python are never loaded again
+    parent, mine = os.path.split(directory)
+    stem = mine.rsplit("-", 1)[0] + "-"
+    for name in os.listdir(parent):
+        if name.startswith(stem) and name != mine:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    return module
 
 
 def built() -> str | None:
@@ -144,6 +157,12 @@ def load():
 def active():
     """The extension if this process installed it (slots were lent), else None."""
     return _loaded
+
+
+def holding() -> bool:
+    """Whether any storage holds a lent slot now (the usual answer between two requests is no:
+    then no slot needs asking)."""
+    return _loaded is not None and _loaded.held_count() > 0
 
 
 def why_not() -> str | None:

@@ -299,13 +299,18 @@ class SlotPool:
         return Slot(self.directory, name, capacity)
 
     def _try_acquire(self, edge: str, nbytes: int) -> Slot | None:
-        slots = self.edges.setdefault(edge, [])
-        free = [s for s in slots if s.state == FREE]
-        if free and any(s.lent for s in free):
-            free = self._without_held(slots, free)
-        for s in free:
-            if s.capacity >= nbytes:
-                return s
+        slots = self.edges.get(edge)
+        if slots is None:
+            slots = self.edges[edge] = []
+        if outalloc.holding():
+            self._retire_held(slots)
+        small = None
+        for s in slots:  # the first free slot that is large enough: in a steady chain, the first one
+            if s.state == FREE:
+                if s.capacity >= nbytes:
+                    return s
+                if small is None:
+                    small = s
         if len(slots) < self.window:  # the edge's first use: its whole window at once
             cap = round_capacity(nbytes)
             fresh = []
@@ -319,70 +324,75 @@ class SlotPool:
                             len(fresh), self.window - len(slots), cap >> 10, edge)
             slots.extend(fresh)
             return fresh[0]
-        if free:  # every free slot is too small: grow one (a new file, so old handles stay invalid)
-            old = free[0]
-            slots.remove(old)
-            old.close()  # first: its memory may be what the larger one needs
+        if small is not None:  # every free slot is too small: grow one (a new file, so old handles stay invalid)
+            slots.remove(small)
+            small.close()  # first: its memory may be what the larger one needs
             slot = self._new_slot(round_capacity(nbytes))
             slots.append(slot)
             return slot
         return None
 
-    def _without_held(self, slots: list[Slot], free: list[Slot]) -> list[Slot]:
+    def _retire_held(self, slots: list[Slot]) -> None:
         """Retire the free slots whose memory a storage still holds: the model kept its output
         or an intermediate made in the slot, and writing there would change that tensor."""
-        kept = []
-        for s in free:
-            if s.held():
+        for s in list(slots):
+            if s.lent and s.state == FREE and s.held():
                 slots.remove(s)
                 self.retired.append(s)
                 log.warning("%s: slot %s is still held by a tensor the model kept; it is retired from its edge "
                             "(see Note [Outputs made in a slot]; BLOCKFLOW_OUTPUT_IN_SLOT=0 turns lending off)",
                             self.owner, s.name)
-            else:
-                kept.append(s)
-        return kept
 
-    def lend(self, edge: str, nbytes: int, count: int = 3) -> list[Slot]:
+    def lend(self, edge: str, nbytes: int, count: int = 1) -> list[Slot]:
         """Up to ``count`` free slots of ``edge`` for the model to make an ``nbytes`` output in,
         not in flight yet (none when every slot is in flight: the output is copied later, after
-        a wait). Several, because a model's tensors of its output's size are made one after the
-        other: with ResNet's blocks, three are alive at once (the identity branch, the last
-        convolution's output and its batch norm's), and the output is the last one made."""
+        a wait). Several when a model makes tensors of its output's size one after the other and
+        the output is not the first: with ResNet's blocks three are alive at once (the identity
+        branch, the last convolution's output and its batch norm's), and the output comes last."""
         if self._closed or not nbytes:
             return []
         first = self._try_acquire(edge, nbytes)
         if first is None:
             return []
+        first.lent = True
         lent = [first]
-        for s in self.edges[edge]:
-            if len(lent) >= count:
-                break
-            if s is not first and s.capacity >= nbytes and s.state == FREE and not s.held():
-                lent.append(s)
-        for s in lent:
-            s.lent = True
+        if count > 1:
+            holding = outalloc.holding()
+            for s in self.edges[edge]:
+                if len(lent) >= count:
+                    break
+                if s is not first and s.capacity >= nbytes and s.state == FREE and not (holding and s.held()):
+                    s.lent = True
+                    lent.append(s)
         return lent
 
-    def adopt(self, lent: list[Slot], tensor: torch.Tensor) -> TensorDesc | None:
-        """The handle of ``tensor`` if the model made it in one of the ``lent`` slots (that slot
-        goes in flight, nothing is copied); None when it lives elsewhere."""
-        if tensor.device.type != "cpu":
-            return None
-        ptr = tensor.untyped_storage().data_ptr()
-        for slot in lent:
+    @staticmethod
+    def holder(lent: list[Slot], tensor: torch.Tensor) -> int:
+        """The index of the lent slot ``tensor`` lives in, -1 if none. Memory inside a slot is
+        reachable only through the storage the allocator made there (the pool's own view of it
+        never leaves this module), so an address inside one is a tensor made there."""
+        ptr = tensor.data_ptr()
+        for i, slot in enumerate(lent):
             data = slot.data
-            if data is None or data.data_ptr() != ptr or slot.state != FREE:
-                continue
-            off = tensor.data_ptr() - ptr
-            desc = TensorDesc.of(tensor, slot.loc, seg=slot.name, off=off)
-            span = desc.span_bytes()
-            if off < 0 or off + span > slot.capacity:
-                return None
-            gen = slot.mark_in_flight()
-            desc.fields["gen"], desc.fields["nbytes"] = gen, span
-            return desc
-        return None
+            if data is not None:
+                base = data.data_ptr()
+                if base <= ptr < base + slot.capacity:
+                    return i
+        return -1
+
+    def adopt(self, slot: Slot, tensor: torch.Tensor) -> TensorDesc | None:
+        """The handle of ``tensor``, which the model made in the lent ``slot`` (``holder``): the
+        slot goes in flight and nothing is copied. None if the slot is not free after all."""
+        data = slot.data
+        if data is None or slot.state != FREE:
+            return None
+        off = tensor.data_ptr() - data.data_ptr()
+        desc = TensorDesc.of(tensor, slot.loc, seg=slot.name, off=off)
+        span = desc.span_bytes()
+        if not 0 <= off <= off + span <= slot.capacity:
+            return None
+        desc.fields["gen"], desc.fields["nbytes"] = slot.mark_in_flight(), span
+        return desc
 
     def acquire(self, edge: str, nbytes: int, timeout: float, give_up=None) -> Slot:
         """A free slot of at least ``nbytes`` on ``edge``; waits while the window is full.

@@ -166,22 +166,23 @@ class Transport:
         return self._cuda_mapper
 
     # -- sending -----------------------------------------------------------------------------
-    def lend(self, address: str, nbytes: int) -> list:
-        """Free slots towards ``address`` for the model to make an ``nbytes`` output in (Note
-        [Outputs made in a slot]); none where outputs travel otherwise (bytes) or none is free."""
+    def lend(self, address: str, nbytes: int, count: int = 1) -> list:
+        """Up to ``count`` free slots towards ``address`` for the model to make an ``nbytes``
+        output in (Note [Outputs made in a slot]); none where outputs travel otherwise (bytes)
+        or none is free."""
         if self.mode != "tensormq" or self.pool is None or not is_local(address):
             return []
-        return self.pool.lend(address, nbytes)
+        return self.pool.lend(address, nbytes, count)
 
     def encode(self, tensor: torch.Tensor, address: str, lease=None, timeout: float | None = None,
-               same_as: dict | None = None, lent=None):
+               same_as: dict | None = None, made_in=None):
         """(descriptor dict, payload or None) to send ``tensor`` to ``address``.
 
         ``lease`` is the slot the input came in: an output that is a view of it is forwarded
         by handle and the lease's release duty goes along with it. ``same_as`` is the input's
         descriptor when ``tensor`` is the input itself: it is forwarded as it came, with no
-        new descriptor built. ``lent`` are the slots lent for the output (``lend``): an output
-        the model made in one of them travels with that slot's handle, uncopied.
+        new descriptor built. ``made_in`` is the lent slot (``lend``) the model made ``tensor`` in:
+        it travels with that slot's handle, uncopied.
         """
         if self.mode == "zeromq" or not is_local(address) or self.pool is None:
             if lease is not None and lease.contains(tensor):
@@ -196,8 +197,8 @@ class Transport:
             return same_as, None
         if forwardable and lease.contains(tensor):
             return lease.forward_desc(tensor).to_json(), None
-        if lent:
-            desc = self.pool.adopt(lent, tensor)
+        if made_in is not None:
+            desc = self.pool.adopt(made_in, tensor)
             if desc is not None:
                 self.made_in_slot += 1
                 return desc.to_json(), None

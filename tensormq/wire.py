@@ -137,6 +137,9 @@ def _dims(val, key: str) -> None:
 # every other field (seg, gen, off, nbytes, handle) is checked where it is used, every time.
 _ACCEPTED_DESCS: dict[tuple, tuple] = {}
 _ACCEPTED_DESCS_MAX = 1024
+#: The sending side's memo: (dtype, shape, stride) of a tensor described before -> its dtype's
+#: name, numel and span (``TensorDesc.of`` on every hop whose output is a new tensor).
+_DESCRIBED: dict[tuple, tuple] = {}
 
 
 class TensorDesc:
@@ -169,9 +172,19 @@ class TensorDesc:
 
     @staticmethod
     def of(tensor: torch.Tensor, loc: str, **fields) -> "TensorDesc":
-        shape, stride = tuple(tensor.shape), tensor.stride()
-        d = {"dtype": dtype_name(tensor.dtype), "shape": list(shape), "stride": list(stride), "loc": loc, **fields}
-        return TensorDesc(tensor.dtype, shape, stride, loc, d)
+        dtype, shape, stride = tensor.dtype, tuple(tensor.shape), tensor.stride()
+        key = (dtype, shape, stride)
+        known = _DESCRIBED.get(key)
+        if known is None:
+            probe = TensorDesc(dtype, shape, stride, loc, {})
+            if len(_DESCRIBED) >= _ACCEPTED_DESCS_MAX:
+                _DESCRIBED.clear()
+            known = _DESCRIBED[key] = (dtype_name(dtype), probe.numel, probe._span)
+        desc = object.__new__(TensorDesc)
+        desc.dtype, desc.shape, desc.stride, desc.loc = dtype, shape, stride, loc
+        desc.numel, desc._span = known[1], known[2]
+        desc.fields = {"dtype": known[0], "shape": list(shape), "stride": list(stride), "loc": loc, **fields}
+        return desc
 
     @staticmethod
     def parse(x, max_bytes: int = MAX_TENSOR_BYTES) -> "TensorDesc":

@@ -65,18 +65,19 @@ def run_lent(lender, pool, model, x, count=1):
         with torch.inference_mode():
             y = model(x)
     finally:
-        held = lender.disarm()
-    return lent, y, held
+        takes = lender.disarm()
+    return lent, y, takes
 
 
 def test_an_output_made_in_a_lent_slot_travels_without_a_copy(lender, shm_dir):
     pool, mapper = SlotPool(shm_dir, "prod", window=2), SlotMapper(shm_dir)
     try:
         x = torch.randn(4, 256, 7, 7)
-        (slot,), y, held = run_lent(lender, pool, torch.jit.script(AddOne()), x)
+        (slot,), y, takes = run_lent(lender, pool, torch.jit.script(AddOne()), x)
         base = slot.data.data_ptr()
-        assert held == 1 and y.data_ptr() == base  # the model's own output lives in the slot
-        desc = pool.adopt([slot], y)
+        assert takes == 1 and y.data_ptr() == base and lender.held(base)  # the model's own output lives in the slot
+        assert SlotPool.holder([slot], y) == 0 and SlotPool.holder([slot], x) == -1
+        desc = pool.adopt(slot, y)
         assert desc is not None and desc.fields["seg"] == slot.name
         assert slot.state == IN_FLIGHT and pool.in_flight(EDGE) == 1
         got, lease = mapper.open(TensorDesc.parse(desc.to_json()))
@@ -109,7 +110,7 @@ def test_only_the_armed_thread_and_size_are_given_the_slot(lender, shm_dir):
             taken = torch.empty(nbytes, dtype=torch.uint8)
             second = torch.empty(nbytes, dtype=torch.uint8)  # the region is held: one storage at a time
         finally:
-            assert lender.disarm() == 1
+            assert lender.disarm() == 1  # one allocation was given the region
         assert other_size.data_ptr() != base and from_thread[0].data_ptr() != base and second.data_ptr() != base
         assert taken.data_ptr() == base
         del taken
@@ -120,23 +121,28 @@ def test_only_the_armed_thread_and_size_are_given_the_slot(lender, shm_dir):
         pool.close()
 
 
-def test_the_output_lands_in_the_last_free_region_of_several(lender, shm_dir):
-    """Tensors of the output's size made one after the other (an intermediate first, kept
-    alive until the output exists) take one region each; the output is adopted from its own."""
-    class TwoStep(torch.nn.Module):
+def test_with_enough_lent_slots_the_output_lands_in_the_last_one(lender, shm_dir):
+    """Tensors of the output's size that are alive together take one region each, in order:
+    with too few regions the output is made on the heap (and every region was taken, which is
+    how a block learns to lend one more); with enough, it is made in the last one."""
+    class ThreeAlive(torch.nn.Module):
         def forward(self, x):
             a = x * 2
-            b = a + x  # made while `a` is alive: the second region
-            return b + 0  # made while `b` is alive: `a` is dead by now, so the first region again
+            b = a + x
+            return b - a  # made while a and b are alive
 
-    pool = SlotPool(shm_dir, "prod", window=3)
+    model = torch.jit.script(ThreeAlive())
+    pool = SlotPool(shm_dir, "prod", window=4)
     try:
         x = torch.randn(16, 32)
-        lent, y, held = run_lent(lender, pool, torch.jit.script(TwoStep()), x, count=2)
-        assert held == 1  # the intermediates are gone; only the output holds a region
-        desc = pool.adopt(lent, y)
-        assert desc is not None and torch.equal(y, x * 3)
-        assert [s.state for s in lent].count(IN_FLIGHT) == 1
+        lent, y, takes = run_lent(lender, pool, model, x, count=2)
+        assert takes == 2 and SlotPool.holder(lent, y) == -1 and torch.allclose(y, x)
+        del y
+        lent, y, takes = run_lent(lender, pool, model, x, count=3)
+        assert takes == 3 and SlotPool.holder(lent, y) == 2 and torch.allclose(y, x)
+        assert not any(lender.held(s.data.data_ptr()) for s in lent[:2])  # a and b are gone
+        assert pool.adopt(lent[2], y) is not None
+        assert [s.state for s in lent] == [FREE, FREE, IN_FLIGHT]
     finally:
         pool.close()
 
@@ -145,9 +151,9 @@ def test_a_slot_the_model_keeps_is_retired_not_overwritten(lender, shm_dir, capl
     pool = SlotPool(shm_dir, "prod", window=2)
     model = torch.jit.script(KeepsTwice())
     x = torch.randn(8, 64)
-    (slot,), y, held = run_lent(lender, pool, model, x)
-    assert held == 1 and model.kept.data_ptr() == slot.data.data_ptr()  # the kept intermediate took it
-    assert pool.adopt([slot], y) is None  # the output lives elsewhere: it is copied as before
+    (slot,), y, takes = run_lent(lender, pool, model, x)
+    assert takes == 1 and model.kept.data_ptr() == slot.data.data_ptr()  # the kept intermediate took it
+    assert SlotPool.holder([slot], y) == -1  # the output lives elsewhere: it is copied as before
     with caplog.at_level(logging.WARNING, logger="blockflow.tensormq.shm"):
         desc = pool.put(EDGE, y, timeout=1)
     assert desc.fields["seg"] != slot.name and slot in pool.retired
@@ -162,3 +168,28 @@ def test_a_slot_the_model_keeps_is_retired_not_overwritten(lender, shm_dir, capl
     pool.close()
     assert not os.path.exists(slot.path)  # the file goes; the mapping stays while the tensor lives
     assert torch.equal(model.kept, x * 2)
+
+
+@pytest.mark.parametrize("plant", ["writable", "link"])
+def test_a_library_others_could_have_written_is_never_loaded(lender, tmp_path, monkeypatch, plant):
+    """The library is code every block runs: one in a directory or file that another user could
+    have written, or behind a symbolic link, is refused with the reason (blocks then copy)."""
+    real = outalloc.built()
+    assert real is not None
+    ext = tmp_path / "ext"
+    ext.mkdir(mode=0o700)
+    monkeypatch.setattr(outalloc.settings, "EXT_DIR", str(ext))
+    target = outalloc.build_dir(str(ext))
+    os.mkdir(target, 0o700)
+    planted = os.path.join(target, os.path.basename(real))
+    if plant == "writable":
+        shutil.copy(real, planted)
+        os.chmod(planted, 0o666)
+        reason = "can be written by other users"
+    else:
+        os.symlink(real, planted)
+        reason = "symbolic link"
+    assert outalloc.built() is None
+    assert reason in outalloc.why_not() and planted in outalloc.why_not()
+    os.chmod(target, 0o777)
+    assert outalloc.built() is None and target in outalloc.why_not()
