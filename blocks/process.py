@@ -156,9 +156,11 @@ class Block(ChildProcess):
         self.batcher = DelayController(self.batching, spec.max_inference_s / 4) if self.batching else None
         #: the output-in-slot extension (tensormq/outalloc.py), None where outputs are copied
         self.lender = None
-        #: (dtype, input shape) -> [bytes of the new tensor the model made from such an input last
-        #: time (0: it returned a view of its input), how many slots to lend for it]
-        self.outputs: dict[tuple, list[int]] = {}
+        #: (dtype, input shape) -> bytes of the new tensor the model made from such an input last
+        #: time (0: it returned a view of its input)
+        self.outputs: dict[tuple, int] = {}
+        #: how many slots to lend for an output: learnt once for the model, whatever the shape
+        self.lend_count = 1
         self.register("store", self.cmd_store)
         self.register("monitor", self.cmd_monitor)
         self.register("update", self.cmd_update)
@@ -498,42 +500,41 @@ class Block(ChildProcess):
         before; how many is learnt (``made_in``)."""
         x = req.x
         req.key = key = (x.dtype, x.shape)
-        known = self.outputs.get(key)
-        if not known or not known[0]:
+        nbytes = self.outputs.get(key)
+        if not nbytes:
             return []
         try:
-            lent = self.transport.lend(req.header["path"][0][1], known[0], known[1])
+            lent = self.transport.lend(req.header["path"][0][1], nbytes, self.lend_count)
         except Exception:  # no slot could be made (shared memory full): the send after the model says why
             return []
         if lent:
-            self.lender.arm([s.data.data_ptr() for s in lent], [s.capacity for s in lent], known[0])
+            self.lender.arm([s.data.data_ptr() for s in lent], [s.capacity for s in lent], nbytes)
         return lent
 
     def made_in(self, req: "_Request", y: torch.Tensor, lent: list, takes: int):
         """The lent slot the model made ``y`` in, or None. When it made it elsewhere although
-        tensors of its size took every lent slot, the next input of this shape gets one more."""
+        tensors of its size took every lent slot, the next request gets one more: how many
+        tensors of the output's size a model keeps alive at once is a matter of its structure,
+        not of the input's shape, so one count serves every shape (a new batch size copies its
+        first output only)."""
         i = SlotPool.holder(lent, y)
         if i >= 0:
             return lent[i]
-        known = self.outputs.get(req.key)
-        if known and takes >= len(lent) and known[1] < MAX_LENT:
-            known[1] += 1
+        if takes >= len(lent) >= self.lend_count and self.lend_count < MAX_LENT:  # not a slot short
+            self.lend_count += 1
         return None
 
     def learn_output(self, req: "_Request", y: torch.Tensor, new: bool) -> None:
-        """Remember what the model made from an input like ``req.x``: the size of a new tensor
-        and how many slots to lend for it, or 0 (a view of its input: nothing to lend). A block
-        whose outputs were all views never lends (``outputs`` stays empty)."""
+        """Remember what the model made from an input like ``req.x``: the size of a new tensor,
+        or 0 (a view of its input: nothing to lend). A block whose outputs were all views never
+        lends (``outputs`` stays empty)."""
         if new and y.is_cpu and y.is_contiguous():
-            x, nbytes = req.x, y.numel() * y.element_size()
-            key = (x.dtype, x.shape)
-            known = self.outputs.get(key)
-            if known is None or known[0] != nbytes:
-                if len(self.outputs) >= 1024:
-                    self.outputs.clear()
-                self.outputs[key] = [nbytes, 1]
+            x = req.x
+            if len(self.outputs) >= 1024:
+                self.outputs.clear()
+            self.outputs[(x.dtype, x.shape)] = y.numel() * y.element_size()
         elif req.key is not None:
-            self.outputs[req.key] = [0, 0]
+            self.outputs[req.key] = 0
 
     def infer_batch(self, items: list, waited: tuple[float, float]) -> None:
         """Several requests as few inferences as their shapes allow (blocks/batching.py): each

@@ -18,11 +18,12 @@ Python hook to say where a CPU tensor is allocated, so a small C++ extension
 - After the model, the slot the output was made in (``SlotPool.holder``) is *adopted*
   (``SlotPool.adopt``): it goes in flight with a handle, exactly as after a copy, and nothing
   was copied. Otherwise the output is copied into a slot as before.
-- How many slots to lend is learnt per input shape, from one: when the output was made
+- How many slots to lend is learnt once per block, from one: when the output was made
   elsewhere although tensors of its size took every lent region (``disarm()`` counts the
   takes), the next request lends one more, up to ``MAX_LENT`` (blocks/process.py). ``x + 1``
   needs one; a ResNet stage needs two or three (the identity branch, the last convolution's
-  output and its batch norm's are alive together), learnt over its first few requests.
+  output and its batch norm's are alive together), learnt over its first few requests. The
+  count is the model's, not the shape's: a new batch size copies its first output only.
 
 Ownership (Note [TensorMQ slot ownership] in shm.py still holds): the slot's memory belongs to
 the producer's mapping, never to the allocator; the extension's deleter only records that no

@@ -357,13 +357,22 @@ class SlotPool:
         first.lent = True
         lent = [first]
         if count > 1:
-            holding = outalloc.holding()
-            for s in self.edges[edge]:
+            slots, holding = self.edges[edge], outalloc.holding()
+            for s in list(slots):
                 if len(lent) >= count:
                     break
-                if s is not first and s.capacity >= nbytes and s.state == FREE and not (holding and s.held()):
-                    s.lent = True
-                    lent.append(s)
+                if s is first or s.state != FREE or (holding and s.held()):
+                    continue
+                if s.capacity < nbytes:  # a larger tensor than before: grow this one too (new name)
+                    slots.remove(s)
+                    s.close()
+                    try:
+                        s = self._new_slot(round_capacity(nbytes))
+                    except ShmExhausted:
+                        break  # the send after the model reports it if even one slot is missing
+                    slots.append(s)
+                s.lent = True
+                lent.append(s)
         return lent
 
     @staticmethod
