@@ -82,8 +82,11 @@ OVERHEAD_PARTS = ("deser", "dev", "share", "fwd")
 #: (tensormq/transport.py): ``bytes`` (zeromq) is written into the socket by the sender's
 #: ZeroMQ I/O thread (a kernel copy) and read into a message buffer on the other side (a
 #: second), the receiver then builds the tensor over that buffer (no copy); ``shm`` (tensormq)
-#: copies the output once into a shared-memory slot and the receiver maps it (no copy).
-COPIES_PER_HOP = {"bytes": 2, "shm": 1}
+#: copies the output once into a shared-memory slot and the receiver maps it (no copy), unless
+#: the model made its output in the slot (``made in slot``: Note [Outputs made in a slot]); a
+#: block's ping counts the outputs it sent that way, and the tensormq column uses the share
+#: measured in the tensormq phase (the dispatcher always copies the client's bytes into a slot).
+COPIES_PER_HOP = {"bytes": 2, "shm": 1, "made in slot": 0}
 DEFAULT_DURATION = 22.0
 #: The thesis's figures on the GV100 (FullSuper), ms, as its text states them (4.2.2).
 THESIS = {"http_full_ms": 200.0, "zeromq_ms": 44.9, "offline_ms": 11.703,
@@ -247,13 +250,14 @@ def block_memory(server, pids: dict) -> dict:
     return out
 
 
-def data_moved(blocks: dict, x: torch.Tensor, device: str) -> dict:
+def data_moved(blocks: dict, x: torch.Tensor, device: str, made_in_slot: dict | None = None) -> dict:
     """Bytes each hop copies per inference (Fig. 4.9). The hop tensors are the real ones (the
     input and every block's output); their size is the ``nbytes`` of the wire descriptor the
     transport builds for them (tensormq.wire.TensorDesc) and the copies per hop are the
     transport's (``COPIES_PER_HOP``). On a GPU the zeromq hop path (encode_bytes: device to
     host; the receiver's .to(device): host to device) runs under torch.profiler and its
-    memcpy events are summed; on the CPU that part is recorded as skipped."""
+    memcpy events are summed; on the CPU that part is recorded as skipped. ``made_in_slot``:
+    block -> the share of its outputs it sent from the slot its model made them in."""
     from blockflow.tensormq.transport import decode_bytes, encode_bytes
     from blockflow.tensormq.wire import TensorDesc
     hops, y = [], x.to(device)
@@ -263,12 +267,16 @@ def data_moved(blocks: dict, x: torch.Tensor, device: str) -> dict:
         for m in blocks.values():
             y = m(y)
             outs.append(y)
+    made_in_slot = made_in_slot or {}
     for i, t in enumerate(outs):
         nbytes = TensorDesc.of(t.cpu(), "bytes").numel * t.element_size()
         dst = BLOCK_NAMES[i] if i < len(BLOCK_NAMES) else "dispatcher"
+        made = made_in_slot.get(names[i]) or 0.0
         hops.append({"hop": f"{names[i]}->{dst}", "shape": list(t.shape), "nbytes": nbytes,
-                     **{f"{tr}_bytes_copied": nbytes * COPIES_PER_HOP[loc]
-                        for tr, loc in (("zeromq", "bytes"), ("tensormq", "shm"))}})
+                     "zeromq_bytes_copied": nbytes * COPIES_PER_HOP["bytes"],
+                     "tensormq_made_in_slot": made_in_slot.get(names[i]),
+                     "tensormq_bytes_copied": nbytes * ((1 - made) * COPIES_PER_HOP["shm"]
+                                                        + made * COPIES_PER_HOP["made in slot"])})
     out = {"hops": hops, "copies_per_hop": COPIES_PER_HOP,
            "per_inference_bytes": {tr: sum(h[f"{tr}_bytes_copied"] for h in hops) for tr in common.TRANSPORTS}}
     if not device.startswith("cuda"):
@@ -321,19 +329,33 @@ def transport_phase(server, transport: str, threads: int, device: str, full, x: 
     with Client(server.dispatcher, timeout=120) as c:
         c.infer(common.TASK, x)  # the first request maps slots and connects sockets
         since = time.time()
+        before = made_in_slot_counts(server)
 
         def step(_):
             rec = pipeline_sample(c, x)
             rec["mono"] = time_call(lambda: full(x), device)
             return rec
         recs = series.run(step, f"pipeline {transport}")
+        after = made_in_slot_counts(server)
     kpi = kpi_requests(server, since)
     if len(kpi) != len(recs):
         log.warning("%s: %d requests timed by the client, %d complete in the blocks' KPI logs",
                     transport, len(recs), len(kpi))
     memory = block_memory(server, pids)
     rss = {n: m["rss_mb"] for n, m in memory.items()}
-    return recs, kpi, {"block_rss_mb": rss, "block_memory_mb": memory, "block_pids": pids}
+    made = {n: (after[n][0] - before[n][0]) / (after[n][1] - before[n][1])
+            for n in after if n in before and after[n][1] > before[n][1]}
+    return recs, kpi, {"block_rss_mb": rss, "block_memory_mb": memory, "block_pids": pids,
+                       "made_in_slot": made}
+
+
+def made_in_slot_counts(server) -> dict[str, tuple[int, int]]:
+    """block -> (outputs sent from the slot the model made them in, requests served), from its ping."""
+    out = {}
+    for name in BLOCK_NAMES:
+        ping = server.call("GET", f"/blocks/{name}/ping")
+        out[name] = (ping.get("outputs_made_in_slot", 0), ping.get("served", 0))
+    return out
 
 
 def http_split_phase(repo: str, threads: int, x: torch.Tensor, series: Series) -> list[dict]:
@@ -730,11 +752,11 @@ def main(argv=None) -> int:
     xd = x.to(device)
 
     offline = offline_phase(blocks, full, xd, device, series)
-    moved = data_moved(blocks, x, device)
     raw, kpi, runs = {}, {}, {}
     with common.blockflow_server(repo) as server:
         for t in transports:
             raw[t], kpi[t], runs[t] = transport_phase(server, t, args.threads, device, full, x, series)
+    moved = data_moved(blocks, x, device, (runs.get("tensormq") or {}).get("made_in_slot"))
     http = None if args.no_http else http_phase(repo, args.threads, full, x, device, series)
     split = None if args.no_http else http_split_phase(repo, args.threads, x, series)
 

@@ -208,9 +208,11 @@ def pipeline_latency(d: dict) -> str:
     if moved:
         out += "\n\nBytes copied per inference on the CPU (Fig. 4.9; copies per hop: " + ", ".join(
             f"{k} {v}" for k, v in moved["copies_per_hop"].items()) + "):\n\n" + _table(
-            ["hop", "tensor", "MB", "zeromq MB copied", "tensormq MB copied"],
+            ["hop", "tensor", "MB", "zeromq MB copied", "tensormq MB copied", "tensormq outputs made in slot"],
             [[h["hop"], "x".join(map(str, h["shape"])), _f(h["nbytes"] / 1e6, 3), _f(h["zeromq_bytes_copied"] / 1e6, 3),
-              _f(h["tensormq_bytes_copied"] / 1e6, 3)] for h in moved["hops"]])
+              _f(h["tensormq_bytes_copied"] / 1e6, 3),
+              "–" if h.get("tensormq_made_in_slot") is None else f"{h['tensormq_made_in_slot']:.0%}"]
+             for h in moved["hops"]])
         g = moved.get("gpu_copies", {})
         out += ("\n\nHost<->device copies (torch.profiler): " + (f"skipped: {g['skipped']}" if "skipped" in g else
                 f"zeromq memcpy events {g.get('zeromq_memcpy_events')} over {g.get('hops_profiled')} hops, "

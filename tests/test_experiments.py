@@ -25,6 +25,8 @@ import sys
 
 import pytest
 
+from blockflow.tensormq import outalloc
+
 from experiments import EXPERIMENTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,7 +189,14 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
     assert split["rtt_ms"]["p50"] > split["server_inference_ms"]["p50"] > 0
     hops = {h["hop"]: h for h in s["data_moved"]["hops"]}  # Fig. 4.9
     assert hops["b1->b2"]["nbytes"] == 256 * 56 * 56 * 4 and hops["dispatcher->b1"]["nbytes"] == 3 * 224 * 224 * 4
-    assert hops["b1->b2"]["zeromq_bytes_copied"] == 2 * hops["b1->b2"]["tensormq_bytes_copied"]
+    assert hops["dispatcher->b1"]["zeromq_bytes_copied"] == 2 * hops["dispatcher->b1"]["tensormq_bytes_copied"]
+    # a block's output made in its slot is not copied: the share comes from the blocks' pings
+    made = s["transports"]["tensormq"]["made_in_slot"]
+    assert set(made) == {"b1", "b2", "b3", "b4", "h"} and all(0 <= v <= 1 for v in made.values())
+    assert hops["b1->b2"]["tensormq_made_in_slot"] == made["b1"]
+    assert hops["b1->b2"]["tensormq_bytes_copied"] == pytest.approx(hops["b1->b2"]["nbytes"] * (1 - made["b1"]))
+    if outalloc.built():
+        assert made["b1"] > 0.5, made  # only the first requests of the run learn the output's size
     assert "skipped" in s["data_moved"]["gpu_copies"] or "zeromq_memcpy_events" in s["data_moved"]["gpu_copies"]
     for t, r in data["ratio_pipeline_vs_monolithic"].items():
         assert r["ratio"] == pytest.approx(r["pipeline_p50_ms"] / r["monolithic_p50_ms"])
