@@ -358,11 +358,11 @@ class SlotPool:
         lent = [first]
         if count > 1:
             slots, holding = self.edges[edge], outalloc.holding()
-            for s in list(slots):
-                if len(lent) >= count:
-                    break
-                if s is first or s.state != FREE or (holding and s.held()):
-                    continue
+            free = [s for s in slots if s is not first and s.state == FREE and not (holding and s.held())]
+            # slots already large enough first: after a new, larger size only the missing ones
+            # grow (a new file each, whose pages the model then faults in), not every slot in turn
+            free.sort(key=lambda s: s.capacity < nbytes)
+            for s in free[:count - 1]:
                 if s.capacity < nbytes:  # a larger tensor than before: grow this one too (new name)
                     slots.remove(s)
                     s.close()

@@ -193,3 +193,24 @@ def test_a_library_others_could_have_written_is_never_loaded(lender, tmp_path, m
     assert reason in outalloc.why_not() and planted in outalloc.why_not()
     os.chmod(target, 0o777)
     assert outalloc.built() is None and target in outalloc.why_not()
+
+
+def test_a_larger_size_grows_only_the_slots_it_is_short_of(shm_dir):
+    """After a new, larger output size, lending takes the slots already grown for it before it
+    grows another one: a new batch size reaches its steady state after one request instead of
+    growing one more slot (a fresh file whose pages the model faults in) every request."""
+    pool = SlotPool(shm_dir, "prod", window=4)
+    try:
+        small, large = 16 * 1024, 1024 * 1024
+        assert len(pool.lend(EDGE, small, 1)) == 1  # the edge's first use: four small slots
+        assert len(pool.edges[EDGE]) == 4
+        first = pool.lend(EDGE, large, 3)
+        assert len(first) == 3 and all(s.capacity >= large for s in first)
+        names = {s.name for s in pool.edges[EDGE]}
+        again = pool.lend(EDGE, large, 3)
+        assert {s.name for s in again} == {s.name for s in first}
+        assert {s.name for s in pool.edges[EDGE]} == names  # nothing grown, the small slot kept
+        assert sum(s.capacity < large for s in pool.edges[EDGE]) == 1
+    finally:
+        pool.close()
+    assert os.listdir(shm_dir) == []
