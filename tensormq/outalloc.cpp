@@ -101,8 +101,6 @@ void install() {
   TORCH_CHECK(c10::GetCPUAllocator() == &lender, "blockflow: the CPU allocator could not be wrapped");
 }
 
-bool installed() { return wrapped != nullptr; }
-
 void arm(std::vector<int64_t> ptrs, std::vector<int64_t> capacities, int64_t size) {
   TORCH_CHECK(wrapped != nullptr, "blockflow: arm() before install()");
   TORCH_CHECK(!ptrs.empty() && ptrs.size() == capacities.size(), "blockflow: one capacity per lent region");
@@ -152,22 +150,15 @@ bool forget(int64_t ptr) {
 
 int64_t held_count() { return n_held.load(std::memory_order_relaxed); }
 
-int64_t regions_known() {
-  std::lock_guard<std::mutex> g(mu);
-  return static_cast<int64_t>(regions.size());
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "BlockFlow: lend TensorMQ slots to the CPU allocator (Note [Outputs made in a slot])";
   m.def("install", &install, "wrap PyTorch's CPU allocator (once per process)");
-  m.def("installed", &installed);
   m.def("arm", &arm, "for this thread: an allocation of exactly `size` bytes may take one of these regions",
         py::arg("ptrs"), py::arg("capacities"), py::arg("size"));
   m.def("disarm", &disarm, "end the lend; how many allocations were given a region since arm()");
   m.def("held", &held, "whether a storage holds region `ptr`");
   m.def("forget", &forget, "drop region `ptr` (its mapping goes); False while a storage holds it");
   m.def("held_count", &held_count, "how many regions storages hold now (0: every lent slot is free of them)");
-  m.def("regions_known", &regions_known);
 }
