@@ -131,6 +131,15 @@ class Dispatcher(ChildProcess):
 
     def init_process(self) -> None:
         spec = self.spec
+        # Note [The dispatcher copies on one thread]: the dispatcher's only tensor work is copying
+        # a client's bytes into a slot (and a result out). With PyTorch's default of one thread
+        # per core, a copy of more than a few hundred KB is split over an OpenMP team: the
+        # dispatcher wakes a worker for a fraction of a millisecond of work, and the worker then
+        # spins for milliseconds, on the core the block it has just sent to needs. Measured on
+        # the 2-core VM (strace, one fused ResNet50 block): the forward to the block waited
+        # 4.6 ms for a core after the worker woke, and the worker burnt ~6 ms of CPU a request.
+        import torch
+        torch.set_num_threads(1)
         self.ctx = zmq.Context()
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.linger = 0
@@ -447,8 +456,9 @@ class Dispatcher(ChildProcess):
 
     # -- control (ChildProcess answers "ping" and "stop" too) ---------------------------------
     def cmd_ping(self, args: dict) -> dict:
+        import torch
         return {**super().cmd_ping(args), "outstanding": len(self.outstanding), "pending": len(self.pending),
-                **self.stats}
+                "torch_threads": torch.get_num_threads(), **self.stats}
 
     def cmd_tasks(self, args: dict) -> dict:
         tasks = args.get("tasks")

@@ -247,3 +247,13 @@ def test_ping_reports_a_block_stuck_in_its_model(spin_repo):
             p.stop()
         with pytest.raises(Exception):
             fut.result(10)
+
+
+def test_the_dispatcher_copies_on_one_thread(pipeline):
+    """Note [The dispatcher copies on one thread]: a client's tensor of several MB is copied into
+    a slot by the dispatcher's own thread, whatever the number of cores; no OpenMP team is woken
+    (its workers would spin on the cores the blocks need)."""
+    x = torch.randn(4, 3, 224, 224, generator=torch.Generator().manual_seed(5))  # 2.4 MB
+    with Client(pipeline.address, timeout=60) as c:
+        c.infer("classify", x)
+    assert pipeline.command(DISPATCHER, "ping")["torch_threads"] == 1
