@@ -13,8 +13,11 @@ Every series is measured with one synchronous client at batch 1, interleaved wit
 in this process with the same one thread (request i through the server, then inference i of the
 monolithic model), so both see the same machine state. Reported per series: p50/p99 of the round
 trip, the ratio of medians to the interleaved monolithic model (goals: one fused <= 1.05x, two
-fused <= 1.15x, five blocks <= 1.20x), and each block process's RSS and USS after the run: the
-measured fused processes the memory model (``experiments/memory_model.py``) can use.
+fused <= 1.15x, five blocks <= 1.20x), where the round trip's time went (the blocks' inference
+from their hop records, against the monolithic model; the rest, and of it the way in from the
+client's send to the first block and the way out from the last block to the client), and each
+block process's RSS and USS after the run: the measured fused processes the memory model
+(``experiments/memory_model.py``) can use.
 """
 import os
 import time
@@ -51,24 +54,34 @@ def block_memory(pids: dict[str, int]) -> dict:
 
 
 def measure(server, full, x, n: int, quick: bool) -> dict:
+    """Interleaved round trips and monolithic runs, and where a round trip's time goes: the
+    blocks' inference (the sum of the ``inf`` their hop records carry), the way in (the client's
+    send to the first block's ``t_in``) and the way out (the last block's ``t_out`` to the reply
+    in the client's hands), on the one CLOCK_MONOTONIC of the host (Note [Hop timestamps])."""
     import torch
 
     from blockflow.client import Client
-    rtt, mono = [], []
+    rtt, mono, inf, way_in, way_out = [], [], [], [], []
     with Client(server.dispatcher, timeout=120) as c, torch.inference_mode():
         c.infer(common.TASK, x)  # connects sockets, maps slots
         full(x)
         for _ in range(n):
             t0 = time.perf_counter()
-            c.infer(common.TASK, x)
+            r = c.infer_details(common.TASK, x)
             t1 = time.perf_counter()
             full(x)
             t2 = time.perf_counter()
             rtt.append((t1 - t0) * 1e3)
             mono.append((t2 - t1) * 1e3)
-    rtt, mono = common.discard_warmup(rtt, quick), common.discard_warmup(mono, quick)
-    r, m = common.describe(rtt), common.describe(mono)
-    return {"rtt_ms": r, "monolithic_interleaved_ms": m, "ratio_p50": r["p50"] / m["p50"]}
+            inf.append(sum(h["inf"] for h in r.hops))
+            way_in.append((r.hops[0]["t_in"] - t0) * 1e3)
+            way_out.append((t1 - r.hops[-1]["t_out"]) * 1e3)
+    keep = [common.discard_warmup(v, quick) for v in (rtt, mono, inf, way_in, way_out)]
+    r, m, i, w_in, w_out = (common.describe(v) for v in keep)
+    return {"rtt_ms": r, "monolithic_interleaved_ms": m, "ratio_p50": r["p50"] / m["p50"],
+            "inference_ms": i, "inference_ratio_p50": i["p50"] / m["p50"],
+            "rest_ms": common.describe([a - b for a, b in zip(keep[0], keep[2])]),
+            "way_in_ms": w_in, "way_out_ms": w_out}
 
 
 def plot(result: dict, out: str) -> None:
@@ -117,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             row["meets_goal"] = row["ratio_p50"] <= GOALS[label]
             row["block_memory"] = block_memory(server.block_pids())
             result["series"][label] = row
-            common.log.info("%s: p50 %.1f ms, monolithic %.1f ms, ratio %.3f", label, row["rtt_ms"]["p50"],
-                            row["monolithic_interleaved_ms"]["p50"], row["ratio_p50"])
+            common.log.info("%s: p50 %.1f ms, monolithic %.1f ms, ratio %.3f (inference %.3fx, rest %.2f ms)",
+                            label, row["rtt_ms"]["p50"], row["monolithic_interleaved_ms"]["p50"], row["ratio_p50"],
+                            row["inference_ratio_p50"], row["rest_ms"]["p50"])
     common.write_json(out, "fused", result)
     plot(result, out)
     return 0

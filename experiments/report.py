@@ -684,6 +684,32 @@ def batching_text(d: dict) -> str:
     return " ".join(text) or "–"
 
 
+def fused(d: dict) -> str:
+    rows = []
+    for label, s in d["series"].items():
+        mem = [m for m in (s.get("block_memory") or {}).values() if m]
+        rows.append([label, _f(s["rtt_ms"]["p50"]), _f(s["monolithic_interleaved_ms"]["p50"]),
+                     f"{s['ratio_p50']:.3f}x", f"≤ {s['goal_ratio']:.2f}x",
+                     _f(s["inference_ms"]["p50"]), f"{s['inference_ratio_p50']:.3f}x", _f(s["rest_ms"]["p50"]),
+                     _f(s["way_in_ms"]["p50"]), _f(s["way_out_ms"]["p50"]),
+                     _f(sum(m["rss_mb"] for m in mem), 0), _f(sum(m["uss_mb"] for m in mem), 0)])
+    return _table(["deployment", "round trip p50 ms", "monolithic p50 ms (interleaved)", "ratio", "goal",
+                   "blocks' inference p50 ms", "inference / monolithic", "rest p50 ms", "way in p50 ms",
+                   "way out p50 ms", "RSS MB (blocks)", "USS MB (blocks)"], rows)
+
+
+def fused_text(d: dict) -> str:
+    parts = []
+    for label, s in d["series"].items():
+        parts.append(f"{label} {s['ratio_p50']:.3f}x ({'met' if s['meets_goal'] else 'not met'} against "
+                     f"≤ {s['goal_ratio']:.2f}x), of which inference {s['inference_ratio_p50']:.3f}x and the rest "
+                     f"{_f(s['rest_ms']['p50'])} ms ({_f(s['rest_ms']['p50'] / s['monolithic_interleaved_ms']['p50'] * 100, 1)}% "
+                     f"of the monolithic model's p50; p99 {_f(s['rest_ms']['p99'])} ms)")
+    return ("Round trip p50 / monolithic p50, interleaved: " + "; ".join(parts) + ". The rest is everything "
+            "that is not a block's model: the client's send and the dispatcher's copy on the way in, every hop "
+            "between blocks, and the result's way back.")
+
+
 def skipped(d: dict) -> str:
     return f"Not run here: {d.get('reason', 'skipped')}"
 
@@ -691,12 +717,13 @@ def skipped(d: dict) -> str:
 SECTIONS = [("offline_blocks", offline_blocks), ("rtt", rtt), ("pipeline_latency", pipeline_latency),
             ("hop_overhead", hop_overhead), ("batch_scaling", batch_scaling), ("multiclient", multiclient),
             ("throughput", throughput), ("utilization", utilization), ("energy", energy),
-            ("memory_model", memory_model), ("multi_gpu", multi_gpu), ("batching", batching)]
+            ("memory_model", memory_model), ("multi_gpu", multi_gpu), ("batching", batching), ("fused", fused)]
 #: The sentences with numbers in them, per experiment (between ``<!-- text:NAME -->`` markers).
 TEXTS = {"offline_blocks": offline_blocks_text, "rtt": rtt_text, "pipeline_latency": pipeline_latency_text,
          "hop_overhead": hop_overhead_text, "batch_scaling": batch_scaling_text, "multiclient": multiclient_text,
          "throughput": throughput_text, "utilization": utilization_text, "memory_model": memory_model_text,
-         "multi_gpu": multi_gpu_text, "batching": batching_text}
+         "multi_gpu": multi_gpu_text, "batching": batching_text,
+         "fused": fused_text}
 
 
 def _safe(fn, d: dict, name: str) -> str:
