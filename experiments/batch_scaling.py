@@ -2,7 +2,8 @@
 
 The 4-block ResNet50 (+head) pipeline served by ``blockflow serve``, one synchronous client,
 batch sizes 1, 2, 4, 8, 16 and 32, over ``zeromq`` and ``tensormq``. For every batch size the
-client sends requests (after one untimed request that sizes the buffers); reported are the
+client sends requests (after two untimed requests that size the slots and buffers, whose
+round trips and overheads are reported apart: the cost of a new batch size); reported are the
 round trip, the pipeline inference sum_b m_b and the pipeline overhead sum_b o_b of eq. 4.1
 (deser + dev + share + fwd per block, from the blocks' KPI logs; the queue wait apart), and as a
 reference full.pt run in this process on the same batch with the same torch threads. The thesis's argument is that ZeroMQ's overhead grows with the batch
@@ -13,7 +14,7 @@ On this CPU a batch of 32 takes seconds, so by default every (series, batch size
 thesis gives no count; the whole run fits in 2 minutes on a 2-core machine); --n N sends
 exactly N per batch size instead; --quick sends 2 per batch size for batches 1, 4, 16. The
 first min(250, N/4) samples of every batch size are dropped as warm-up (min(5, N/4) in
---quick), on top of the untimed first request.
+--quick), on top of the untimed sizing requests.
 
     python -m experiments.batch_scaling [--quick] [--n N | --budget S] [--batches 1,2,4,8,16,32] [--threads T]
 """
@@ -35,6 +36,8 @@ BATCHES = (1, 2, 4, 8, 16, 32)
 QUICK_BATCHES = (1, 4, 16)
 #: Default sample count: as many as fit in BUDGET_S seconds per (series, batch), within these bounds.
 BUDGET_S, MIN_SAMPLES, MAX_SAMPLES = 3.0, 2, 300
+#: untimed requests per batch size before the samples: they size the slots (reported apart)
+SIZING_REQUESTS = 2
 
 
 def count_for(n: int | None, budget: float):
@@ -52,13 +55,17 @@ def measure_transport(server, transport: str, batches, more, threads: int, devic
     with Client(server.dispatcher, timeout=600) as c, common.Progress(len(batches), label) as bar:
         for b in batches:
             x = common.input_tensor(b, seed=b)
-            pipeline_sample(c, x, timeout=600)  # untimed: sizes the slots and buffers for this batch
+            sizing_since = time.time()
+            # untimed: a new size's first output is copied into a slot grown for it (its size is
+            # learnt from it); the second is made in slots grown for it (Note [Outputs made in a
+            # slot]); from the third on the pipeline is in its steady state for this batch size
+            sizing = [pipeline_sample(c, x, timeout=600) for _ in range(SIZING_REQUESTS)]
             since, t0 = time.time(), time.monotonic()
             recs = []
             while more(len(recs), time.monotonic() - t0):
                 recs.append(pipeline_sample(c, x, timeout=600))
             kpi = kpi_requests(server, since, time.time())
-            out[b] = (recs, kpi)
+            out[b] = (recs, kpi, sizing, kpi_requests(server, sizing_since, since))
             bar.update()
     return out
 
@@ -137,7 +144,7 @@ def main(argv=None) -> int:
                 f"{args.budget:g} s per series and batch size, {MIN_SAMPLES}-{MAX_SAMPLES} samples",
                 "batches": batches, "transports": transports, "threads": args.threads, "device": device,
                 "warmup_rule": "first min(250, N/4) samples of every batch size dropped",
-                "untimed_first_request_per_batch": 1, "client": "1 synchronous client",
+                "untimed_sizing_requests_per_batch": SIZING_REQUESTS, "client": "1 synchronous client",
                 "overhead": "eq. 4.1: sum_b deser + dev + share + fwd (KPI logs)", "quick": args.quick}
     env = common.env_info(settings)
     _, full = load_models(repo, device, args.threads)
@@ -156,7 +163,7 @@ def main(argv=None) -> int:
         csv_rows += [["monolithic", b, i, int(i >= warm), v, v, "", ""] for i, v in enumerate(mono[b])]
     for t in transports:
         for b in batches:
-            recs, kpi = raw[t][b]
+            recs, kpi, sizing, sizing_kpi = raw[t][b]
             warm = common.warmup_count(len(recs), args.quick)
             kept, sums = recs[warm:], [eq41(r) for r in kpi[common.warmup_count(len(kpi), args.quick):]]
             rows.append({"series": t, "batch": b, "n": len(recs), "dropped": warm,
@@ -164,7 +171,10 @@ def main(argv=None) -> int:
                          "inference_ms": common.describe([s["inf"] for s in sums]),
                          "overhead_ms": common.describe([s["overhead"] for s in sums]),
                          "wait_ms": common.describe([s["wait"] for s in sums]),
-                         "tensor_mb_block1_out": b * 256 * 56 * 56 * 4 / 2**20})
+                         "tensor_mb_block1_out": b * 256 * 56 * 56 * 4 / 2**20,
+                         # the untimed requests that sized the slots, in order
+                         "sizing_rtt_ms": [r["rtt"] for r in sizing],
+                         "sizing_overhead_ms": [eq41(r)["overhead"] for r in sizing_kpi]})
             csv_rows += [[t, b, i, int(i >= warm), r["rtt"], "", "", ""] for i, r in enumerate(recs)]
             csv_rows += [[f"{t}.kpi", b, i, "", "", s["inf"], s["overhead"], s["wait"]] for i, s in enumerate(sums)]
     common.write_json(args.out, NAME, {"env": env, "settings": settings, "rows": rows})

@@ -450,7 +450,15 @@ def batch_scaling_text(d: dict) -> str:
             for b in batches if b >= 8 and (t, b) in by and ("monolithic", b) in by]
     if mono:
         text += f", and from batch 8 on the pipeline's from the monolithic model's by {_rng(mono, 0)}%"
-    return text + "." if diffs else text
+    text = text + "." if diffs else text
+    sizing = [(t, by[(t, hi)]["sizing_overhead_ms"]) for t in ("zeromq", "tensormq")
+              if (t, hi) in by and by[(t, hi)].get("sizing_overhead_ms")]
+    if sizing:
+        text += (f" A new batch size costs its first requests more (untimed, before the samples): overhead Σo_b "
+                 f"of the first {len(sizing[0][1])} requests at batch {hi}: "
+                 + "; ".join(f"{t} " + ", ".join(_f(v) for v in vals) + " ms" for t, vals in sizing)
+                 + " (TensorMQ grows the slots of the new size: files of shared memory allocated whole).")
+    return text
 
 
 # -- multiclient (Fig 4.11) -----------------------------------------------------------------
