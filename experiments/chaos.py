@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -178,6 +179,7 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
         batched = _batch_sizes(url, final) if batching else {}
     finally:
         code = stop_server(proc)
+        shutil.rmtree(state_dir, ignore_errors=True)  # its KPI logs were read above
     rec = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]
     report = {"seed": seed, "duration_s": duration, "rate": rate, "batching": batching, **counts,
               "errors_total": sum(counts["errors"].values()), "faults": faults,

@@ -90,6 +90,14 @@ def _shm_entries() -> set[str]:
         return set()
 
 
+#: Temporary directories BlockFlow's experiments and servers make (bf-chaos-, bf-hop-, bfx-, ...).
+_TMP_PREFIXES = ("bf-", "bfx-")
+
+
+def _tmp_entries() -> set[str]:
+    return {e for e in os.listdir(tempfile.gettempdir()) if e.startswith(_TMP_PREFIXES)}
+
+
 def _foreign(entry: str) -> bool:
     """A slot directory whose owner record names a live server that is not ours: another test
     run's or experiment's on the same machine. The leak check neither counts nor removes it."""
@@ -104,8 +112,9 @@ def _foreign(entry: str) -> bool:
 
 @pytest.fixture
 def leak_check():
-    """Fail a test that leaves a child process, a slot directory or a socket behind."""
-    before_shm = _shm_entries()
+    """Fail a test that leaves a child process, a slot directory, a socket or a server's state
+    directory behind."""
+    before_shm, before_tmp = _shm_entries(), _tmp_entries()
     me = psutil.Process()
     before_children = {p.pid for p in me.children(recursive=True)}
     yield
@@ -115,7 +124,7 @@ def leak_check():
                  and p.status() != psutil.STATUS_ZOMBIE]
         left_shm = _shm_entries() - before_shm
         if not extra and not left_shm:
-            return
+            break
         time.sleep(0.1)
     for p in extra:
         p.kill()
@@ -123,6 +132,10 @@ def leak_check():
         shutil.rmtree(os.path.join("/dev/shm", e), ignore_errors=True)
     assert not extra, f"child processes left behind: {[(p.pid, p.cmdline()[:4]) for p in extra]}"
     assert not left_shm, f"shared-memory directories left behind: {left_shm}"
+    left_tmp = _tmp_entries() - before_tmp
+    for e in left_tmp:
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), e), ignore_errors=True)
+    assert not left_tmp, f"state directories left behind in {tempfile.gettempdir()}: {sorted(left_tmp)}"
 
 
 @pytest.fixture
