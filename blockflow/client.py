@@ -197,8 +197,8 @@ class Client:
             return
         fut.set_result(Result(tensor, header.get("hops"), header.get("ms")) if fut.details else tensor)
 
-    def _expire(self) -> None:
-        now = time.monotonic()
+    def _expire(self, now: float) -> None:
+        """Fail the calls whose deadline is before ``now`` (their messages have left the send queue)."""
         with self._lock:
             late = [rid for rid, (_, deadline) in self._waiting.items() if deadline < now]
             expired = [self._waiting.pop(rid)[0] for rid in late]

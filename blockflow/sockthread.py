@@ -42,10 +42,11 @@ class QueueFull(RuntimeError):
 
 class SocketThread:
     """Owns ``sock`` from ``start()`` on; ``on_message`` runs on the owner thread for every
-    message received, ``on_tick`` after every poll (at least every ``poll_ms``)."""
+    message received, ``on_tick(now)`` after every poll (at least every ``poll_ms``), once the
+    messages whose deadline is before ``now`` (time.monotonic()) have left the queue."""
 
     def __init__(self, sock: zmq.Socket, name: str, on_message: Callable[[list], None],
-                 on_tick: Callable[[], None] | None = None, max_queued: int = 1000, poll_ms: int = 20,
+                 on_tick: Callable[[float], None] | None = None, max_queued: int = 1000, poll_ms: int = 20,
                  copy_threshold: int = 64 * 1024):
         self.sock, self.name = sock, name
         self.on_message, self.on_tick = on_message, on_tick
@@ -109,9 +110,12 @@ class SocketThread:
                 for sock, handler in self._watched:
                     if sock in events:
                         handler()
-                self._drop_expired()
+                # one instant for both: a caller whose wait expires at this tick (on_tick) never
+                # finds its message still queued
+                now = time.monotonic()
+                self._drop_expired(now)
                 if self.on_tick is not None:
-                    self.on_tick()
+                    self.on_tick(now)
         except zmq.ContextTerminated:
             pass
         finally:
@@ -147,11 +151,10 @@ class SocketThread:
             except Exception:  # one bad message must not end the thread that serves all the others
                 log.exception("%s: a received message could not be handled", self.name)
 
-    def _drop_expired(self) -> None:
+    def _drop_expired(self, now: float) -> None:
         """Messages whose deadline passed while the socket refused them go, wherever they are queued."""
         if not self._queue:
             return
-        now = time.monotonic()
         with self._lock:  # senders append concurrently: iterate under the lock
             keep = [item for item in self._queue if item[1] is None or item[1] >= now]
             if len(keep) != len(self._queue):
