@@ -35,6 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
@@ -138,7 +139,6 @@ class Dispatcher(ChildProcess):
         # spins for milliseconds, on the core the block it has just sent to needs. Measured on
         # the 2-core VM (strace, one fused ResNet50 block): the forward to the block waited
         # 4.6 ms for a core after the worker woke, and the worker burnt ~6 ms of CPU a request.
-        import torch
         torch.set_num_threads(1)
         self.ctx = zmq.Context()
         self.front = self.ctx.socket(zmq.ROUTER)
@@ -456,7 +456,6 @@ class Dispatcher(ChildProcess):
 
     # -- control (ChildProcess answers "ping" and "stop" too) ---------------------------------
     def cmd_ping(self, args: dict) -> dict:
-        import torch
         return {**super().cmd_ping(args), "outstanding": len(self.outstanding), "pending": len(self.pending),
                 "torch_threads": torch.get_num_threads(), **self.stats}
 

@@ -324,13 +324,20 @@ class SlotPool:
                             len(fresh), self.window - len(slots), cap >> 10, edge)
             slots.extend(fresh)
             return fresh[0]
-        if small is not None:  # every free slot is too small: grow one (a new file, so old handles stay invalid)
-            slots.remove(small)
-            small.close()  # first: its memory may be what the larger one needs
-            slot = self._new_slot(round_capacity(nbytes))
-            slots.append(slot)
-            return slot
+        if small is not None:  # every free slot is too small: grow one
+            return self._grow(slots, small, nbytes)
         return None
+
+    def _grow(self, slots: list[Slot], small: Slot, nbytes: int) -> Slot:
+        """Replace the free slot ``small`` of an edge's ``slots`` by one that holds ``nbytes``:
+        a new file under a new name, so handles of the old one stay invalid. The old one is
+        closed first, since its memory may be what the new one needs; ShmExhausted leaves the
+        edge one slot short (the window refills on a later acquire)."""
+        slots.remove(small)
+        small.close()
+        slot = self._new_slot(round_capacity(nbytes))
+        slots.append(slot)
+        return slot
 
     def _retire_held(self, slots: list[Slot]) -> None:
         """Retire the free slots whose memory a storage still holds: the model kept its output
@@ -363,14 +370,11 @@ class SlotPool:
             # grow (a new file each, whose pages the model then faults in), not every slot in turn
             free.sort(key=lambda s: s.capacity < nbytes)
             for s in free[:count - 1]:
-                if s.capacity < nbytes:  # a larger tensor than before: grow this one too (new name)
-                    slots.remove(s)
-                    s.close()
+                if s.capacity < nbytes:  # a larger tensor than before: grow this one too
                     try:
-                        s = self._new_slot(round_capacity(nbytes))
+                        s = self._grow(slots, s, nbytes)
                     except ShmExhausted:
                         break  # the send after the model reports it if even one slot is missing
-                    slots.append(s)
                 s.lent = True
                 lent.append(s)
         return lent
