@@ -39,14 +39,14 @@ def _read(name: str, default, parse, meaning: str, shown: str = ""):
                          f"{getattr(parse, '__name__', 'value')}; unset it or give e.g. {default!r}") from None
 
 
-def _positive_int(raw: str) -> int:
+def _non_negative_int(raw: str) -> int:
     v = int(raw)
     if v < 0:
         raise ValueError(raw)
     return v
 
 
-_positive_int.__name__ = "non-negative integer"
+_non_negative_int.__name__ = "non-negative integer"
 
 
 def _seconds(raw: str) -> float:
@@ -70,11 +70,11 @@ def _flag(raw: str) -> bool:
 _flag.__name__ = "flag (1 or 0)"
 
 # -- data plane ---------------------------------------------------------------------------------
-MAX_TENSOR_BYTES: int = _read("BLOCKFLOW_MAX_TENSOR_BYTES", 1 << 30, _positive_int,
+MAX_TENSOR_BYTES: int = _read("BLOCKFLOW_MAX_TENSOR_BYTES", 1 << 30, _non_negative_int,
                               "largest tensor accepted on any socket, in bytes", "1 GiB")
-MAX_HEADER_BYTES: int = _read("BLOCKFLOW_MAX_HEADER_BYTES", 64 * 1024, _positive_int,
+MAX_HEADER_BYTES: int = _read("BLOCKFLOW_MAX_HEADER_BYTES", 64 * 1024, _non_negative_int,
                               "largest message header, in bytes", "64 KiB")
-WINDOW: int = _read("BLOCKFLOW_WINDOW", 8, _positive_int,
+WINDOW: int = _read("BLOCKFLOW_WINDOW", 8, _non_negative_int,
                     "TensorMQ slots in flight per edge (back-pressure); also `serve --window`")
 SHM_DIR: str = _read("BLOCKFLOW_SHM_DIR", "/dev/shm", str,
                      "tmpfs directory that holds the TensorMQ slots (a private subdirectory per server); "
@@ -82,9 +82,9 @@ SHM_DIR: str = _read("BLOCKFLOW_SHM_DIR", "/dev/shm", str,
 SEND_TIMEOUT: float = _read("BLOCKFLOW_SEND_TIMEOUT", 10.0, _seconds,
                             "seconds a block waits for a free slot or a full socket before the request fails",
                             "10 s")
-MAX_QUEUE: int = _read("BLOCKFLOW_MAX_QUEUE", 64, _positive_int,
+MAX_QUEUE: int = _read("BLOCKFLOW_MAX_QUEUE", 64, _non_negative_int,
                        "tensors a block queues before answering `overloaded`")
-MAX_PENDING: int = _read("BLOCKFLOW_MAX_PENDING", 1024, _positive_int,
+MAX_PENDING: int = _read("BLOCKFLOW_MAX_PENDING", 1024, _non_negative_int,
                          "requests the dispatcher holds waiting for a slot")
 REQUEST_TIMEOUT: float = _read("BLOCKFLOW_REQUEST_TIMEOUT", 30.0, _seconds,
                                "time a request may spend inside the pipeline", "30 s")
@@ -101,7 +101,7 @@ PING_INTERVAL: float = _read("BLOCKFLOW_PING_INTERVAL", 0.25, _seconds,
 # model does not need this timeout: the ping's busy_s catches it (max_inference_s).
 HANG_TIMEOUT: float = _read("BLOCKFLOW_HANG_TIMEOUT", 3.0, _seconds,
                             "silence after which a process is considered hung and killed", "3 s")
-MAX_RESTARTS: int = _read("BLOCKFLOW_MAX_RESTARTS", 5, _positive_int,
+MAX_RESTARTS: int = _read("BLOCKFLOW_MAX_RESTARTS", 5, _non_negative_int,
                           "respawns of a crash-looping process before it is marked failed")
 RESTART_WINDOW: float = _read("BLOCKFLOW_RESTART_WINDOW", 10.0, _seconds,
                               "a process that ran this long before dying starts a fresh restart budget", "10 s")
@@ -109,11 +109,11 @@ DRAIN_TIMEOUT: float = _read("BLOCKFLOW_DRAIN_TIMEOUT", 10.0, _seconds,
                              "time a removed block has to finish its queued requests", "10 s")
 
 # -- limits of an update --------------------------------------------------------------------------
-MAX_BLOCKS: int = _read("BLOCKFLOW_MAX_BLOCKS", 64, _positive_int, "blocks in one system update")
-MAX_TASKS: int = _read("BLOCKFLOW_MAX_TASKS", 256, _positive_int, "tasks in one system update")
+MAX_BLOCKS: int = _read("BLOCKFLOW_MAX_BLOCKS", 64, _non_negative_int, "blocks in one system update")
+MAX_TASKS: int = _read("BLOCKFLOW_MAX_TASKS", 256, _non_negative_int, "tasks in one system update")
 
 # -- block processes ------------------------------------------------------------------------------
-MALLOC_TRIM: int = _read("BLOCKFLOW_MALLOC_TRIM", 256 << 20, _positive_int,
+MALLOC_TRIM: int = _read("BLOCKFLOW_MALLOC_TRIM", 256 << 20, _non_negative_int,
                          "freed heap memory a block process keeps instead of returning it to the kernel "
                          "(glibc M_TRIM_THRESHOLD, bytes): with glibc's default a ResNet50 block page-faults its "
                          "activations back in on every request; 0 keeps glibc's default", "256 MiB")
@@ -129,7 +129,7 @@ EXT_DIR: str = _read("BLOCKFLOW_EXT_DIR", os.path.join(sys.prefix, "lib", "block
 # -- observability --------------------------------------------------------------------------------
 MONITOR_INTERVAL: float = _read("BLOCKFLOW_MONITOR_INTERVAL", 0.25, _seconds,
                                 "period of the per-block resource sampler (psutil, pynvml)", "0.25 s")
-KPI_FLUSH_EVERY: int = _read("BLOCKFLOW_KPI_FLUSH_EVERY", 2000, _positive_int,
+KPI_FLUSH_EVERY: int = _read("BLOCKFLOW_KPI_FLUSH_EVERY", 2000, _non_negative_int,
                              "KPI records a block buffers before writing them out")
 KPI_FLUSH_INTERVAL: float = _read("BLOCKFLOW_KPI_FLUSH_INTERVAL", 1.0, _seconds,
                                   "longest time a KPI record stays in a block's memory before it is written "

@@ -207,3 +207,18 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def reap(procs, pids) -> None:
+    """A test's last resort after a failure: kill the process tree of every ``procs`` entry
+    (subprocess.Popen) still running, then every pid of ``pids`` not gone yet."""
+    for p in procs:
+        if p.poll() is None:
+            kill_tree(p.pid)
+            p.wait(10)
+    for pid in pids:
+        if not gone(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it went between the look and the kill
+                pass

@@ -29,7 +29,7 @@ from blockflow.manager.state import OWNER_SUFFIX, StateDir, UnsafePath, process_
 from blockflow.restclient import RestError
 
 from blockflow.demo import wait_ready_file
-from conftest import gone, kill_tree, wait_for
+from conftest import gone, kill_tree, reap, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IPC = {"blocks": [{"name": "a", "model": "toy/identity.pt"}, {"name": "d", "model": "toy/double.pt"}],
@@ -341,13 +341,7 @@ def test_restarted_server_reapplies_the_last_update(identity_repo, short_tmp, le
             assert e.value.code == "unknown_task"
         assert stop_server(proc) == 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_tree(p.pid)
-                p.wait(10)
-        for pid in all_pids:
-            if not gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        reap(procs, all_pids)
 
 
 def test_deleted_blocks_are_not_brought_back(server_factory, identity_repo):

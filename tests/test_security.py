@@ -30,7 +30,7 @@ from blockflow.tensormq.shm import SlotMapper
 from blockflow.tensormq.wire import TensorDesc
 
 from blockflow.demo import wait_ready_file
-from conftest import gone, kill_tree, wait_for
+from conftest import gone, reap, wait_for
 
 TOY = {"a": "toy/identity.pt", "d": "toy/double.pt"}
 SIMPLE = {"blocks": [{"name": "a", "model": "toy/identity.pt", "protocol": "tcp"},
@@ -313,16 +313,7 @@ def test_kill_9_leftovers_are_removed_by_the_next_serve(identity_repo, short_tmp
         assert stop_server(proc) == 0
         assert os.listdir(state.sock) == [] and not os.path.exists(state.shm)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_tree(p.pid)
-                p.wait(10)
-        for pid in all_pids:
-            if not gone(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        reap(procs, all_pids)
         import shutil
         shutil.rmtree(state.shm, ignore_errors=True)
 
