@@ -124,5 +124,5 @@ def test_v2_resnet18_metadata_and_result(server_factory, model_repo):
     full = load_block(model_repo, "resnet18/full.pt")
     with torch.inference_mode():
         want = full(x)
-    torch.testing.assert_close(torch.from_numpy(y), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(y.copy()), want, rtol=1e-4, atol=1e-4)
     c.close()
