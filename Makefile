@@ -66,7 +66,7 @@ gpu-check:
 # On a machine with network, before carrying the checkout (and .whl/) to the GPU machine.
 # (.gitignore already ignores .whl/; the script's own .git/info/exclude edit fails in a worktree.)
 gpu-wheels:
-	sed '/info\/exclude/d' $(SHARED)/gpu/wheelhouse.sh | bash -s -- pytest matplotlib
+	sed '/info\/exclude/d' $(SHARED)/gpu/wheelhouse.sh | bash -s -- pytest matplotlib msgspec prometheus_client tqdm
 
 # After a green `make test`: pin what was installed (blockflow itself left out).
 constraints: $(STAMP)

@@ -7,7 +7,9 @@
 #
 # Every step runs under its own time limit (STEP_LIMIT, 570 s: below the 10 minutes a command may
 # take on a lent machine), so one long step cannot eat the others' time; run a few steps per
-# command with STEPS="tests-ipc hop_overhead". Results and one log per step go to
+# command with STEPS="tests-ipc hop_overhead". Steps run in order of what matters most (the
+# tests of the CUDA path, then the hop and pipeline goals) and are sized so that all but
+# utilization, multi_gpu and report fit one 8-minute command on one H100/H200. Results and one log per step go to
 # experiments/results/<machine label>/ (label from experiments/common.py, e.g.
 # x86_64-16cpu-nvidia-h100-80gb-hbm3) and, where $OUT is set (the lent machine's output folder),
 # are copied to $OUT/results/<label>/ as well. Exit status: 0 when every step passed, 1 when one
@@ -18,7 +20,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 STEP_LIMIT=${STEP_LIMIT:-570}
 SITE=${GPU_SITE:-/tmp/blockflow-site}
-ALL_STEPS="tests-ipc tests-manager tests-pipeline pipeline_latency hop_overhead batch_scaling throughput utilization energy memory_model multi_gpu report"
+ALL_STEPS="tests-ipc hop_overhead pipeline_latency tests-manager tests-pipeline throughput energy memory_model batch_scaling utilization multi_gpu report"
 STEPS=${*:-$ALL_STEPS}
 
 die() { echo "gpu-check: $*" >&2; exit 2; }
@@ -53,8 +55,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     >/dev/null 2>&1 || die "could not install the wheels in .whl/ into $SITE"
 fi
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c 'import zmq, cherrypy, pytest, blockflow.tensormq.cuda_ipc, blockflow.blocks.process' 2>/dev/null \
-  || die "pyzmq, CherryPy or pytest is missing: run 'make gpu-wheels' on a machine with network and carry .whl/"
+"$PY" -c 'import zmq, cherrypy, pytest, msgspec, prometheus_client, tqdm, blockflow.tensormq.cuda_ipc, blockflow.blocks.process' 2>/dev/null \
+  || die "pyzmq, CherryPy, pytest, msgspec, prometheus_client or tqdm is missing: run 'make gpu-wheels' on a machine with network and carry .whl/"
 
 LABEL=$("$PY" -c 'from experiments.common import machine_label; print(machine_label())') || die "experiments/common.py failed"
 RES=experiments/results/$LABEL
@@ -116,18 +118,18 @@ for step in $STEPS; do
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
         --junitxml="$LOGS/$step.xml" tests/test_dataplane.py ;;
     pipeline_latency)  # 4-block ResNet50 vs monolithic; eq. 4.1 components per transport
-      run_step "$step" "$PY" -m experiments.pipeline_latency --device cuda --duration 30 "${OUTARG[@]}" ;;
+      run_step "$step" "$PY" -m experiments.pipeline_latency --device cuda --n 400 "${OUTARG[@]}" ;;
     hop_overhead)  # goal: a handle-forwarding hop <= 0.10 ms median
-      run_step "$step" "$PY" -m experiments.hop_overhead --device cuda:0 --n 300 "${OUTARG[@]}" ;;
+      run_step "$step" "$PY" -m experiments.hop_overhead --device cuda:0 --budget 1 --batches 1,32 "${OUTARG[@]}" ;;
     batch_scaling)
-      run_step "$step" "$PY" -m experiments.batch_scaling --device cuda --n 200 "${OUTARG[@]}" ;;
+      run_step "$step" "$PY" -m experiments.batch_scaling --device cuda --n 20 "${OUTARG[@]}" ;;
     throughput)  # offered rates up to saturation of one GPU at batch 1
-      run_step "$step" "$PY" -m experiments.throughput --device cuda --duration 12 \
-        --rates 50,100,200,300,400,600,800 "${OUTARG[@]}" ;;
+      run_step "$step" "$PY" -m experiments.throughput --device cuda --duration 6 \
+        --rates 100,200,400,800 "${OUTARG[@]}" ;;
     utilization)
-      run_step "$step" "$PY" -m experiments.utilization --device cuda --duration 60 "${OUTARG[@]}" ;;
+      run_step "$step" "$PY" -m experiments.utilization --device cuda --duration 20 "${OUTARG[@]}" ;;
     energy)  # mJ per inference from NVML's energy counter
-      run_step "$step" "$PY" -m experiments.energy --batches 1,4,16,32 --n 200 "${OUTARG[@]}" ;;
+      run_step "$step" "$PY" -m experiments.energy --batches 1,4,16,32 --n 100 "${OUTARG[@]}" ;;
     memory_model)  # RSS and VRAM per block process (thesis Fig. 4.14), the memory model
       run_step "$step" "$PY" -m experiments.memory_model --device cuda "${OUTARG[@]}" ;;
     multi_gpu)  # needs two GPUs; with one it records the skip and exits 0
