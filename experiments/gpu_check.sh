@@ -12,7 +12,7 @@
 # utilization, multi_gpu and report fit one 8-minute command on one H100/H200. Results and one log per step go to
 # experiments/results/<machine label>/ (label from experiments/common.py, e.g.
 # x86_64-16cpu-nvidia-h100-80gb-hbm3) and, where $OUT is set (the lent machine's output folder),
-# are copied to $OUT/results/<label>/ as well. Exit status: 0 when every step passed, 1 when one
+# into the archive $OUT/gpu_results.tgz as well. Exit status: 0 when every step passed, 1 when one
 # failed or timed out (named at the end), 2 when this machine cannot run them (one line says why).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 STEP_LIMIT=${STEP_LIMIT:-570}
 SITE=${GPU_SITE:-/tmp/blockflow-site}
-ALL_STEPS="tests-ipc hop_overhead pipeline_latency tests-manager tests-pipeline throughput energy memory_model batch_scaling utilization multi_gpu report"
+ALL_STEPS="tests-ipc tests-manager tests-pipeline hop_overhead pipeline_latency throughput energy memory_model batch_scaling utilization multi_gpu report"
 STEPS=${*:-$ALL_STEPS}
 
 die() { echo "gpu-check: $*" >&2; exit 2; }
@@ -76,9 +76,12 @@ info = {"torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.b
 json.dump(info, open(sys.argv[1], "w"), indent=1)
 EOF
 
+# A lent machine returns few files from $OUT, none deeper than two folders: one archive of the
+# results and logs, rewritten after every step, so a command cut off at its limit still returns
+# every step that ended.
 mirror() {
   if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
-    mkdir -p "$OUT/results" && cp -r "$RES" "$OUT/results/"
+    tar czf "$OUT/gpu_results.tgz.part" "$RES" && mv "$OUT/gpu_results.tgz.part" "$OUT/gpu_results.tgz"
   fi
 }
 
@@ -118,7 +121,7 @@ for step in $STEPS; do
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
         --junitxml="$LOGS/$step.xml" tests/test_dataplane.py ;;
     pipeline_latency)  # 4-block ResNet50 vs monolithic; eq. 4.1 components per transport
-      run_step "$step" "$PY" -m experiments.pipeline_latency --device cuda --n 400 "${OUTARG[@]}" ;;
+      run_step "$step" "$PY" -m experiments.pipeline_latency --device cuda --n 300 "${OUTARG[@]}" ;;
     hop_overhead)  # goal: a handle-forwarding hop <= 0.10 ms median
       run_step "$step" "$PY" -m experiments.hop_overhead --device cuda:0 --budget 1 --batches 1,32 "${OUTARG[@]}" ;;
     batch_scaling)

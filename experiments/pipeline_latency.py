@@ -324,6 +324,7 @@ def transport_phase(server, transport: str, threads: int, device: str, full, x: 
     """The client's samples, the blocks' KPI records of the same requests, and the block
     processes' memory after the series."""
     from blockflow.client import Client
+    xm = x.to(device)  # the client sends the host tensor; the in-process model reads it on its device
     server.update(common.pipeline_update(transport, threads=threads, device=device))
     pids = server.block_pids()
     with Client(server.dispatcher, timeout=120) as c:
@@ -333,7 +334,7 @@ def transport_phase(server, transport: str, threads: int, device: str, full, x: 
 
         def step(_):
             rec = pipeline_sample(c, x)
-            rec["mono"] = time_call(lambda: full(x), device)
+            rec["mono"] = time_call(lambda: full(xm), device)
             return rec
         recs = series.run(step, f"pipeline {transport}")
         after = made_in_slot_counts(server)
@@ -381,6 +382,7 @@ def http_split_phase(repo: str, threads: int, x: torch.Tensor, series: Series) -
 
 def http_phase(repo: str, threads: int, full, x: torch.Tensor, device: str, series: Series) -> list[dict]:
     from experiments.servers import HttpTensorClient, spawn
+    xm = x.to(device)
     with spawn("http", "--model", "resnet50/full.pt", "--repo", repo, "--threads", str(threads)) as h:
         client = HttpTensorClient(h["url"])
         try:
@@ -391,7 +393,7 @@ def http_phase(repo: str, threads: int, full, x: torch.Tensor, device: str, seri
                 _, hdr = client.infer(x)
                 rtt = (time.perf_counter() - t0) * 1e3
                 return {"rtt": rtt, "inf": float(hdr.get("X-Inf-Ms", "nan")),
-                        "mono": time_call(lambda: full(x), device)}
+                        "mono": time_call(lambda: full(xm), device)}
             return series.run(step, "http* monolithic")
         finally:
             client.close()
@@ -464,6 +466,7 @@ def variant_phase(repo: str, names: list[str], transport: str, threads: int, dev
     process (as the transport series). Per variant and round: the samples, the blocks' KPI
     records of them, each block's minor page faults per request and its threads."""
     from blockflow.client import Client
+    xm = x.to(device)
     runs: dict = {v: [] for v in names}
     for r in range(rounds):
         k = r % len(names)
@@ -482,7 +485,7 @@ def variant_phase(repo: str, names: list[str], transport: str, threads: int, dev
 
                     def step(_):
                         rec = pipeline_sample(c, x)
-                        rec["mono"] = time_call(lambda: full(x), device)
+                        rec["mono"] = time_call(lambda: full(xm), device)
                         return rec
                     recs = Series(n, None).run(step, f"variant {v} ({r + 1}/{rounds})")
                     faults = {b: (minor_faults(p) - f0[b]) / n for b, p in pids.items()}

@@ -267,7 +267,8 @@ class StateDir:
     def remove_slots_of(self, pid: int) -> int:
         """Unlink the slot files of a process that died without closing its pools.
 
-        Slot files are named ``<owner>.<pid>.<seq>`` (tensormq/shm.py). Consumers that still map
+        Slot files are named ``<owner>.<pid>.<seq>`` (tensormq/shm.py; a GPU pool's ``<seq>`` is
+        ``cuda<N>-<k>``). Consumers that still map
         one keep their mapping; a handle that arrives after this fails with a clear error.
         """
         removed = 0

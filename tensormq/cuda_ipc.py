@@ -89,8 +89,9 @@ CUDA_IPC_HANDLE_SIZE = 64
 #: (expandable segments), makes the consumer fetch file descriptors from the producer's pid:
 #: slots are never allocated that way, and such a handle is refused.
 HANDLE_TYPE_CUDA_MALLOC = ord("c")
-#: Ref-counter files torch creates: "/torch_<pid>_<random>" (CudaIPCTypes.cpp).
-_RC_RE = re.compile(rb"^/torch_[0-9]{1,10}_[0-9]{1,20}$")
+#: Ref-counter files torch creates (CudaIPCTypes.cpp): "/torch_<pid>_<random>", and since torch
+#: 2.11 "/torch_<pid>_<random>_<file number>" (seen on an H200 with torch 2.11.0+cu130).
+_RC_RE = re.compile(rb"^/torch_[0-9]{1,10}_[0-9]{1,20}(?:_[0-9]{1,20})?$")
 #: Counters per ref-counter file (torch::CUDA_IPC_REF_COUNTER_FILE_SIZE).
 RC_FILE_SLOTS = 10000
 #: Largest CUDA slot a record may describe (a slot is a power of two above the tensor limit).
@@ -262,6 +263,7 @@ class CudaSlotPool(SlotPool):
         self.device = torch.device(device)
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"a CUDA slot pool needs a device with an index ('cuda:N'), got {device!r}")
+        self.seq_prefix = f"cuda{self.device.index}-"  # <owner>.<pid>.cuda<N>-<seq>: apart from the host pool's
 
     def _make_slot(self, name: str, capacity: int) -> CudaSlot:
         return CudaSlot(self.directory, name, capacity, self.device)

@@ -285,12 +285,15 @@ class SlotPool:
         #: slots taken off their edge because a storage kept their memory (closed with the pool)
         self.retired: list[Slot] = []
         self._seq = 0
+        #: before the sequence number in a slot's name: one process may own several pools (a
+        #: transport has one for host memory and one per GPU), whose names must never meet
+        self.seq_prefix = ""
         self._closed = False
 
     def _new_slot(self, capacity: int) -> Slot:
         self._seq += 1
         try:
-            return self._make_slot(f"{self.owner}.{os.getpid()}.{self._seq}", capacity)
+            return self._make_slot(f"{self.owner}.{os.getpid()}.{self.seq_prefix}{self._seq}", capacity)
         except ShmExhausted as exc:
             raise ShmExhausted(f"{self.owner}: {exc}; each edge keeps a window of {self.window} slots") from None
 

@@ -121,7 +121,9 @@ def test_forged_cuda_ipc_handles_are_refused_by_length_and_kind():
         with pytest.raises(WireError, match=word):
             check_ipc_handle(bad)
     check_ref_counter(b"/torch_1234_987654321", 9999)
+    check_ref_counter(b"/torch_598_3352458246_0", 0)  # torch 2.11 numbers its counter files
     for name, off in [(b"/dev/shm/blockflow-x/slot", 0), (b"/torch_1_2/../../etc/passwd", 0), (b"torch_1_2", 0),
+                      (b"/torch_1_2_3_4", 0), (b"/torch_1_2_", 0),
                       (b"/torch_1_2", -1), (b"/torch_1_2", 10000), (b"/torch_1_2", True), ("/torch_1_2", 0)]:
         with pytest.raises(WireError):
             check_ref_counter(name, off)
@@ -184,6 +186,28 @@ def test_cuda_mapper_takes_the_handle_from_the_producer_header_and_checks_it(shm
         host.close()
         for s in slots.values():
             s.close()
+
+
+def test_a_host_pool_and_a_gpu_pool_of_one_owner_name_their_slots_apart(shm_dir):
+    """Seen on an H200: a transport's host pool and its GPU pool both named their first slot
+    <owner>.<pid>.1, so the second to fill its window failed with FileExistsError."""
+    from blockflow.tensormq.cuda_ipc import CudaSlotPool
+
+    class HostBackedGpuPool(CudaSlotPool):  # the GPU pool's naming, host memory (no GPU here)
+        def _make_slot(self, name, capacity):
+            return SlotPool._make_slot(self, name, capacity)
+
+    host, gpu = SlotPool(shm_dir, "p", window=2), HostBackedGpuPool(shm_dir, "p", window=2, device="cuda:0")
+    try:
+        host.put("e", torch.ones(4), timeout=1)
+        gpu.put("e", torch.ones(4), timeout=1)
+        names = sorted(os.listdir(shm_dir))
+        pid = os.getpid()
+        assert names == sorted([f"p.{pid}.1", f"p.{pid}.2", f"p.{pid}.cuda0-1", f"p.{pid}.cuda0-2"])
+        assert all(n.rsplit(".", 2)[1] == str(pid) for n in names)  # what the manager's sweep parses
+    finally:
+        host.close()
+        gpu.close()
 
 
 # -- defects 5 and 6: slots come back on every error path ----------------------------------------
