@@ -117,17 +117,18 @@ def command_line() -> str:
 def provenance() -> dict:
     """Which code made a result: ``commit`` (HEAD of the checkout, None outside git),
     ``commit_date``, ``dirty`` (modified tracked files under CODE_DIRS, results excluded; empty
-    when clean), ``created`` (UTC) and the ``command``. Outside git, BLOCKFLOW_SOURCE_COMMIT names
-    the commit of the clean checkout that was copied (recorded with ``commit_from``)."""
-    commit = _git("rev-parse", "HEAD")
-    dirty = []
-    if not commit and os.environ.get("BLOCKFLOW_SOURCE_COMMIT"):
-        # A copy without .git (a lent GPU machine gets the working tree, not the repository): the
-        # one who copied a clean checkout names its commit; dirty cannot be checked there.
+    when clean), ``created`` (UTC) and the ``command``. BLOCKFLOW_SOURCE_COMMIT, where set, names
+    the commit of the clean checkout that was copied here instead (recorded with ``commit_from``)."""
+    if os.environ.get("BLOCKFLOW_SOURCE_COMMIT"):
+        # A copied working tree (a lent GPU machine) may come without .git or with a stale one (seen
+        # on an H200: its .git was the session's first HEAD, its files a later commit): whoever
+        # copied a clean checkout names its commit; dirty cannot be checked there.
         commit = os.environ["BLOCKFLOW_SOURCE_COMMIT"]
         return {"commit": commit, "commit_date": None, "dirty": [], "commit_from": "BLOCKFLOW_SOURCE_COMMIT",
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "command": command_line()}
+    commit = _git("rev-parse", "HEAD")
+    dirty = []
     if commit:
         status = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE_DIRS, strip=False) or ""
         results = os.path.relpath(RESULTS_ROOT, ROOT) + os.sep

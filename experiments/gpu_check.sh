@@ -2,6 +2,9 @@
 # make gpu-check [STEPS="..."]: the CUDA tests and the GPU experiments of issue 13, on an offline
 # GPU machine (Python 3.12 + torch, torchvision, numpy, psutil, nvidia-ml-py; no network).
 #
+# A lent machine gets a copy of the working tree whose .git may lag it (seen on an H200): commit,
+# carry the clean checkout and set BLOCKFLOW_SOURCE_COMMIT=<its commit>, which every result records.
+#
 # Before, on a machine with network:  make gpu-wheels   (fills .whl/: pyzmq, CherryPy, pytest,
 # matplotlib), then carry .whl/ along. See /work/shared/gpu/README.md.
 #
