@@ -4,12 +4,15 @@ A hop's cost is what one more block on the path costs. It is measured inside the
 each block stamps its hop record with ``t_in`` (message taken off its socket) and ``t_out``
 (output encoded, message handed to the next hop's socket), on CLOCK_MONOTONIC, which every
 process on the host shares (Note [Hop timestamps] in blocks/kpilog.py). In a chain of K
-blocks, per request and per hop i = 1..K-1::
+blocks (0..K-1), per request and per hop i = 1..K-2::
 
     hop_i = t_out[i] - t_out[i-1] - inf[i]
 
 i.e. block i-1's send, the transit, block i's receive, queue wait, decode and encode: all it
-costs beyond its own compute. Rows give the median and p99 over every hop of every request
+costs beyond its own compute. Block K-1 is left out: it sends to the dispatcher, the way out
+rather than a hop between blocks (on a GPU a device-to-host copy into a host slot, which an H200
+run showed in the rows of its chain of three when block K-1 was counted); the floor's relays are
+counted the same way. Rows give the median and p99 over every hop of every request
 (``hop_median_ms``, ``hop_p99_ms``); ``hop_transit_ms`` is the median of
 ``t_in[i] - t_out[i-1]`` (send, socket, wake-up). The client's clock plays no part, so the
 client-to-dispatcher transfer, which varies by more than a TensorMQ hop costs on a loaded
@@ -122,7 +125,7 @@ def _in_block(hops_per_request) -> dict:
     list of hop records in path order (``t_in``, ``t_out`` in seconds, ``inf`` in ms)."""
     net, gross, transit = [], [], []
     for hops in hops_per_request:
-        for prev, h in zip(hops, hops[1:]):
+        for prev, h in zip(hops, hops[1:-1]):  # not into the last: its send is the way out
             d = (h["t_out"] - prev["t_out"]) * 1e3
             gross.append(d)
             net.append(d - h.get("inf", 0.0))
@@ -191,7 +194,8 @@ def _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kinds, bud
                     short, long_, results = _sample(lambda: c.infer(f"{kind}-short", x),
                                                     lambda: c.infer_details(f"{kind}-long", x), n, budget, least)
                     made, served = (a - b for a, b in zip(_slot_counts(p, tasks[f"{kind}-long"]), (made0, served0)))
-                    comps = [r.hops[1:] for r in results]  # hops after the first (its wait includes dispatcher ingress)
+                    # the blocks between the first (its wait includes dispatcher ingress) and the last (it sends to the dispatcher)
+                    comps = [r.hops[1:-1] for r in results]
 
                     def comp(key):
                         vals = [h.get(key, 0.0) for hs in comps for h in hs]
@@ -419,7 +423,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, help="seconds of sampling per size once --least samples are in "
                                                  "(default 1.0, quick 0.3)")
     ap.add_argument("--least", type=int, help="fewest samples per size (default 10, quick 5)")
-    ap.add_argument("--chain", type=int, help="blocks in the long chain (default 3, quick 2)")
+    ap.add_argument("--chain", type=int, help="blocks in the long chain (default 4, quick 3; at least 3: the "
+                                              "first and the last block's hops are not counted)")
     ap.add_argument("--transports", default="tensormq,zeromq")
     ap.add_argument("--device", default="cpu", help="where the blocks run: cpu, cuda or cuda:N")
     ap.add_argument("--blocks", default="identity,copy", help="kinds of block: identity, copy (default both)")
@@ -432,9 +437,10 @@ def main(argv=None) -> int:
     n = args.n or (20 if args.quick else 200)
     budget = args.budget if args.budget is not None else (0.3 if args.quick else 1.0)
     least = min(n, args.least or (5 if args.quick else 10))
-    chain = args.chain or (2 if args.quick else 3)
-    if chain < 2:
-        ap.error("--chain must be at least 2 (a hop is measured between two consecutive blocks)")
+    chain = args.chain or (3 if args.quick else 4)  # 4: two hops per request, as many as 3 gave when the last counted
+    if chain < 3:
+        ap.error("--chain must be at least 3 (a hop is measured between two consecutive blocks that both send to a "
+                 "block; the last one sends to the dispatcher)")
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1] if args.quick else [1, 32])
     stages = args.stages.split(",") if args.stages else (["block1", "block4"] if args.quick else list(STAGES))
     kinds = args.blocks.split(",")
