@@ -11,8 +11,12 @@
 # Every step runs under its own time limit (STEP_LIMIT, 570 s: below the 10 minutes a command may
 # take on a lent machine), so one long step cannot eat the others' time; run a few steps per
 # command with STEPS="tests-ipc hop_overhead". Steps run in order of what matters most (the
-# tests of the CUDA path, then the hop and pipeline goals) and are sized so that all but
-# utilization, multi_gpu and report fit one 8-minute command on one H100/H200. Results and one log per step go to
+# tests of the CUDA path, then the hop and pipeline goals). Seen on one H200 (2026-11-26, 16
+# cores): tests-ipc 34 s, tests-manager 36 s, tests-pipeline 22 s, throughput 63 s; hop_overhead
+# and pipeline_latency each took more than 100 s (cut there; about 150 s each is a fair guess),
+# so a 15-minute lease (a start costs about 30 s) fits the tests, hop_overhead, pipeline_latency
+# and throughput in one command, and energy, memory_model and batch_scaling in a second one.
+# Results and one log per step go to
 # experiments/results/<machine label>/ (label from experiments/common.py, e.g.
 # x86_64-16cpu-nvidia-h100-80gb-hbm3) and, where $OUT is set (the lent machine's output folder),
 # into the archive $OUT/gpu_results.tgz as well. Exit status: 0 when every step passed, 1 when one
