@@ -268,8 +268,8 @@ class StateDir:
         """Unlink the slot files of a process that died without closing its pools.
 
         Slot files are named ``<owner>.<pid>.<seq>`` (tensormq/shm.py; a GPU pool's ``<seq>`` is
-        ``cuda<N>-<k>``). Consumers that still map
-        one keep their mapping; a handle that arrives after this fails with a clear error.
+        ``cuda<N>-<k>``). Consumers that still map one keep their mapping; a handle that arrives
+        after this fails with a clear error.
         """
         removed = 0
         try:
