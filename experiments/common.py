@@ -119,24 +119,23 @@ def provenance() -> dict:
     ``commit_date``, ``dirty`` (modified tracked files under CODE_DIRS, results excluded; empty
     when clean), ``created`` (UTC) and the ``command``. BLOCKFLOW_SOURCE_COMMIT, where set, names
     the commit of the clean checkout that was copied here instead (recorded with ``commit_from``)."""
-    if os.environ.get("BLOCKFLOW_SOURCE_COMMIT"):
-        # A copied working tree (a lent GPU machine) may come without .git or with a stale one (seen
-        # on an H200: its .git was the session's first HEAD, its files a later commit): whoever
-        # copied a clean checkout names its commit; dirty cannot be checked there.
-        commit = os.environ["BLOCKFLOW_SOURCE_COMMIT"]
-        return {"commit": commit, "commit_date": None, "dirty": [], "commit_from": "BLOCKFLOW_SOURCE_COMMIT",
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "command": command_line()}
-    commit = _git("rev-parse", "HEAD")
+    # A copied working tree (a lent GPU machine) may come without .git or with a stale one (seen on
+    # an H200: its .git was the session's first HEAD, its files a later commit): whoever copied a
+    # clean checkout names its commit; dirty cannot be checked there.
+    source = os.environ.get("BLOCKFLOW_SOURCE_COMMIT")
+    commit = source or _git("rev-parse", "HEAD")
     dirty = []
-    if commit:
+    if commit and not source:
         status = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE_DIRS, strip=False) or ""
         results = os.path.relpath(RESULTS_ROOT, ROOT) + os.sep
         dirty = sorted(line[3:].split(" -> ")[-1] for line in status.splitlines()
                        if line[3:] and not line[3:].startswith(results))
-    return {"commit": commit, "commit_date": _git("show", "-s", "--format=%cI", "HEAD") if commit else None,
-            "dirty": dirty, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": command_line()}
+    out = {"commit": commit, "commit_date": _git("show", "-s", "--format=%cI", "HEAD") if commit and not source else None,
+           "dirty": dirty, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": command_line()}
+    if source:
+        out["commit_from"] = "BLOCKFLOW_SOURCE_COMMIT"
+    return out
 
 
 def _cpu_model() -> str | None:
