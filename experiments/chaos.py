@@ -5,10 +5,19 @@ SIGKILLs the dispatcher, and POSTs topology updates that add, replace and remove
 change paths. With ``--batching`` the blocks both tasks share (b1-b3) batch across tasks
 (issue 15), so kills and updates also hit requests waiting in a batch. It counts requests sent,
 ok replies, error replies (by code), requests never answered (must be 0), duplicate replies (must
-be 0), wrong results (compared with the monolithic model; must be 0), and the time from each fault
-to the first ok reply after it.
+be 0), wrong results (compared with the monolithic model; must be 0), and each fault's recovery.
+
+Recovery (Note [Recovery is per task]): the time from a fault to the first ok reply of a request
+sent after the fault by a task that the fault touched: a task whose path holds the faulted block;
+for a killed dispatcher or an update, any task the system then serves. Each fault ends as one of:
+``recovered``; ``recovered_after_next_fault`` (its tasks served again only after the next fault
+struck: the two overlap, so the time is not that fault's alone); ``tasks_removed`` (an update
+removed every task it touched first); ``no_task_touched`` (a block on no path); ``not_recovered``
+(none of its tasks served again before the run ended: a block left dead, a path that stays
+broken). At the end every block must be ready again (``blocks_not_ready`` lists those that are not).
 
     python -m experiments.chaos [--duration 60] [--rate 6] [--seed 1] [--repo model_repo] [--batching]
+                                [--faults kill_block,stop_block] [--fault-blocks hx]
 """
 from __future__ import annotations
 
@@ -67,8 +76,19 @@ def topology_body(i: int, batching: dict | None = None) -> tuple[str, dict]:
     return label, body
 
 
+#: The faults a run injects, in the order the first four take (then at random).
+KINDS = ("kill_block", "stop_block", "kill_dispatcher", "update")
+
+
 def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 1, fault_every: float = 4.0,
-              timeout: float = 20.0, log=print, batching: dict | None = None) -> dict:
+              timeout: float = 20.0, log=print, batching: dict | None = None, kinds: tuple[str, ...] = KINDS,
+              fault_blocks: tuple[str, ...] | None = None, server_env: dict | None = None) -> dict:
+    """One chaos run (see the module docstring). ``kinds``: the faults to inject; ``fault_blocks``:
+    the only blocks a kill or a stop may pick (default any ready block); ``server_env``: the
+    environment of ``blockflow serve`` (e.g. ``BLOCKFLOW_MAX_RESTARTS``)."""
+    unknown = set(kinds) - set(KINDS)
+    if unknown or not kinds:
+        raise ValueError(f"unknown fault kinds {sorted(unknown)}: choose from {', '.join(KINDS)}")
     from blockflow.demo import start_server, stop_server
     from blockflow.loadgen import DEADLINE, UNANSWERED, generate_load
     from blockflow.restclient import RestError, call
@@ -90,7 +110,7 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
             expected["special"].append(y)
 
     state_dir = tempfile.mkdtemp(prefix="bf-chaos-")
-    proc, info = start_server(repo, state_dir)
+    proc, info = start_server(repo, state_dir, env=server_env)
     url = info["rest"]
     faults: list[dict] = []
     try:
@@ -108,16 +128,20 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
         loader.start()
         stopped: list[tuple[int, float]] = []
         topo = 0
-        kinds = ["kill_block", "stop_block", "kill_dispatcher", "update"]
+        kinds = list(kinds)
         time.sleep(min(2.0, duration / 4))
         while time.monotonic() < stop_at - 3:
             kind = kinds[len(faults) % len(kinds)] if len(faults) < len(kinds) else rng.choice(kinds)
             system = call("GET", f"{url}/system")
-            ready = [b for b in system["blocks"] if b["status"] == "ready"]
+            paths = {t["id"]: t["path"] for t in system["tasks"]}
+            ready = [b for b in system["blocks"] if b["status"] == "ready"
+                     and (fault_blocks is None or b["name"] in fault_blocks)]
             t_fault = time.monotonic()
             detail = ""
+            touched = sorted(paths)  # a killed dispatcher or an update: every task
             if kind in ("kill_block", "stop_block") and ready:
                 b = rng.choice(ready)
+                touched = sorted(t for t, p in paths.items() if b["name"] in p)
                 detail = f"{b['name']} (pid {b['pid']})"
                 os.kill(b["pid"], signal.SIGKILL if kind == "kill_block" else signal.SIGSTOP)
                 if kind == "stop_block":
@@ -132,9 +156,11 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
                 detail = label
                 try:
                     call("POST", f"{url}/system/update", body)
+                    touched = sorted(t["id"] for t in body["tasks"])
                 except RestError as exc:
                     detail += f" (refused: {exc})"
-            faults.append({"t": t_fault - t_start, "kind": kind, "detail": detail, "_t": t_fault})
+            faults.append({"t": t_fault - t_start, "kind": kind, "detail": detail, "tasks": touched,
+                           "_t": t_fault})
             log(f"  {t_fault - t_start:6.1f}s  {kind:16s} {detail}")
             pause = rng.uniform(0.5, 1.5) * fault_every
             end_pause = time.monotonic() + pause
@@ -158,11 +184,9 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
         run = runs[0]
         counts = {"sent": len(run.records), "ok": 0, "wrong": 0, "errors": {}, "never_answered": 0,
                   "deadline_expired": 0, "duplicates": run.duplicates, "late_replies": run.late}
-        ok_times = []
         for r in run.records:
             if r.ok:
                 counts["ok"] += 1
-                ok_times.append(run.t0 + r.done)
                 if not torch.allclose(r.result, expected[r.task][r.input], atol=1e-4, rtol=1e-4):
                     counts["wrong"] += 1
             elif r.status in (DEADLINE, UNANSWERED):
@@ -171,27 +195,64 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
                 counts["deadline_expired"] += r.status == DEADLINE
             else:
                 counts["errors"][r.status] = counts["errors"].get(r.status, 0) + 1
-        for f in faults:
-            after = [t for t in ok_times if t > f["_t"]]
-            f["recovery_s"] = (min(after) - f["_t"]) if after else None
-            del f["_t"]
+        recovery_outcomes(faults, run)
         final = call("GET", f"{url}/system")
         batched = _batch_sizes(url, final) if batching else {}
     finally:
         code = stop_server(proc)
         shutil.rmtree(state_dir, ignore_errors=True)  # its KPI logs were read above
-    rec = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]
+    rec = [f["recovery_s"] for f in faults if f["outcome"] == "recovered"]
+    outcomes: dict[str, int] = {}
+    for f in faults:
+        outcomes[f["outcome"]] = outcomes.get(f["outcome"], 0) + 1
     report = {"seed": seed, "duration_s": duration, "rate": rate, "batching": batching, **counts,
-              "errors_total": sum(counts["errors"].values()), "faults": faults,
+              "errors_total": sum(counts["errors"].values()), "faults": faults, "outcomes": outcomes,
               "recovery_s": {"max": max(rec) if rec else None,
-                             "median": sorted(rec)[len(rec) // 2] if rec else None},
+                             "median": sorted(rec)[len(rec) // 2] if rec else None, "of": len(rec)},
+              "blocks_not_ready": sorted(f"{b['name']} ({b['status']})" for b in final["blocks"]
+                                         if b["status"] != "ready"),
               "restarts": {b["name"]: b["restarts"] for b in final["blocks"]},
               "dispatcher_restarts": (final.get("dispatcher") or {}).get("restarts"),
               "server_exit_code": code, "batched_requests": batched}
     log(f"chaos: sent {counts['sent']}, ok {counts['ok']}, errors {counts['errors']}, never answered "
-        f"{counts['never_answered']}, duplicates {counts['duplicates']}, wrong {counts['wrong']}, "
-        f"recovery max {report['recovery_s']['max']}")
+        f"{counts['never_answered']}, duplicates {counts['duplicates']}, wrong {counts['wrong']}; "
+        f"faults {outcomes}, recovery max {report['recovery_s']['max']}; blocks not ready {report['blocks_not_ready']}")
     return report
+
+
+# Note [Recovery is per task]
+# A fault is over when what it broke works again, not when anything at all works: after a kill of
+# `hx` the `classify` task, which never passed through it, keeps answering, so "the next ok reply
+# after the fault" said 0.03 s whether or not `hx` ever came back. So a fault's recovery counts only
+# the tasks it touched (whose path held the block, as GET /system said just before it struck), and
+# only requests *sent after* the fault: a reply to a request that had already passed the block
+# says nothing about the block. A fault whose tasks answer only after the next fault struck is
+# reported as such, not folded into one long recovery of its own.
+
+
+def recovery_outcomes(faults: list[dict], run) -> None:
+    """Set each fault's ``outcome`` and ``recovery_s`` (see the module docstring) from the load
+    run's records; drops the fault's private ``_t``."""
+    ends = [f["_t"] for f in faults[1:]] + [float("inf")]
+    for i, (f, next_t) in enumerate(zip(faults, ends)):
+        touched = set(f["tasks"])
+        served = min((run.t0 + r.done for r in run.records
+                      if r.ok and r.task in touched and run.t0 + r.sent >= f["_t"]), default=None)
+        if served is not None:
+            f["recovery_s"] = served - f["_t"]
+            f["outcome"] = "recovered" if served < next_t else "recovered_after_next_fault"
+            continue
+        f["recovery_s"] = None
+        if not touched:  # a block on no task's path: blocks_not_ready says whether it came back
+            f["outcome"] = "no_task_touched"
+            continue
+        removed = set()  # touched tasks that a later update took away
+        for later in faults[i + 1:]:
+            if later["kind"] == "update" and "refused" not in later["detail"]:
+                removed |= touched - set(later["tasks"])
+        f["outcome"] = "tasks_removed" if removed == touched else "not_recovered"
+    for f in faults:
+        del f["_t"]
 
 
 def _batch_sizes(url: str, system: dict) -> dict:
@@ -225,20 +286,29 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="20 s instead of the default")
     ap.add_argument("--out", help="results directory (default: the git-ignored experiments/results/_runs/<machine>; "
                                   "committing results is explicit: --out experiments/results/<machine>)")
+    ap.add_argument("--faults", default=",".join(KINDS),
+                    help=f"comma-separated fault kinds to inject (default all: {','.join(KINDS)})")
+    ap.add_argument("--fault-blocks", help="comma-separated blocks a kill or a stop may pick (default any ready block)")
     ap.add_argument("--batching", action="store_true",
                     help=f"batch the shared blocks {', '.join(SHARED)} across tasks ({BATCHING})")
     args = ap.parse_args(argv)
     if not os.path.exists(os.path.join(args.repo, MODEL, "block4-x.pt")):
         from blockflow.blocks.repository import export_model
         export_model(MODEL, args.repo, blocks=4, variants={"x": ["block4", "head"]})
+    kinds = tuple(k.strip() for k in args.faults.split(",") if k.strip())
+    if set(kinds) - set(KINDS) or not kinds:
+        ap.error(f"--faults: unknown kind in {args.faults!r}; choose from {', '.join(KINDS)}")
+    fault_blocks = tuple(b.strip() for b in args.fault_blocks.split(",")) if args.fault_blocks else None
     report = run_chaos(args.repo, 20.0 if args.quick else args.duration, args.rate, args.seed, args.fault_every,
-                       batching=BATCHING if args.batching else None)
+                       batching=BATCHING if args.batching else None, kinds=kinds, fault_blocks=fault_blocks)
     from experiments.common import env_info, write_json
     settings = {"duration_s": 20.0 if args.quick else args.duration, "rate": args.rate, "seed": args.seed,
                 "fault_every_s": args.fault_every, "quick": args.quick, "model": MODEL,
-                "batching": BATCHING if args.batching else None}
+                "batching": BATCHING if args.batching else None, "faults": list(kinds),
+                "fault_blocks": list(fault_blocks) if fault_blocks else None}
     write_json(args.out, "chaos", {"env": env_info(settings), "settings": settings, **report})
-    bad = report["never_answered"] or report["duplicates"] or report["wrong"]
+    bad = (report["never_answered"] or report["duplicates"] or report["wrong"]
+           or report["outcomes"].get("not_recovered") or report["blocks_not_ready"])
     return 1 if bad else 0
 
 
