@@ -11,12 +11,15 @@ dispatcher loop does anything for Prometheus:
   second: dispatcher/requestlog.py);
 - restarts: the manager's snapshot.
 
-Per-stage times add up, by construction, to the request time they are part of:
+How the per-stage times relate to the request time they are part of:
 
-- per block, ``blockflow_block_stage_seconds_total`` over the six eq. 4.1 stages (queue_wait,
-  reconstruct, to_device, inference, share, forward) sums to
-  ``blockflow_block_inference_duration_seconds_sum``: the block times the six consecutive
-  intervals between a message's arrival and its departure;
+- per block, ``blockflow_block_inference_duration_seconds`` is the block's own arrival-to-departure
+  time (the KPI record's ``total``: one clock read at arrival, one after the send), timed apart
+  from the stages; ``blockflow_block_stage_seconds_total`` over the six eq. 4.1 stages
+  (queue_wait, reconstruct, to_device, inference, share, forward) are the consecutive intervals
+  between those two instants, so they sum to the duration's ``_sum`` up to the few microseconds
+  between the model's return and the send's first clock read. A stage that goes missing or is
+  counted twice shows as a difference (checked in tests/test_metrics.py);
 - per task, the first five stages are the sums of what every block on the path reported in
   the hops of the reply, and ``forward`` is the rest of the end-to-end time (sending on, transit
   between processes, the dispatcher's own work); together they sum to
@@ -135,10 +138,10 @@ class BlockFlowCollector:
                 continue
             if "total" not in rec:
                 continue
-            # the six stages are consecutive intervals: their sum is the block's total
             for key, stage in STAGES:
                 series.stages[stage] += float(rec.get(key, 0.0)) / 1e3
-            series.duration.observe(sum(float(rec.get(key, 0.0)) for key, _ in STAGES) / 1e3)
+            # the block's own clock, not the stages' sum (see the module docstring)
+            series.duration.observe(float(rec["total"]) / 1e3)
 
     def _read_dispatcher(self, run_dir: str) -> None:
         for rec in self._tail(os.path.join(run_dir, "@dispatcher.requests.jsonl")):
@@ -234,7 +237,7 @@ class BlockFlowCollector:
         name = "inference" if kind == "block" else "request"
         duration = HistogramMetricFamily(f"blockflow_{kind}_{name}_duration_seconds", duration_help, labels=label)
         stages = CounterMetricFamily(f"blockflow_{kind}_stage_seconds", "time spent in each eq. 4.1 stage; the "
-                                     f"stages sum to blockflow_{kind}_{name}_duration_seconds_sum",
+                                     f"stages add up to blockflow_{kind}_{name}_duration_seconds_sum",
                                      labels=[kind, "stage"])
         for key, s in sorted(table.items()):
             requests.add_metric([key], s.requests)

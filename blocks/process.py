@@ -640,9 +640,11 @@ class Block(ChildProcess):
                "fwd": (t5 - t4) * 1e3, "total": total, "t_in": hop["t_in"], "t_out": hop["t_out"],
                "queue": len(self.backlog),
                "batch": int(y.shape[0]) if y.dim() else 1}
-        # in a batch the request also waited for the batcher and for its batch-mates' inputs and
-        # outputs: that time is part of "wait", so the components still add up to "total"
-        rec["wait"] = total - (rec["deser"] + rec["dev"] + inf + rec["share"] + rec["fwd"])
+        # in a batch the request also waited for its batch-mates' inputs (and earlier groups)
+        # before the model ran, and for their sends after it: measured here, both are part of
+        # "wait", so the stages add up to "total" where nothing is lost or counted twice (the
+        # check of tests/test_metrics.py against the independently timed "total")
+        rec["wait"] = hop["wait"] + ((t_inf - req.t2) + (t3 - t_done)) * 1e3
         rec["requests_in_batch"] = batch
         rec["batch_wait"] = req.batch_wait
         self.kpi.add("latency", rec)

@@ -32,6 +32,33 @@ def value(samples: dict, name: str, **labels) -> float | None:
     return samples.get((name, frozenset(labels.items())))
 
 
+#: How far a block's six stages may sum from its own clock: the microseconds between the model's
+#: return and the send's first clock read are in no stage (blocks/process.py, send_output; about
+#: 2 us a request on the 2-core VM).
+STAGE_GAP_PER_REQUEST_S = 20e-6
+STAGE_GAP_REL = 0.02
+
+
+def stage_totals(samples: dict, kind: str, key: str) -> dict[str, float]:
+    return {dict(labels)["stage"]: v for (sample, labels), v in samples.items()
+            if sample == f"blockflow_{kind}_stage_seconds_total" and dict(labels)[kind] == key}
+
+
+def assert_stages_add_up(samples: dict, block: str) -> None:
+    """The block's six stages sum to its independently timed arrival-to-departure total, within
+    the stated tolerance: a stage left out or counted twice does not."""
+    stages = stage_totals(samples, "block", block)
+    total = value(samples, "blockflow_block_inference_duration_seconds_sum", block=block)
+    n = value(samples, "blockflow_block_inference_duration_seconds_count", block=block)
+    assert set(stages) == STAGES and all(v >= 0 for v in stages.values()), stages
+    assert total > 0 and n > 0 and stages["inference"] > 0, (block, stages, total, n)
+    gap = total - sum(stages.values())
+    allowed = STAGE_GAP_REL * total + STAGE_GAP_PER_REQUEST_S * n
+    assert abs(gap) <= allowed, (f"block {block}: the stages sum to {sum(stages.values()) * 1e3:.3f} ms, its own "
+                                 f"clock to {total * 1e3:.3f} ms over {n:.0f} requests (allowed "
+                                 f"{allowed * 1e3:.3f} ms)", stages)
+
+
 def wait_for_scrape(url: str, ready, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -68,15 +95,15 @@ def test_metrics_count_the_requests_sent(server_factory, identity_repo):
     assert value(m, "blockflow_block_requests_total", block="d") == n_t + n_u
     assert value(m, "blockflow_block_inference_duration_seconds_count", block="d") == n_t + n_u
 
-    # the stages add up to the time they are part of, per block and per task
-    for kind, key, name in (("block", "a", "inference"), ("block", "d", "inference"), ("task", "t", "request"),
-                            ("task", "u", "request")):
-        stages = {dict(labels)["stage"]: v for (sample, labels), v in m.items()
-                  if sample == f"blockflow_{kind}_stage_seconds_total" and dict(labels)[kind] == key}
-        assert set(stages) == STAGES
-        assert all(v >= 0 for v in stages.values())
-        total = value(m, f"blockflow_{kind}_{name}_duration_seconds_sum", **{kind: key})
-        assert total > 0 and math.isclose(sum(stages.values()), total, rel_tol=1e-6), (kind, key, stages, total)
+    # per block, the stages add up to the block's own arrival-to-departure clock, timed apart
+    # from them; per task, ``forward`` is the end-to-end time less what the blocks reported
+    for b in ("a", "d"):
+        assert_stages_add_up(m, b)
+    for t in ("t", "u"):
+        stages = stage_totals(m, "task", t)
+        total = value(m, "blockflow_task_request_duration_seconds_sum", task=t)
+        assert set(stages) == STAGES and all(v >= 0 for v in stages.values()), stages
+        assert total > 0 and math.isclose(sum(stages.values()), total, rel_tol=1e-6), (t, stages, total)
         assert stages["inference"] > 0
     # the tasks' view and the blocks' view of the same inferences agree: the hops carry the
     # very numbers the blocks log
@@ -100,3 +127,43 @@ def test_metrics_count_the_requests_sent(server_factory, identity_repo):
     assert value(m2, "blockflow_task_requests_total", task="u") == n_u + 1
     assert value(m2, "blockflow_block_requests_total", block="d") == n_t + n_u + 1
     assert value(m2, "blockflow_block_requests_total", block="a") == n_t
+
+
+def _block_samples(collector, block: str) -> dict:
+    """The block families one collector renders, as scrape() gives them."""
+    out = {}
+    for family in collector._families("block", collector.blocks, "inferences", "arrival to departure"):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def test_a_lost_or_doubled_stage_fails_the_check(server_factory, identity_repo, monkeypatch):
+    """The planted fault: /metrics built from the same real KPI logs, once with the largest stage's
+    time lost (read from a key the records do not have) and once with it counted twice (a second
+    stage reading it too). The stage set is unchanged both times; only the block's own clock,
+    which no longer comes from the stages, can tell."""
+    from blockflow import metrics
+
+    srv = server_factory(identity_repo)
+    srv.call("POST", "/system/update", TOY_UPDATE, timeout=60)
+    with Client(srv.dispatcher, timeout=15) as c:
+        for i in range(20):
+            c.infer("t", torch.full((4,), float(i)))
+    m = wait_for_scrape(srv.url, lambda m: value(m, "blockflow_block_requests_total", block="d") == 20)
+    assert_stages_add_up(m, "d")  # the real collector passes
+    run_dir = srv.call("GET", "/system")["run_dir"]
+    stages = stage_totals(m, "block", "d")
+    largest = max((st for st in stages if st != "inference"), key=stages.get)  # a lost inference fails sooner
+    key = {stage: k for k, stage in metrics.STAGES}[largest]
+    other = next(stage for _, stage in metrics.STAGES if stage != largest)
+    print(f"\nblock d: stages {stages}, clock {value(m, 'blockflow_block_inference_duration_seconds_sum', block='d')}; "
+          f"planting faults on {largest!r}")
+    lost = tuple((("no-such-key" if stage == largest else k), stage) for k, stage in metrics.STAGES)
+    doubled = tuple(((key if stage == other else k), stage) for k, stage in metrics.STAGES)
+    for planted in (lost, doubled):
+        monkeypatch.setattr(metrics, "STAGES", planted)
+        collector = metrics.BlockFlowCollector(manager=None)
+        collector._read_block(run_dir, "d")
+        with pytest.raises(AssertionError, match="the stages sum to"):
+            assert_stages_add_up(_block_samples(collector, "d"), "d")
