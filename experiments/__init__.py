@@ -64,7 +64,7 @@ CPU_SETTINGS = {
     "batching": ["--rates", "6,12,20", "--duration", "8"],                    # 4.5 (2.5 of it half-load rounds)
     "chaos": ["--duration", "60"],                                            # 1.5
     "fuzz": [],                                                               # 0.5
-    "soak": ["--minutes", "2"],                                               # 2.5
+    "soak": ["--minutes", "10"],                                              # 10.5 (Note [Seeing a leak])
 }
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

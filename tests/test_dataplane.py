@@ -75,6 +75,7 @@ def test_every_request_gets_exactly_one_reply(pipeline, model_repo):
     before = pipeline.command(DISPATCHER, "ping")
     inputs = [torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(i)) for i in range(24)]
     full = load_block(model_repo, "resnet18/full.pt")
+    special = reference(model_repo, TASKS["special"])
     with Client(pipeline.address, timeout=60) as c:
         futures = [(x, c.submit("classify" if i % 2 else "special", x, details=True)) for i, x in enumerate(inputs)]
         results = [(x, f.result(60)) for x, f in futures]
@@ -83,8 +84,9 @@ def test_every_request_gets_exactly_one_reply(pipeline, model_repo):
         assert not c._waiting
     with torch.inference_mode():
         for i, (x, r) in enumerate(results):
-            if i % 2:
-                assert torch.allclose(r.tensor, full(x), atol=pipeline.tol, rtol=pipeline.tol)
+            # every reply is checked against its own task's model: a swapped or mixed-up result fails
+            want = full(x) if i % 2 else special(x)
+            assert torch.allclose(r.tensor, want, atol=pipeline.tol, rtol=pipeline.tol), i
             assert [h["b"] for h in r.hops] == TASKS["classify" if i % 2 else "special"]
     stats = pipeline.command(DISPATCHER, "ping")
     assert stats["ok"] - before["ok"] == 24 and stats["late"] == 0 and stats["outstanding"] == 0

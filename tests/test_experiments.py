@@ -285,7 +285,12 @@ def test_a_run_without_out_writes_to_the_ignored_scratch_directory():
 
 
 #: The code a result measures: a committed result older than the last change here is stale.
-MEASURED_DIRS = ("tensormq", "blocks", "dispatcher")
+#: blockflow/ (REST, client, KPI, metrics, load generator) and manager/ (spawning, health checks,
+#: respawns: what chaos and soak measure) count as much as the data plane.
+MEASURED_DIRS = ("tensormq", "blocks", "dispatcher", "blockflow", "manager")
+#: Per results folder, the results known to be stale that cannot be rerun where the code changed
+#: (a GPU machine's, on a session without one): {file: why}. The folder's README must say so.
+STALE_LIST = "_stale.json"
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
@@ -309,9 +314,28 @@ def _stale_reason(path: str, data: dict) -> str | None:
     return None
 
 
+def _declared_stale(paths: list[str]) -> set[str]:
+    """The results each folder's STALE_LIST declares stale; every such folder's README.md must
+    name the list (a reader of the figures learns they are old)."""
+    out = set()
+    for folder in sorted({os.path.dirname(p) for p in paths}):
+        listed = os.path.join(ROOT, folder, STALE_LIST)
+        if not os.path.exists(listed):
+            continue
+        with open(listed) as f:
+            entries = json.load(f)
+        assert isinstance(entries, dict) and all(isinstance(v, str) and v for v in entries.values()), \
+            f"{folder}/{STALE_LIST} must map each stale result file to the reason it was not rerun"
+        with open(os.path.join(ROOT, folder, "README.md")) as f:
+            assert STALE_LIST in f.read(), f"{folder}/README.md must tell readers which results {STALE_LIST} lists"
+        out |= {f"{folder}/{name}" for name in entries}
+    return out
+
+
 def test_committed_results_measure_the_current_code():
     """Every committed JSON under experiments/results/<machine>/ was made by the code at HEAD: its
-    commit is HEAD or an ancestor, and nothing under tensormq/, blocks/ or dispatcher/ changed since."""
+    commit is HEAD or an ancestor, and nothing under MEASURED_DIRS changed since; or its folder's
+    STALE_LIST declares it stale (and its README says so)."""
     if not os.path.isdir(os.path.join(ROOT, ".git")) and not os.path.isfile(os.path.join(ROOT, ".git")):
         pytest.skip("no .git here (an sdist?): the commits of the results cannot be checked")
     if shutil.which("git") is None:
@@ -320,11 +344,16 @@ def test_committed_results_measure_the_current_code():
     paths = sorted(p for p in listed if p.endswith(".json") and p.count("/") == 3
                    and not p.split("/")[2].startswith("_"))
     assert paths, "no committed results under experiments/results/<machine>/"
-    stale = []
+    stale, declared = [], _declared_stale(paths)
     for rel in paths:
         with open(os.path.join(ROOT, rel)) as f:
             data = json.load(f)
         reason = _stale_reason(rel, data)
+        if rel in declared:
+            if not reason:
+                stale.append(f"{rel} is listed in {os.path.dirname(rel)}/{STALE_LIST} but measures the current "
+                             f"code: take it off the list")
+            continue
         if reason:
             machine, name = rel.split("/")[2], data.get("experiment") or os.path.basename(rel)[:-5]
             out = f"experiments/results/{machine}"

@@ -248,8 +248,8 @@ def test_a_stuck_model_is_answered_and_replaced(server_factory, slow_repo):
     limit = 2.0
     srv.call("POST", "/system/update", update_body(
         {"s": {"model": "toy/stuck.pt", "max_inference_s": limit}}, {"t": ["s"]}), timeout=60)
-    if "busy_s" not in srv.call("GET", "/blocks/s/ping"):
-        pytest.skip("the block's ping does not report busy_s yet (issue 11 liveness, data-plane side)")
+    ping = srv.call("GET", "/blocks/s/ping")
+    assert isinstance(ping.get("busy_s"), (int, float)), f"the block's ping lacks busy_s, which liveness needs: {ping}"
     old = srv.call("GET", "/blocks/s")
     with Client(srv.dispatcher, timeout=30) as c:
         t0 = time.monotonic()
