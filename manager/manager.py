@@ -589,13 +589,17 @@ class Manager:
             self._persist()
 
     def respawn_children(self) -> None:
+        # the new incarnation carries how the last one ended: GET /system and `blockflow status`
+        # say why a block restarted after it is ready again, not only while it is down
         for name, c in list(self.blocks.items()):
             if c.status == "restarting":
                 self.blocks[name] = self.spawn_block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1)
+                self.blocks[name].last_exit = c.last_exit
                 self._persist()
         if self.dispatcher is not None and self.dispatcher.status == "restarting":
             old = self.dispatcher
             self.dispatcher = self.spawn_dispatcher(restarts=old.restarts + 1, streak=old.streak + 1)
+            self.dispatcher.last_exit = old.last_exit
             self._persist()
 
     # -- operations, step by step ------------------------------------------------------------------
