@@ -78,6 +78,20 @@ def topology_body(i: int, batching: dict | None = None) -> tuple[str, dict]:
 
 #: The faults a run injects, in the order the first four take (then at random).
 KINDS = ("kill_block", "stop_block", "kill_dispatcher", "update")
+#: The load's last seconds have no fault, so that the last fault's tasks can serve again before
+#: the load ends (a respawn on a loaded 2-core machine takes a second or two).
+QUIET_S = 5.0
+#: How long a SIGSTOPped block stays stopped. A timer resumes it, so the hang lasts this long
+#: even while the run waits for an update's answer (the loop used to resume it only between
+#: faults: a stop followed by a slow update lasted 13 s, and was reported as a 12 s recovery).
+STOP_S = 2.0
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)  # if it was not killed as hung already
+    except ProcessLookupError:
+        pass
 
 
 def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 1, fault_every: float = 4.0,
@@ -126,11 +140,11 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
             info["dispatcher"], ["classify", "special"], inputs=inputs, rate=rate, duration=duration, seed=seed + 1,
             timeout=timeout, drain=timeout + 5, choose=pick, keep_results=True)), name="chaos-load", daemon=True)
         loader.start()
-        stopped: list[tuple[int, float]] = []
+        resumes: list[tuple[int, threading.Timer]] = []  # SIGCONT due for each stopped block
         topo = 0
         kinds = list(kinds)
         time.sleep(min(2.0, duration / 4))
-        while time.monotonic() < stop_at - 3:
+        while time.monotonic() < stop_at - QUIET_S:
             kind = kinds[len(faults) % len(kinds)] if len(faults) < len(kinds) else rng.choice(kinds)
             system = call("GET", f"{url}/system")
             paths = {t["id"]: t["path"] for t in system["tasks"]}
@@ -145,7 +159,10 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
                 detail = f"{b['name']} (pid {b['pid']})"
                 os.kill(b["pid"], signal.SIGKILL if kind == "kill_block" else signal.SIGSTOP)
                 if kind == "stop_block":
-                    stopped.append((b["pid"], t_fault + 2.0))
+                    timer = threading.Timer(STOP_S, _resume, args=(b["pid"],))
+                    timer.daemon = True
+                    timer.start()
+                    resumes.append((b["pid"], timer))
             elif kind == "kill_dispatcher" and system.get("dispatcher"):
                 detail = f"pid {system['dispatcher']['pid']}"
                 os.kill(system["dispatcher"]["pid"], signal.SIGKILL)
@@ -164,20 +181,11 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
             log(f"  {t_fault - t_start:6.1f}s  {kind:16s} {detail}")
             pause = rng.uniform(0.5, 1.5) * fault_every
             end_pause = time.monotonic() + pause
-            while time.monotonic() < min(end_pause, stop_at - 3):
-                for pid, when in list(stopped):
-                    if time.monotonic() >= when:
-                        try:
-                            os.kill(pid, signal.SIGCONT)  # if it was not killed as hung already
-                        except ProcessLookupError:
-                            pass
-                        stopped.remove((pid, when))
+            while time.monotonic() < min(end_pause, stop_at - QUIET_S):
                 time.sleep(0.05)
-        for pid, _ in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        for pid, timer in resumes:  # normally all long done
+            timer.cancel()
+            _resume(pid)
         loader.join(duration + timeout + 60)
         if not runs:
             raise RuntimeError("the chaos run's load generator stopped without a result (its traceback is above)")

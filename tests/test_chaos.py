@@ -37,7 +37,7 @@ def assert_recovered(report: dict) -> None:
 
 def test_chaos_every_request_gets_exactly_one_reply(model_repo, leak_check):
     # seed 149 puts the first four faults (one of each kind) at about 2, 4, 6 and 7.5 s (whatever the
-    # number of ready blocks rng.choice picks from), well before faults stop at duration - 3 s
+    # number of ready blocks rng.choice picks from), well before faults stop at duration - QUIET_S (5 s)
     report = run_chaos(model_repo, duration=15.0, rate=5.0, seed=149, fault_every=3.0)
     kinds = {f["kind"] for f in report["faults"]}
     assert {"kill_block", "stop_block", "kill_dispatcher", "update"} <= kinds, report["faults"]
