@@ -173,6 +173,35 @@ def growth(samples: list[dict], key: str, warm_until: float) -> dict:
     return out
 
 
+def rss_by_process(srv) -> dict[str, float]:
+    """RSS (MB) of the REST process (``@server``), the dispatcher and each block, by name."""
+    out = {"@server": rss_mb([srv.proc.pid])}
+    try:
+        system = srv.call("GET", "/system", timeout=10)
+    except Exception:  # a sample without the split; the total is still there
+        return {}
+    if system.get("dispatcher"):
+        out["@dispatcher"] = rss_mb([system["dispatcher"]["pid"]])
+    for b in system["blocks"]:
+        if b.get("pid"):
+            out[b["name"]] = rss_mb([b["pid"]])
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+def slope_by_process(samples: list[dict], warm_until: float) -> dict[str, list[float]]:
+    """Per process, the fitted RSS slope after warm-up, [MB per 1000 requests, ± 95% half-width]:
+    where the total's growth (if any) lives. A respawned process starts its RSS afresh, so only
+    samples of the plain topology count, as for the total."""
+    rows = [s for s in samples if s["t"] >= warm_until and s.get("phase", 0) % 2 == 0 and s.get("rss_by")]
+    out = {}
+    for name in sorted({k for s in rows for k in s["rss_by"]}):
+        pts = [(s["ok"], s["rss_by"][name]) for s in rows if name in s["rss_by"]]
+        fit = fit_slope([n for n, _ in pts], [v for _, v in pts]) if len(pts) >= 6 else None
+        if fit:
+            out[name] = [round(fit[0] * 1000, 4), round(fit[1] * 1000, 4)]
+    return out
+
+
 def run_soak(repo: str, minutes: float, rate: float | None, update_every: float, sample_every: float,
              clients: int, load: float, saturate_s: float, warmup_s: float, seed: int,
              topology=topology, model: str = MODEL) -> dict:
@@ -220,7 +249,8 @@ def run_soak(repo: str, minutes: float, rate: float | None, update_every: float,
                 pids = tree_pids(srv.proc.pid)
                 samples.append({"t": round(now - t0, 1), "rss_mb": round(rss_mb(pids), 1),
                                 "shm_mb": round(dir_mb(state.shm), 2), "vram_mb": vram_mb(),
-                                "procs": len(pids), "ok": live["ok"], "phase": phase})
+                                "procs": len(pids), "ok": live["ok"], "phase": phase,
+                                "rss_by": rss_by_process(srv)})
             if now >= next_update:
                 next_update += update_every
                 phase += 1
@@ -256,6 +286,7 @@ def run_soak(repo: str, minutes: float, rate: float | None, update_every: float,
         "duration_s": round(duration, 1), "counts": counts, "unanswered": unanswered,
         "achieved_ok_rps": round(counts["ok"] / duration, 2), "updates": updates,
         "growth": {k: growth(samples, k, warm) for k in ("rss_mb", "shm_mb", "vram_mb")},
+        "rss_slope_by_process": slope_by_process(samples, warm),
         "samples": samples, "server_exit_code": code, "left_behind": left,
     })
     failed_updates = [u for u in updates if "error" in u]

@@ -320,7 +320,15 @@ def soak(r: Results) -> str:
             f"end above {st.get('leak_mb_per_1000', 1.0):g} MB per 1000 requests):\n\n"
             + _table(["memory", "samples", "growth"],
                      [["RSS, server and children", g["rss_mb"]["samples"], _slope(g["rss_mb"])],
-                      ["shared-memory slots", g["shm_mb"]["samples"], _slope(g["shm_mb"])]]))
+                      ["shared-memory slots", g["shm_mb"]["samples"], _slope(g["shm_mb"])]])
+            + _by_process(d.get("rss_slope_by_process")))
+
+
+def _by_process(slopes: dict | None) -> str:
+    if not slopes:
+        return ""
+    parts = [f"{name} {v[0]:+.2f} ± {v[1]:.2f}" for name, v in sorted(slopes.items(), key=lambda kv: -kv[1][0])]
+    return "\n\nRSS slope by process, MB per 1000 requests: " + ", ".join(parts) + "."
 
 
 def kserve(r: Results) -> str:
