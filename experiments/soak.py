@@ -149,10 +149,14 @@ def fit_slope(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     return slope, _t975(n - 2) * se
 
 
+def _steady(samples: list[dict], warm_until: float) -> list[dict]:
+    """The samples the fits use: after warm-up, plain topology only (Note [Seeing a leak])."""
+    return [s for s in samples if s["t"] >= warm_until and s.get("phase", 0) % 2 == 0]
+
+
 def growth(samples: list[dict], key: str, warm_until: float) -> dict:
     """Growth of ``key`` (MB) after warm-up over the plain topology's samples (Note [Seeing a leak])."""
-    vals = [(s["t"], s["ok"], s[key]) for s in samples
-            if s.get(key) is not None and s["t"] >= warm_until and s.get("phase", 0) % 2 == 0]
+    vals = [(s["t"], s["ok"], s[key]) for s in _steady(samples, warm_until) if s.get(key) is not None]
     out: dict = {"samples": len(vals), "pct": None, "leak": None}
     if len(vals) < 6:
         out["note"] = f"{len(vals)} samples after warm-up: too few for disjoint windows and a fit (6 at least)"
@@ -192,7 +196,7 @@ def slope_by_process(samples: list[dict], warm_until: float) -> dict[str, list[f
     """Per process, the fitted RSS slope after warm-up, [MB per 1000 requests, ± 95% half-width]:
     where the total's growth (if any) lives. A respawned process starts its RSS afresh, so only
     samples of the plain topology count, as for the total."""
-    rows = [s for s in samples if s["t"] >= warm_until and s.get("phase", 0) % 2 == 0 and s.get("rss_by")]
+    rows = [s for s in _steady(samples, warm_until) if s.get("rss_by")]
     out = {}
     for name in sorted({k for s in rows for k in s["rss_by"]}):
         pts = [(s["ok"], s["rss_by"][name]) for s in rows if name in s["rss_by"]]
