@@ -103,11 +103,15 @@ def test_soak_reports_a_planted_leak(tmp_path, leak_check):
     slope, _ = g["mb_per_1000_requests"]
     assert 0.5 * kept < slope < 2 * kept, g
 
+    assert leaking["rss_slope_by_process"]["z"][0] > 0.5 * kept, leaking["rss_slope_by_process"]
+
     clean = _toy_soak(repo, "identity")
     c = clean["growth"]["rss_mb"]
-    print(f"no leak: RSS {c}")
+    by = clean["rss_slope_by_process"]
+    print(f"no leak: RSS {c}, by process {by}")
     assert clean["counts"]["ok"] > 1000, clean["counts"]
-    # the dispatcher's RSS still settles for some seconds after warm-up (+0.5-1 MB per 1000
-    # requests over a 30 s run, flat over minutes: /tmp probes of the identity chain), so the
-    # control asserts a slope far below the planted one rather than leak == False
-    assert c["mb_per_1000_requests"][0] < 0.25 * kept, c
+    # The control is the block in the leaker's place, not the total: the dispatcher's and the
+    # REST process's RSS still settle for some seconds after warm-up (the total's slope was
+    # +0.5-2.7 MB per 1000 requests over 30 s runs on a loaded 2-core CI machine, flat over
+    # minutes in probes of the identity chain), which a 30 s run cannot tell from a leak.
+    assert by["z"][0] < 0.25 * kept, by
