@@ -221,8 +221,10 @@ def export_model(
 
     out_dir = Path(out).resolve()
     args = dict(model=model, out=str(out_dir), blocks=blocks, method=method,
-                variants=variants, seed=seed, batch=batch, fmt=fmt,
-                log_level=log.getEffectiveLevel())
+                variants=variants, seed=seed, batch=batch, fmt=fmt)
+    log.info("exporting %s (blocks=%d, %s, variants=%s, seed=%d) to %s", model, blocks,
+             f"method={method}" if fmt == "torchscript" else "torch.export", variants or "none", seed, out_dir / model)
+    total = 1 + len(BLOCK_NAMES[blocks]) + sum(len(v) for v in variants.values())
     # Load this very file in the child (not "import blocks.repository"): the
     # child must not depend on sys.path/cwd, and -P keeps cwd off sys.path.
     code = (
@@ -231,11 +233,22 @@ def export_model(
         "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
         "m._export_worker(sys.argv[1])\n"
     )
+    result = run_export_worker(code, args, total, f"export {model} ({fmt})", f"{model} to {out_dir / model}")
+    return Path(result["manifest"])
+
+
+def run_export_worker(code: str, args: dict, total: int, label: str, what: str) -> dict:
+    """Run ``python -P -c code json(args)`` in a fresh interpreter with ``PYTHONHASHSEED=0``
+    (see the module docstring), relay its log records, count its progress records on a bar of
+    ``total`` files, and return the JSON object its last stdout line holds.
+
+    A result ``{"error": message}`` (a mistake in the request the worker found, such as a cut
+    that does not exist) is raised here as a ``ValueError`` with that one-line message; any
+    other failure is a ``RuntimeError`` with the tail of the worker's output.
+    """
+    args = dict(args, log_level=log.getEffectiveLevel())
     env = dict(os.environ, PYTHONHASHSEED="0")
-    log.info("exporting %s (blocks=%d, %s, variants=%s, seed=%d) to %s", model, blocks,
-             f"method={method}" if fmt == "torchscript" else "torch.export", variants or "none", seed, out_dir / model)
-    total = 1 + len(BLOCK_NAMES[blocks]) + sum(len(v) for v in variants.values())
-    bar = _progress(total, f"export {model} ({fmt})")
+    bar = _progress(total, label)
     proc = subprocess.Popen(
         [sys.executable, "-P", "-c", code, json.dumps(args)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -252,20 +265,24 @@ def export_model(
     proc.stdout.close()
     proc.stderr.close()
     raw = _relay_child_logs("".join(lines))
+    try:
+        result = json.loads(stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        result = None
+    if isinstance(result, dict) and isinstance(result.get("error"), str):
+        raise ValueError(result["error"])
     if proc.returncode != 0:
         tail = "\n".join(raw[-20:]) or "(no output)"
         raise RuntimeError(
-            f"export of {model} to {out_dir / model} failed in the export "
+            f"export of {what} failed in the export "
             f"worker (exit {proc.returncode}):\n{tail}"
         )
-    try:
-        result = json.loads(stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError) as exc:
+    if not isinstance(result, dict):
         raise RuntimeError(
-            f"export worker for {model} returned no result ({exc}); "
+            f"export worker for {what} returned no result; "
             f"stdout: {stdout[-500:]!r}"
-        ) from None
-    return Path(result["manifest"])
+        )
+    return result
 
 
 def _check_variants(variants: dict[str, list[str]], blocks: int) -> dict[str, list[str]]:
@@ -329,13 +346,26 @@ class _JsonLineHandler(logging.Handler):
 
 def _export_worker(argv_json: str) -> None:
     """Entry point of the export child process (see :func:`export_model`)."""
+    worker_main(argv_json, lambda **args: {"manifest": str(_export_in_process(**args))})
+
+
+def worker_main(argv_json: str, fn, logger: logging.Logger | None = None) -> None:
+    """Run ``fn(**args)`` in an export child (see :func:`run_export_worker`): log records go
+    to stderr as JSON lines, the JSON result to stdout.  A ``ValueError`` (the request is
+    wrong, not the code) is reported as ``{"error": message}`` and exit status 2."""
     args = json.loads(argv_json)
     level = int(args.pop("log_level"))
-    log.handlers[:] = [_JsonLineHandler()]
-    log.setLevel(level)
-    log.propagate = False
-    manifest = _export_in_process(**args)
-    sys.stdout.write(json.dumps({"manifest": str(manifest)}) + "\n")
+    for lg in {log, logger or log}:
+        lg.handlers[:] = [_JsonLineHandler()]
+        lg.setLevel(level)
+        lg.propagate = False
+    try:
+        result = fn(**args)
+    except ValueError as exc:
+        sys.stdout.write(json.dumps({"error": str(exc)}) + "\n")
+        sys.stdout.flush()
+        sys.exit(2)
+    sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
 
 
