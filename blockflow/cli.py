@@ -90,25 +90,72 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 
 #: The block format `blockflow export` writes unless told: see README "Block formats" for the figures.
 DEFAULT_FORMAT = "torchscript"
+#: The input `blockflow export --cut` traces and probes with unless told (batch first).
+DEFAULT_INPUT_SHAPE = "1,3,224,224"
 
 
 def _export(args) -> int:
-    from blockflow.blocks.repository import export_model
+    from blockflow.blocks.repository import MODELS, SPLITS, export_model
+    if args.cut or args.model not in MODELS or args.blocks not in (None, *SPLITS):
+        return _export_split(args)
+    if args.name or args.input_shape != DEFAULT_INPUT_SHAPE:
+        raise UserError(f"--name and --input-shape apply to exports with --cut; {args.model} --blocks "
+                        f"{args.blocks or 4} is the ResNet export, named {args.model}, input 1,3,224,224", Exit.USAGE)
+    blocks = args.blocks or 4
     variants = {}
     if args.variant:
         if not args.variant_blocks:
             raise UserError("--variant needs --variant-blocks (e.g. block4,head)", Exit.USAGE)
         variants[args.variant] = [b.strip() for b in args.variant_blocks.split(",") if b.strip()]
-    try:
-        os.makedirs(os.path.join(args.out, args.model), exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--out {args.out}: cannot create {os.path.join(args.out, args.model)} ({exc.strerror}); "
-                        "choose a directory you can write to", Exit.NO_FILE) from None
-    path = export_model(args.model, args.out, blocks=args.blocks, method=args.method, variants=variants or None,
+    _make_out_dir(args.out, args.model)
+    path = export_model(args.model, args.out, blocks=blocks, method=args.method, variants=variants or None,
                         seed=args.seed, fmt=args.format)
     kind = f"TorchScript, {args.method}" if args.format == "torchscript" else "torch.export programs, .pt2"
-    print(f"exported {args.model} ({kind}, {args.blocks} blocks) -> {path}")
+    print(f"exported {args.model} ({kind}, {blocks} blocks) -> {path}")
     return 0
+
+
+def _export_split(args) -> int:
+    """Any model (torchvision name or package.module:callable) cut after named submodules."""
+    from blockflow.blocks.split import export_split
+    if args.variant:
+        raise UserError("--variant applies to the ResNet export (resnet18/50/152 without --cut)", Exit.USAGE)
+    if not args.cut and not args.blocks:
+        raise UserError(f"--model {args.model}: give where to cut it (--cut LAYER, repeatable) or how many "
+                        "blocks to balance (--blocks N)", Exit.USAGE)
+    if args.cut and args.blocks:
+        raise UserError("give --cut or --blocks, not both: --blocks N picks the N-1 cuts itself", Exit.USAGE)
+    shape = parse_shape(args.input_shape, "--input-shape")
+    _make_out_dir(args.out)
+    result = export_split(args.model, args.out, cuts=args.cut, blocks=args.blocks, input_shape=shape,
+                          name=args.name, fmt=args.format, method=args.method, seed=args.seed)
+    if not args.cut:
+        print(f"balanced cuts: {' '.join('--cut ' + c for c in result['cuts']) or '(none)'}")
+    kind = f"TorchScript, {args.method}" if args.format == "torchscript" else "torch.export programs, .pt2"
+    print(f"exported {result['name']} ({kind}, {len(result['cuts']) + 1} blocks, cut after "
+          f"{', '.join(result['cuts']) or 'nothing'}) -> {result['manifest']}")
+    return 0
+
+
+def parse_shape(text: str, flag: str) -> tuple[int, ...]:
+    """``"1,3,224,224"`` -> ``(1, 3, 224, 224)``; a UserError naming ``flag`` otherwise."""
+    try:
+        shape = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise UserError(f"{flag} {text!r}: give positive integers separated by commas, batch first, "
+                        "e.g. 1,3,224,224", Exit.BAD_INPUT)
+    return shape
+
+
+def _make_out_dir(out: str, model: str = "") -> None:
+    path = os.path.join(out, model) if model else out
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot create {path} ({exc.strerror}); "
+                        "choose a directory you can write to", Exit.NO_FILE) from None
 
 
 def is_loopback(host: str) -> bool:
@@ -302,19 +349,30 @@ def build_parser() -> argparse.ArgumentParser:
         return _add_parser(name, parents=[common], formatter_class=_Help, **kw)
     sub.add_parser = add_parser
 
-    e = sub.add_parser("export", help="split a torchvision model into blocks (seeded weights) and write them "
-                                      "with a manifest of sha256 sums")
-    e.add_argument("--model", default="resnet50", choices=["resnet18", "resnet50", "resnet152"],
-                   help="torchvision model to split")
-    e.add_argument("--blocks", type=int, default=4, choices=[1, 2, 4],
-                   help="4: block1..block4 + head; 2: block12, block34 + head; 1: the full model only")
+    e = sub.add_parser("export", help="split a model into blocks and write them with a manifest of sha256 sums: "
+                                      "a torchvision model (seeded weights) or your own, cut after named submodules")
+    e.add_argument("--model", default="resnet50",
+                   help="a torchvision classification model name (seeded weights, nothing downloaded) or "
+                        "package.module:callable returning an nn.Module (imported from the current directory "
+                        "or PYTHONPATH)")
+    e.add_argument("--cut", action="append", metavar="LAYER",
+                   help="split just after this submodule (qualified name, e.g. features.3); repeatable. "
+                        "Writes block1..blockK + full")
+    e.add_argument("--blocks", type=int,
+                   help="resnet18/50/152 without --cut: 4 (block1..block4 + head, the default), 2 (block12, "
+                        "block34 + head) or 1 (the full model only); any other model: N blocks, cut where the "
+                        "measured block times are most even (the cuts are printed)")
+    e.add_argument("--input-shape", default=DEFAULT_INPUT_SHAPE,
+                   help="input the model is traced, probed and timed with, batch first (not for the ResNet export)")
+    e.add_argument("--name", help="directory under --out (default: the model's name, or the callable's)")
     e.add_argument("--format", default=DEFAULT_FORMAT, choices=["torchscript", "export"],
                    help="torchscript: .pt files (torch.jit, deprecated by PyTorch); export: torch.export "
                         f"programs, .pt2 files (default: {DEFAULT_FORMAT}, see README 'Block formats')")
     e.add_argument("--method", default="script", choices=["script", "trace"],
                    help="how TorchScript compiles a block (--format torchscript only)")
     e.add_argument("--out", default="model_repo", help="model repository directory")
-    e.add_argument("--variant", help="also export task-specialised copies under this name (another seed)")
+    e.add_argument("--variant", help="also export task-specialised copies under this name (another seed; "
+                                     "ResNet export only)")
     e.add_argument("--variant-blocks", help="comma-separated blocks to specialise, e.g. block4,head")
     e.add_argument("--seed", type=int, default=0, help="seed of the weights (they are not trained)")
     e.set_defaults(fn=_export)
