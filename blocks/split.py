@@ -394,8 +394,7 @@ def export_split(model: str, out: str | os.PathLike, cuts: list[str] | None = No
     if name is not None and not _NAME_RE.fullmatch(name):
         raise ValueError(f"--name {name!r} must match {_NAME_RE.pattern} (it names a directory)")
     args = dict(model=model, out=str(Path(out).resolve()), cuts=list(cuts or []), blocks=blocks,
-                input_shape=list(input_shape), name=name, fmt=fmt, method=method, seed=seed,
-                cwd=os.getcwd())
+                input_shape=list(input_shape), name=name, fmt=fmt, method=method, seed=seed)
     code = ("import sys\nfrom blockflow.blocks import split\n"
             "split.repo.worker_main(sys.argv[1], split._export_in_process, split.log)\n")
     total = (len(cuts) + 2) if cuts else (blocks + 1)
@@ -404,10 +403,9 @@ def export_split(model: str, out: str | os.PathLike, cuts: list[str] | None = No
 
 def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None,
                        input_shape: list[int], name: str | None, fmt: str, method: str,
-                       seed: int, cwd: str) -> dict:
-    """The work of :func:`export_split`, in the export child."""
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
+                       seed: int) -> dict:
+    """The work of :func:`export_split`, in the export child (which runs in the caller's
+    current directory, so a callable is imported from there as it would be in the caller)."""
     net, default_name = build_model(model, seed)
     name = name or default_name
     gm = trace(net)
