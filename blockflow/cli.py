@@ -137,6 +137,29 @@ def _export_split(args) -> int:
     return 0
 
 
+def _manifest(args) -> int:
+    """Write, or with --check verify, the manifest of hand-made block files in a directory."""
+    from blockflow.blocks import manifest
+    if not os.path.isdir(args.dir):
+        raise UserError(f"{args.dir}: no such directory; give the directory that holds your .pt/.pt2 files",
+                        Exit.NO_FILE)
+    if args.check:
+        problems = manifest.check_manifest(args.dir)
+        if problems:
+            raise UserError(f"{os.path.join(args.dir, 'manifest.json')} does not match the files: "
+                            f"{'; '.join(problems)}; if the files are right, run `blockflow manifest "
+                            f"{args.dir}` to rewrite it", Exit.FAILED)
+        print(f"{os.path.join(args.dir, 'manifest.json')} matches every block file in {args.dir}")
+        return 0
+    shape = parse_shape(args.input_shape, "--input-shape") if args.input_shape else None
+    chain = [c.strip() for c in args.chain.split(",") if c.strip()] if args.chain else None
+    if chain and not shape:
+        raise UserError("--chain orders the files for probing shapes: give --input-shape too", Exit.USAGE)
+    path = manifest.write_manifest(args.dir, shape, chain)
+    print(f"wrote {path}" + ("" if shape else " (no shapes: give --input-shape to probe them)"))
+    return 0
+
+
 def parse_shape(text: str, flag: str) -> tuple[int, ...]:
     """``"1,3,224,224"`` -> ``(1, 3, 224, 224)``; a UserError naming ``flag`` otherwise."""
     try:
@@ -376,6 +399,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--variant-blocks", help="comma-separated blocks to specialise, e.g. block4,head")
     e.add_argument("--seed", type=int, default=0, help="seed of the weights (they are not trained)")
     e.set_defaults(fn=_export)
+
+    mf = sub.add_parser("manifest", help="write (or --check) the manifest.json of your own TorchScript/.pt2 block "
+                                          "files in a directory, so the server checks their sha256 before serving")
+    mf.add_argument("dir", help="the directory holding the block files (a model directory of the repository)")
+    mf.add_argument("--check", action="store_true",
+                    help="write nothing: exit 1 naming each file that changed, is missing or is not listed")
+    mf.add_argument("--input-shape", help="probe shapes: run the files in turn on an input of this shape, batch "
+                                          "first, e.g. 1,3,224,224 (files named full* take it themselves); "
+                                          "default: no shapes listed")
+    mf.add_argument("--chain", help="comma-separated order of the files for probing (default: natural name "
+                                    "order, full* files aside), e.g. stem.pt,body.pt,head.pt")
+    mf.set_defaults(fn=_manifest)
 
     s = sub.add_parser("serve", help="run the REST API, manager, controller and dispatcher")
     s.add_argument("--host", default="127.0.0.1", help="REST bind address (default loopback; others are explicit)")

@@ -678,8 +678,14 @@ def _open_one(repo, relpath: str, device: str, verified: dict | None):
         expected = str(entry.get("sha256", ""))
         if not (verified and verified.get("signature") == signature and verified.get("sha256") == expected):
             _check_digest(path, hashlib.sha256(data).hexdigest(), expected)
+    return load_bytes(path, data, dev, entry), entry
+
+
+def load_bytes(path: Path, data: bytes, dev: torch.device, entry: dict | None = None) -> nn.Module:
+    """The module in ``data``, the bytes of block file ``path``: a ``.pt2`` program's module or
+    an eval-mode TorchScript module, on ``dev``; a :class:`BlockFileError` when it is neither."""
     if path.suffix == SUFFIX["export"]:
-        return _load_program(path, dev, entry, data), entry
+        return _load_program(path, dev, entry, data)
     try:
         mod = torch.jit.load(io.BytesIO(data), map_location=dev)
     except Exception as exc:  # the loader raises RuntimeError/ValueError/...
@@ -688,7 +694,7 @@ def _open_one(repo, relpath: str, device: str, verified: dict | None):
             f"block file {path} is not a loadable TorchScript file ({reason}); "
             f"replace it with a torch.jit.save'd module or re-export it with "
             f"`blockflow export --model {path.parent.name}`", path) from exc
-    return mod.eval(), entry
+    return mod.eval()
 
 
 def list_blocks(repo: str | os.PathLike) -> list[dict[str, Any]]:

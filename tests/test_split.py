@@ -223,3 +223,54 @@ def test_cli_refuses_a_callable_that_returns_no_module(tmp_path, user_models):
     res = blockflow("export", "--model", "usermodels:not_a_module", "--cut", "x", "--out", str(tmp_path),
                     cwd=models_dir)
     one_line_error(res, Exit.BAD_INPUT, "usermodels:not_a_module", "not an nn.Module")
+
+
+@pytest.fixture
+def hand_made_repo(tmp_path, user_models):
+    """SkipNet cut by hand into three TorchScript files that no manifest lists yet."""
+    _, ns = user_models
+    torch.manual_seed(0)
+    net = ns["skipnet"]()
+    d = tmp_path / "repo" / "mine"
+    d.mkdir(parents=True)
+    for fname, part in (("stem.pt", net.stem), ("body.pt", net.body),
+                        ("tail.pt", torch.nn.Sequential(net.down, net.head))):
+        torch.jit.save(torch.jit.script(part.eval()), str(d / fname))
+    return d, net
+
+
+def test_manifest_of_hand_made_files_is_served_and_check_catches_a_change(server_factory, hand_made_repo):
+    d, net = hand_made_repo
+    res = blockflow("manifest", str(d), "--input-shape", "1,3,32,32", "--chain", "stem.pt,body.pt,tail.pt")
+    assert res.returncode == 0, res.stderr
+    blocks = json.loads((d / "manifest.json").read_text())["blocks"]
+    assert sorted(blocks) == ["body.pt", "stem.pt", "tail.pt"]
+    assert blocks["stem.pt"]["input_shape"] == [1, 3, 32, 32] and blocks["stem.pt"]["output_shape"] == [1, 8, 32, 32]
+    assert blocks["tail.pt"]["output_shape"] == [1, 10] and len(blocks["body.pt"]["sha256"]) == 64
+    assert blockflow("manifest", str(d), "--check").returncode == 0
+
+    srv = server_factory(str(d.parent))
+    update = {"blocks": [{"name": n, "model": f"mine/{n}.pt", "threads": 1} for n in ("stem", "body", "tail")],
+              "tasks": [{"id": "mine", "path": ["stem", "body", "tail"]}]}
+    srv.call("POST", "/system/update", update, timeout=120)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    with Client(srv.dispatcher, timeout=60) as c:
+        y = c.infer("mine", x)
+    with torch.inference_mode():
+        assert max_diff(y, net(x)) <= TOL
+    assert srv.stop() == 0
+
+    data = bytearray((d / "body.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (d / "body.pt").write_bytes(bytes(data))
+    shutil.copy(d / "stem.pt", d / "extra.pt")
+    res = blockflow("manifest", str(d), "--check")
+    line = one_line_error(res, Exit.FAILED, "body.pt has changed", "extra.pt is not listed")
+    assert "stem.pt" not in line and "tail.pt" not in line, line
+
+
+def test_manifest_refuses_files_that_do_not_chain(hand_made_repo):
+    d, _ = hand_made_repo
+    res = blockflow("manifest", str(d), "--input-shape", "1,3,32,32", "--chain", "stem.pt,tail.pt,body.pt")
+    one_line_error(res, Exit.BAD_INPUT, "body.pt does not take the output of tail.pt", "--chain")
+    assert not (d / "manifest.json").exists()
