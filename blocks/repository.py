@@ -324,7 +324,9 @@ def _relay_child_logs(stderr: str) -> list[str]:
             except json.JSONDecodeError:
                 rec = None
         if isinstance(rec, dict) and "blockflow_log" in rec:
-            log.log(int(rec.get("level", logging.INFO)), "%s", rec["blockflow_log"])
+            # under the worker's logger name (split, manifest...), so the caller's per-logger levels apply
+            source = rec.get("logger") if isinstance(rec.get("logger"), str) else log.name
+            logging.getLogger(source).log(int(rec.get("level", logging.INFO)), "%s", rec["blockflow_log"])
         elif line.strip():
             raw.append(line)
     for line in raw:
@@ -337,7 +339,8 @@ class _JsonLineHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            msg = json.dumps({"blockflow_log": record.getMessage(), "level": record.levelno})
+            msg = json.dumps({"blockflow_log": record.getMessage(), "level": record.levelno,
+                              "logger": record.name})
             sys.stderr.write(msg + "\n")
             sys.stderr.flush()
         except Exception:  # pragma: no cover - logging must never raise
