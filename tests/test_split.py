@@ -123,6 +123,16 @@ def test_mobilenet_cut_in_features_equals_whole_model_in_process():
     assert max_diff(chained(blocks, x), want) <= TOL
 
 
+def test_vit_cut_inside_its_encoder_equals_whole_model():
+    net, name = split.build_model("vit_b_16", seed=0)
+    gm = split.trace(net)
+    blocks = split.split(gm, split.resolve_cuts(gm, ["encoder.layers.encoder_layer_5"], name))
+    x = seeded_input(1)
+    with torch.inference_mode():
+        want = net(x)
+    assert max_diff(chained(blocks, x), want) <= TOL
+
+
 def test_skip_connection_inside_a_block_equals_whole_model(user_models):
     _, ns = user_models
     torch.manual_seed(0)
@@ -212,10 +222,16 @@ def test_cli_exports_a_callable_and_refuses_a_multi_tensor_cut(tmp_path, user_mo
     common = ("--model", "usermodels:skipnet", "--input-shape", "1,3,32,32", "--out", str(out))
     res = blockflow("export", *common, "--cut", "body.conv1", cwd=models_dir)
     one_line_error(res, Exit.BAD_INPUT, "'body.conv1'", "multi-tensor hops are not supported yet", "stem")
+    res = blockflow("export", *common, "--cut", "stem", "--cut", "body", "--cut", "down", "--format", "export",
+                    cwd=models_dir)
+    assert res.returncode == 0, res.stderr
+    assert sorted(load_manifest(out, "skipnet")["blocks"]) == [f"block{i}.pt2" for i in range(1, 5)] + ["full.pt2"]
+    # balanced, and a split with fewer blocks than the last one leaves no stale block behind
     res = blockflow("export", *common, "--blocks", "2", "--format", "export", cwd=models_dir)
     assert res.returncode == 0, res.stderr
     assert "balanced cuts: --cut " in res.stdout
     assert sorted(load_manifest(out, "skipnet")["blocks"]) == ["block1.pt2", "block2.pt2", "full.pt2"]
+    assert not (out / "skipnet" / "block3.pt2").exists()
 
 
 def test_cli_refuses_a_callable_that_returns_no_module(tmp_path, user_models):
@@ -274,3 +290,12 @@ def test_manifest_refuses_files_that_do_not_chain(hand_made_repo):
     res = blockflow("manifest", str(d), "--input-shape", "1,3,32,32", "--chain", "stem.pt,tail.pt,body.pt")
     one_line_error(res, Exit.BAD_INPUT, "body.pt does not take the output of tail.pt", "--chain")
     assert not (d / "manifest.json").exists()
+
+
+def test_resnet_export_keeps_its_blocks_and_variants(tmp_path):
+    res = blockflow("export", "--model", "resnet18", "--blocks", "2", "--variant", "x", "--variant-blocks", "head",
+                    "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert "resnet18 (TorchScript, script, 2 blocks)" in res.stdout
+    assert sorted(load_manifest(tmp_path, "resnet18")["blocks"]) == [
+        "block12.pt", "block34.pt", "full.pt", "head-x.pt", "head.pt"]
