@@ -156,7 +156,7 @@ def _manifest(args) -> int:
     if chain and not shape:
         raise UserError("--chain orders the files for probing shapes: give --input-shape too", Exit.USAGE)
     path = manifest.write_manifest(args.dir, shape, chain)
-    print(f"wrote {path}" + ("" if shape else " (no shapes: give --input-shape to probe them)"))
+    print(f"wrote {path}" + ("" if shape else " (shapes not probed: give --input-shape to probe them)"))
     return 0
 
 

@@ -14,6 +14,11 @@ block10) except those named ``full*``, which take ``input_shape`` themselves -- 
 file gets the shape it was given and the shape it returned (batch dimension 1, as exports
 write them).  Without ``input_shape`` no file is run and the entries carry no shapes: they
 are served the same, with no warm-up and unknown shapes where those are shown.
+
+Rewriting a manifest keeps, for each file whose sha256 has not changed, what the earlier
+entry said beyond the freshly computed fields (an export's seed, cut and method, shapes
+that were not probed this time); a changed file gets a fresh entry, marked ``"method":
+"hand-made"``.
 """
 from __future__ import annotations
 
@@ -28,12 +33,6 @@ import torch
 from . import repository as repo
 
 log = logging.getLogger("blockflow.blocks.manifest")
-
-#: Entry fields that say what the file is; the rest of an earlier entry (seed, cut, variant)
-#: is kept when the file is unchanged.
-_OWN = ("name", "file", "sha256", "format", "method", "dtype", "params", "param_bytes",
-        "input_shape", "output_shape")
-
 
 def block_files(directory: str | os.PathLike) -> list[Path]:
     """The ``.pt``/``.pt2`` files directly in ``directory``, in natural name order."""
@@ -59,20 +58,22 @@ def write_manifest(directory: str | os.PathLike, input_shape: tuple[int, ...] | 
         raise ValueError(f"{d} holds no .pt or .pt2 files to list")
     loaded = {p.name: _load(p) for p in files}
     shapes = probe_shapes({n: m for n, (m, _) in loaded.items()}, input_shape, chain) if input_shape else {}
-    old = _old_entries(d)
+    manifest = _old_manifest(d)
+    old = manifest.get("blocks", {})
     entries = {}
     for name, (module, digest) in loaded.items():
         entry = _entry(Path(name), module, digest, shapes.get(name))
-        previous = old.get(name, {})
-        if previous.get("sha256") == digest:
-            entry = {**{k: v for k, v in previous.items() if k not in _OWN}, **entry}
-        entries[name] = entry
+        previous = old.get(name)
+        # an unchanged file keeps what an export said of it (seed, cut, method, shapes not re-probed)
+        unchanged = isinstance(previous, dict) and previous.get("sha256") == digest
+        entries[name] = {**previous, **entry} if unchanged else {"method": "hand-made", **entry}
     for name in sorted(set(old) - set(entries)):
         log.info("%s: %s is listed but gone; unlisted", d / repo.MANIFEST, name)
     path = d / repo.MANIFEST
-    repo._atomic_write(path, repo._manifest_bytes({"model": d.name, "blocks": entries}))
+    manifest.update(model=manifest.get("model", d.name), blocks=entries)
+    repo._atomic_write(path, repo._manifest_bytes(manifest))
     log.info("manifest %s lists %d files (%s)", path, len(entries),
-             "shapes probed" if shapes else "no shapes: no --input-shape")
+             "shapes probed" if shapes else "shapes not probed: no --input-shape")
     return path
 
 
@@ -146,8 +147,7 @@ def _entry(path: Path, module: torch.nn.Module, digest: str,
     """A manifest entry with the fields an export writes (shapes only when probed)."""
     fmt = "export" if path.suffix == repo.SUFFIX["export"] else "torchscript"
     tensors = list(module.parameters()) + list(module.buffers())
-    entry = {"name": path.stem, "file": path.name, "sha256": digest, "format": fmt,
-             "method": "export" if fmt == "export" else "hand-made", "dtype": "float32",
+    entry = {"name": path.stem, "file": path.name, "sha256": digest, "format": fmt, "dtype": "float32",
              "params": sum(p.numel() for p in module.parameters()),
              "param_bytes": sum(t.numel() * t.element_size() for t in tensors)}
     if shapes:
@@ -155,11 +155,12 @@ def _entry(path: Path, module: torch.nn.Module, digest: str,
     return entry
 
 
-def _old_entries(d: Path) -> dict:
-    """The entries of the manifest already in ``d`` (``{}`` when there is none or it is unreadable)."""
+def _old_manifest(d: Path) -> dict:
+    """The manifest already in ``d`` (``{}`` when there is none or it is unreadable)."""
     path = d / repo.MANIFEST
     try:
-        return dict(repo._read_manifest(path).get("blocks", {})) if path.exists() else {}
+        manifest = repo._read_manifest(path) if path.exists() else {}
     except repo.BlockFileError as exc:
         log.warning("%s; writing a new one", exc)
         return {}
+    return dict(manifest, blocks=dict(manifest.get("blocks", {})))

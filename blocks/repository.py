@@ -1,5 +1,8 @@
 """Block repository: split torchvision ResNets into blocks, export them as
-TorchScript files with a manifest, and load/verify them again.
+TorchScript files with a manifest, and load/verify them again.  Any other model
+is split at named cuts by :mod:`blockflow.blocks.split`, and hand-made block files
+get their manifest from :mod:`blockflow.blocks.manifest`; both write the manifest
+fields described here.
 
 Layout of a repository directory (``out`` / ``repo`` below)::
 

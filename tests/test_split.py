@@ -299,3 +299,12 @@ def test_resnet_export_keeps_its_blocks_and_variants(tmp_path):
     assert "resnet18 (TorchScript, script, 2 blocks)" in res.stdout
     assert sorted(load_manifest(tmp_path, "resnet18")["blocks"]) == [
         "block12.pt", "block34.pt", "full.pt", "head-x.pt", "head.pt"]
+
+
+def test_manifest_rewrite_of_an_exported_directory_changes_nothing(mobilenet_repo, tmp_path):
+    copy = tmp_path / MOBILENET
+    shutil.copytree(os.path.join(mobilenet_repo, MOBILENET), copy)
+    before = (copy / "manifest.json").read_text()
+    assert blockflow("manifest", str(copy), "--check").returncode == 0
+    assert blockflow("manifest", str(copy)).returncode == 0
+    assert (copy / "manifest.json").read_text() == before
