@@ -443,10 +443,16 @@ def _write_block(model_dir: Path, bname: str, mod: nn.Module, x: torch.Tensor, y
     """Compile ``mod`` to ``model_dir/bname.pt[2]``: its file name and manifest entry (the
     same fields as a ResNet block's)."""
     fname = bname + repo.SUFFIX[fmt]
-    if fmt == "export":
-        data = repo._export_program_bytes(mod, x)
-    else:
-        data = repo._compile_to_bytes(mod, method, x)
+    try:
+        if fmt == "export":
+            data = repo._export_program_bytes(mod, x)
+        else:
+            data = repo._compile_to_bytes(mod, method, x)
+    except Exception as exc:  # torch.jit/torch.export raise many kinds; say which block and what to try
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        other = "--method trace or --format export" if fmt == "torchscript" else "--format torchscript"
+        raise ValueError(f"{bname}: {'torch.export' if fmt == 'export' else 'torch.jit.' + method} cannot "
+                         f"compile it ({first}); try {other}") from exc
     sys.stderr.write('{"blockflow_progress": "%s"}\n' % fname)  # run_export_worker's bar
     sys.stderr.flush()
     digest = hashlib.sha256(data).hexdigest()
