@@ -71,7 +71,7 @@ def write_manifest(directory: str | os.PathLike, input_shape: tuple[int, ...] | 
         log.info("%s: %s is listed but gone; unlisted", d / repo.MANIFEST, name)
     path = d / repo.MANIFEST
     manifest.update(model=manifest.get("model", d.name), blocks=entries)
-    repo._atomic_write(path, repo._manifest_bytes(manifest))
+    repo.atomic_write(path, repo.manifest_bytes(manifest))
     log.info("manifest %s lists %d files (%s)", path, len(entries),
              "shapes probed" if shapes else "shapes not probed: no --input-shape")
     return path
@@ -84,7 +84,7 @@ def check_manifest(directory: str | os.PathLike) -> list[str]:
     path = d / repo.MANIFEST
     if not path.exists():
         return [f"{path} does not exist"]
-    listed = repo._read_manifest(path).get("blocks", {})
+    listed = repo.read_manifest(path).get("blocks", {})
     present = {p.name for p in block_files(d)}
     problems = []
     for name in sorted(set(listed) | present, key=lambda n: natural_key(Path(n))):
@@ -113,11 +113,11 @@ def probe_shapes(modules: dict[str, torch.nn.Module], input_shape: tuple[int, ..
     x, previous = x0, None
     for name in chain:
         y = _run(modules[name], x, name, previous)
-        shapes[name] = (repo._batch1(x.shape), repo._batch1(y.shape))
+        shapes[name] = (repo.batch1(x.shape), repo.batch1(y.shape))
         x, previous = y, name
     for name in modules:
         if name.startswith(repo.FULL) and name not in shapes:
-            shapes[name] = (repo._batch1(x0.shape), repo._batch1(_run(modules[name], x0, name, None).shape))
+            shapes[name] = (repo.batch1(x0.shape), repo.batch1(_run(modules[name], x0, name, None).shape))
     return shapes
 
 
@@ -159,7 +159,7 @@ def _old_manifest(d: Path) -> dict:
     """The manifest already in ``d`` (``{}`` when there is none or it is unreadable)."""
     path = d / repo.MANIFEST
     try:
-        manifest = repo._read_manifest(path) if path.exists() else {}
+        manifest = repo.read_manifest(path) if path.exists() else {}
     except repo.BlockFileError as exc:
         log.warning("%s; writing a new one", exc)
         return {}

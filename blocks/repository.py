@@ -397,12 +397,12 @@ def _export_in_process(model: str, out: str, blocks: int, method: str,
         for name, mod in parts.items():
             inputs[name] = x
             y = mod(x)
-            shapes[name] = (_batch1(x.shape), _batch1(y.shape))
+            shapes[name] = (batch1(x.shape), batch1(y.shape))
             x = y
         if not parts:  # blocks=1: still need the full model's output shape
             x = net(example)
     inputs[FULL] = example
-    shapes[FULL] = (_batch1(example.shape), _batch1(x.shape))
+    shapes[FULL] = (batch1(example.shape), batch1(x.shape))
 
     # Compile order matters for the bytes: TorchScript names classes
     # ___torch_mangle_N in order of first compilation.  full and head come
@@ -423,13 +423,13 @@ def _export_in_process(model: str, out: str, blocks: int, method: str,
         stem = name if variant is None else f"{name}-{variant}"
         fname = stem + SUFFIX[fmt]
         if fmt == "export":
-            data = _export_program_bytes(mod, inputs[name])
+            data = export_program_bytes(mod, inputs[name])
         else:
-            data = _compile_to_bytes(mod, method, inputs[name])
+            data = compile_to_bytes(mod, method, inputs[name])
         sys.stderr.write(json.dumps({"blockflow_progress": fname}) + "\n")  # export_model's bar
         sys.stderr.flush()
         digest = hashlib.sha256(data).hexdigest()
-        _atomic_write(model_dir / fname, data)
+        atomic_write(model_dir / fname, data)
         n_params = sum(p.numel() for p in mod.parameters())
         n_bytes = sum(t.numel() * t.element_size()
                       for t in list(mod.parameters()) + list(mod.buffers()))
@@ -451,20 +451,21 @@ def _export_in_process(model: str, out: str, blocks: int, method: str,
 
     # Merge, so exporting variants (or another split) later keeps earlier files listed.
     manifest_path = model_dir / MANIFEST
-    manifest = _read_manifest(manifest_path) if manifest_path.exists() else {}
+    manifest = read_manifest(manifest_path) if manifest_path.exists() else {}
     merged = dict(manifest.get("blocks", {}))
     merged.update(entries)
     manifest = {"model": model, "seed": seed, "blocks": merged}
-    _atomic_write(manifest_path, _manifest_bytes(manifest))
+    atomic_write(manifest_path, manifest_bytes(manifest))
     log.info("manifest %s lists %d files", manifest_path, len(merged))
     return manifest_path
 
 
-def _batch1(shape: torch.Size) -> list[int]:
+def batch1(shape: torch.Size) -> list[int]:
+    """``shape`` with batch 1, as manifests list shapes."""
     return [1, *shape[1:]]
 
 
-def _compile_to_bytes(mod: nn.Module, method: str, example: torch.Tensor) -> bytes:
+def compile_to_bytes(mod: nn.Module, method: str, example: torch.Tensor) -> bytes:
     """TorchScript-compile ``mod`` and serialise it in memory (the bytes are
     hashed and then written in one go)."""
     mod.eval()
@@ -480,7 +481,7 @@ def _compile_to_bytes(mod: nn.Module, method: str, example: torch.Tensor) -> byt
     return buf.getvalue()
 
 
-def _export_program_bytes(mod: nn.Module, example: torch.Tensor) -> bytes:
+def export_program_bytes(mod: nn.Module, example: torch.Tensor) -> bytes:
     """``torch.export`` ``mod`` (eval mode, dynamic batch dimension) and serialise
     the program in memory.  The example is widened to batch 2: torch.export
     specialises a dimension of size 1, which would fix the batch to 1."""
@@ -500,11 +501,12 @@ def _progress(total: int, label: str):
     return tqdm(total=total, desc=label, unit="file", disable=not sys.stderr.isatty(), leave=False)
 
 
-def _manifest_bytes(manifest: dict) -> bytes:
+def manifest_bytes(manifest: dict) -> bytes:
+    """The manifest as written: sorted keys, indent 2, so equal manifests are equal bytes."""
     return (json.dumps(manifest, sort_keys=True, indent=2) + "\n").encode("utf-8")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     """Write via a temp file + os.replace: a block server never sees a
     half-written file, and an interrupted export leaves the old file intact."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -531,10 +533,11 @@ def load_manifest(repo: str | os.PathLike, model: str) -> dict:
     path = Path(repo) / model / MANIFEST
     if not path.exists():
         return {}
-    return _read_manifest(path)
+    return read_manifest(path)
 
 
-def _read_manifest(path: Path) -> dict:
+def read_manifest(path: Path) -> dict:
+    """The manifest at ``path``; a :class:`BlockFileError` naming it when it is unreadable."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -597,7 +600,7 @@ def verify_block(repo: str | os.PathLike, relpath: str, hash_file: bool = True) 
     manifest_path = path.parent / MANIFEST
     entry = None
     if manifest_path.exists() and manifest_path.resolve().is_relative_to(root):
-        entry = _read_manifest(manifest_path).get("blocks", {}).get(path.name)
+        entry = read_manifest(manifest_path).get("blocks", {}).get(path.name)
     if outside and not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)):
         raise BlockFileError(
             f"block file {relpath!r} resolves to {real}, outside the repository {root}; "
@@ -718,7 +721,7 @@ def list_blocks(repo: str | os.PathLike) -> list[dict[str, Any]]:
         if path.parent not in manifests:
             mpath = path.parent / MANIFEST
             try:
-                manifests[path.parent] = _read_manifest(mpath) if mpath.exists() else {}
+                manifests[path.parent] = read_manifest(mpath) if mpath.exists() else {}
             except BlockFileError as exc:
                 log.warning("%s", exc)
                 manifests[path.parent] = {}

@@ -43,8 +43,8 @@ from . import repository as repo
 
 log = logging.getLogger("blockflow.blocks.split")
 
-#: How many times each node is timed when ``--blocks N`` balances the blocks (after one warm-up).
-TIMING_REPEATS = int(os.environ.get("BLOCKFLOW_SPLIT_TIMING_REPEATS", "5"))
+#: How many times each node is timed when ``--blocks N`` balances the blocks (after two warm-ups).
+TIMING_REPEATS = 5
 #: Largest difference the export accepts between the chained blocks and the whole model (fp32).
 CHAIN_TOLERANCE = 1e-4
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -445,9 +445,9 @@ def _write_block(model_dir: Path, bname: str, mod: nn.Module, x: torch.Tensor, y
     fname = bname + repo.SUFFIX[fmt]
     try:
         if fmt == "export":
-            data = repo._export_program_bytes(mod, x)
+            data = repo.export_program_bytes(mod, x)
         else:
-            data = repo._compile_to_bytes(mod, method, x)
+            data = repo.compile_to_bytes(mod, method, x)
     except Exception as exc:  # torch.jit/torch.export raise many kinds; say which block and what to try
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         other = "--method trace or --format export" if fmt == "torchscript" else "--format torchscript"
@@ -456,12 +456,12 @@ def _write_block(model_dir: Path, bname: str, mod: nn.Module, x: torch.Tensor, y
     sys.stderr.write('{"blockflow_progress": "%s"}\n' % fname)  # run_export_worker's bar
     sys.stderr.flush()
     digest = hashlib.sha256(data).hexdigest()
-    repo._atomic_write(model_dir / fname, data)
+    repo.atomic_write(model_dir / fname, data)
     tensors = list(mod.parameters()) + list(mod.buffers())
     log.info("wrote %s (%.1f MB, sha256 %s)", model_dir / fname, len(data) / 1e6, digest[:12])
     return fname, {
         "name": bname, "file": fname, "sha256": digest,
-        "input_shape": repo._batch1(x.shape), "output_shape": repo._batch1(y.shape),
+        "input_shape": repo.batch1(x.shape), "output_shape": repo.batch1(y.shape),
         "dtype": "float32", "params": sum(p.numel() for p in mod.parameters()),
         "param_bytes": sum(t.numel() * t.element_size() for t in tensors),
         "method": method if fmt == "torchscript" else "export", "format": fmt,
@@ -475,7 +475,7 @@ def _merge_manifest(model_dir: Path, name: str, seed: int, source: str, cuts: li
     this one does not make (block5 when there are now four) are unlisted and deleted: a
     stale block left listed would be served as if it belonged to this split."""
     path = model_dir / repo.MANIFEST
-    merged = dict(repo._read_manifest(path).get("blocks", {})) if path.exists() else {}
+    merged = dict(repo.read_manifest(path).get("blocks", {})) if path.exists() else {}
     for fname, entry in list(merged.items()):
         stale = isinstance(entry, dict) and _BLOCK_RE.fullmatch(str(entry.get("name", "")))
         if stale and fname not in entries:
@@ -484,6 +484,6 @@ def _merge_manifest(model_dir: Path, name: str, seed: int, source: str, cuts: li
             log.info("removed %s: this split of %s has no %s", model_dir / fname, name, entry["name"])
     merged.update(entries)
     manifest = {"model": name, "seed": seed, "source": source, "cuts": cuts, "blocks": merged}
-    repo._atomic_write(path, repo._manifest_bytes(manifest))
+    repo.atomic_write(path, repo.manifest_bytes(manifest))
     log.info("manifest %s lists %d files", path, len(merged))
     return path
