@@ -374,18 +374,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="split a model into blocks and write them with a manifest of sha256 sums: "
                                       "a torchvision model (seeded weights) or your own, cut after named submodules")
-    e.add_argument("--model", default="resnet50",
+    e.add_argument("--model", default="resnet50", metavar="NAME_OR_CALLABLE",
                    help="a torchvision classification model name (seeded weights, nothing downloaded) or "
                         "package.module:callable returning an nn.Module (imported from the current directory "
                         "or PYTHONPATH)")
     e.add_argument("--cut", action="append", metavar="LAYER",
                    help="split just after this submodule (qualified name, e.g. features.3); repeatable. "
                         "Writes block1..blockK + full")
-    e.add_argument("--blocks", type=int,
+    e.add_argument("--blocks", type=int, metavar="N",
                    help="resnet18/50/152 without --cut: 4 (block1..block4 + head, the default), 2 (block12, "
                         "block34 + head) or 1 (the full model only); any other model: N blocks, cut where the "
                         "measured block times are most even (the cuts are printed)")
-    e.add_argument("--input-shape", default=DEFAULT_INPUT_SHAPE,
+    e.add_argument("--input-shape", default=DEFAULT_INPUT_SHAPE, metavar="SHAPE",
                    help="input the model is traced, probed and timed with, batch first (not for the ResNet export)")
     e.add_argument("--name", help="directory under --out (default: the model's name, or the callable's)")
     e.add_argument("--format", default=DEFAULT_FORMAT, choices=["torchscript", "export"],
@@ -405,10 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     mf.add_argument("dir", help="the directory holding the block files (a model directory of the repository)")
     mf.add_argument("--check", action="store_true",
                     help="write nothing: exit 1 naming each file that changed, is missing or is not listed")
-    mf.add_argument("--input-shape", help="probe shapes: run the files in turn on an input of this shape, batch "
+    mf.add_argument("--input-shape", metavar="SHAPE", help="probe shapes: run the files in turn on an input of this shape, batch "
                                           "first, e.g. 1,3,224,224 (files named full* take it themselves); "
                                           "default: no shapes listed")
-    mf.add_argument("--chain", help="comma-separated order of the files for probing (default: natural name "
+    mf.add_argument("--chain", metavar="FILES", help="comma-separated order of the files for probing (default: natural name "
                                     "order, full* files aside), e.g. stem.pt,body.pt,head.pt")
     mf.set_defaults(fn=_manifest)
 
