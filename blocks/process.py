@@ -82,6 +82,9 @@ DRAIN_LIMIT = 256
 WOKEN_AFTER_S = 100e-6
 #: Slots lent at most for one output (Note [Outputs made in a slot]): ResNet's blocks need three.
 MAX_LENT = 4
+#: Seconds between two looks for mappings of slots whose producer is gone (a retired block's
+#: files are unlinked; the consumer's mapping would pin their pages: SlotMapper.forget_unlinked).
+SWEEP_INTERVAL = 2.0
 
 
 @dataclass
@@ -343,8 +346,12 @@ class Block(ChildProcess):
         poller.register(self.mail_in, zmq.POLLIN)
         pull, backlog, admit = self.pull, self.backlog, self.admit
         pull.rcvtimeo = int(BEAT_INTERVAL * 1e3)
+        next_sweep = time.monotonic() + SWEEP_INTERVAL
         while not self.stopping.is_set():
             self.beat = time.monotonic()
+            if self.beat >= next_sweep:  # busy or idle: a loaded block never times out its receive
+                next_sweep = self.beat + SWEEP_INTERVAL
+                self.transport.forget_unlinked()
             if self.mail_waiting:
                 self.read_mailbox()
             drain = DRAIN_LIMIT
