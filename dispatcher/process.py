@@ -220,6 +220,8 @@ class Dispatcher(ChildProcess):
                 next_flush = now + 1.0
                 if self.kpi is not None:
                     self.kpi.flush()  # /metrics reads the log: at most a second behind
+                # results of a retired last block: their slot files are unlinked, our maps pin them
+                self.transport.forget_unlinked()
             self.watch_parent()
 
     # -- clients -----------------------------------------------------------------------------

@@ -58,3 +58,32 @@ def test_a_consumer_lets_go_of_a_retired_producers_slots(server_factory, copy_re
     except AssertionError:
         raise AssertionError(f"h still maps {len(_deleted_slot_mappings(h))} unlinked slot file(s) of the "
                              f"retired p: {_deleted_slot_mappings(h)[:2]}") from None
+
+
+def test_the_dispatcher_lets_go_of_a_retired_last_blocks_slots(server_factory, copy_repo):
+    """The same for the dispatcher, which reads the last block's outputs from its slots."""
+    srv = server_factory(copy_repo)
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+
+    def update(last: str) -> None:
+        srv.call("POST", "/system/update", {
+            "transport": "tensormq",
+            "blocks": [{"name": n, "model": "toy/copy.pt", "threads": 1} for n in ("a", last)],
+            "tasks": [{"id": "t", "path": ["a", last]}]}, timeout=60)
+
+    update("p")
+    dispatcher = srv.call("GET", "/system")["dispatcher"]["pid"]
+    with Client(srv.dispatcher, timeout=30) as c:
+        for _ in range(3):
+            assert torch.equal(c.infer("t", x), x)
+        p = {b["name"]: b["pid"] for b in srv.call("GET", "/system")["blocks"]}["p"]
+        update("q")
+        wait_for(lambda: gone(p), 30, "the retired last block p exits")
+        assert srv.call("GET", "/system")["dispatcher"]["pid"] == dispatcher
+        for _ in range(3):
+            assert torch.equal(c.infer("t", x), x)
+    try:
+        wait_for(lambda: not _deleted_slot_mappings(dispatcher), 15, "the dispatcher drops p's unlinked slots")
+    except AssertionError:
+        raise AssertionError(f"the dispatcher still maps {len(_deleted_slot_mappings(dispatcher))} unlinked slot "
+                             f"file(s) of the retired p: {_deleted_slot_mappings(dispatcher)[:2]}") from None
