@@ -74,8 +74,10 @@ TICK = 0.05
 #: A child asked to stop gets this long before SIGTERM, and STOP_KILL_S before SIGKILL.
 STOP_TERM_S = 1.0
 STOP_KILL_S = 5.0
-#: Seconds the switch waits for processes to take a topology update before draining anyway.
-ACK_TIMEOUT = 5.0
+#: Seconds the switch waits for processes to take a topology update before draining anyway. A
+#: hung process is killed within HANG_TIMEOUT, which fails its acknowledgement at once; this is
+#: the bound for one that answers pings but not the update (its inference thread is busy).
+ACK_TIMEOUT = HANG_TIMEOUT
 
 
 class UpdateFailed(RuntimeError):
@@ -109,7 +111,6 @@ class Child:
     spawned_at: float = field(default_factory=time.monotonic)
     ready_at: float = 0.0            # monotonic; silence is counted from here
     stop_asked: float | None = None  # monotonic, when stop_later() asked it to stop
-    applying: Future | None = None   # its answer to the last topology update, while it is due
     gone: bool = False               # exited and cleaned up after
 
     @property
@@ -496,12 +497,11 @@ class Manager:
             if c.status != "ready":
                 continue
             seen = max(self.controller.last_seen.get(c.ident, c.ready_at), c.ready_at, self._grace_from)
-            # A block applies a topology update between two inferences and answers nothing
-            # meanwhile (not even pings): that silence is not a hang. The block itself gives up
-            # on the update after 10 s, and a stuck inference shows in busy_s anyway.
-            if c.applying is not None and c.applying.done():
-                c.applying = None
-            if now - seen > HANG_TIMEOUT and c.applying is None:
+            # No exemption while an update is due: a block answers pings while its inference
+            # thread finishes the request before applying it (blocks/process.py, Later), so
+            # silence is a hang then too, and killing it fails the due acknowledgement at once
+            # (Controller.forget): no update waits on a hung process longer than this.
+            if now - seen > HANG_TIMEOUT:
                 self.kill_child(c, f"hung ({now - seen:.2f}s without answering), killed")
                 continue
             fut = self.controller.cast(c.ident, "ping")
@@ -730,8 +730,7 @@ class Manager:
                                                 {**topology, "transport": self.transport}))
         for c in self.blocks.values():
             if c.status == "ready":
-                c.applying = self.controller.cast(c.ident, "update", topology)
-                futures.append(c.applying)
+                futures.append(self.controller.cast(c.ident, "update", topology))
         for f in futures:
             f.add_done_callback(_log_refusal)
         return futures
