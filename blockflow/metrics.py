@@ -34,6 +34,8 @@ import json
 import logging
 import os
 import threading
+import time
+from collections import deque
 
 import psutil
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -50,6 +52,8 @@ STAGES = (("wait", "queue_wait"), ("deser", "reconstruct"), ("dev", "to_device")
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 #: Seconds a scrape waits for one block's answer to ``store`` / ``ping`` before leaving it out.
 COMMAND_TIMEOUT = 1.0
+#: Seconds of records behind the "last minute" figures of ``GET /status`` (``blockflow status``).
+RECENT_S = 60.0
 
 
 class _Histogram:
@@ -101,13 +105,35 @@ class _Tail:
 
 
 class _Series:
-    """Cumulative counts of one block or one task, fed from its log."""
+    """Cumulative counts of one block or one task, fed from its log, and its last RECENT_S
+    seconds of records: (wall-clock arrival, milliseconds or None for an error)."""
 
     def __init__(self):
         self.requests = 0
         self.errors: dict[str, int] = {}
         self.duration = _Histogram()
         self.stages = {stage: 0.0 for _, stage in STAGES}
+        self.recent: deque = deque()
+
+    def remember(self, rec: dict, ms: float | None) -> None:
+        ts = rec.get("ts")
+        if isinstance(ts, (int, float)):
+            self.recent.append((float(ts), ms))
+
+    def last_minute(self, now: float, since: float | None = None) -> dict:
+        """Requests per second, error count and p50/p99 (ms) of the records that arrived in
+        the last RECENT_S seconds; the rate counts over the part of the window the process
+        existed (``since``: its start, wall clock)."""
+        while self.recent and self.recent[0][0] < now - RECENT_S:
+            self.recent.popleft()
+        window = max(min(RECENT_S, now - since) if since else RECENT_S, 1.0)
+        ok = sorted(ms for _, ms in self.recent if ms is not None)
+
+        def pct(q: float) -> float | None:
+            return round(ok[min(int(q * len(ok)), len(ok) - 1)], 3) if ok else None
+
+        return {"requests_per_s": round(len(self.recent) / window, 3), "errors": len(self.recent) - len(ok),
+                "p50_ms": pct(0.50), "p99_ms": pct(0.99), "window_s": round(window, 1)}
 
 
 class BlockFlowCollector:
@@ -135,9 +161,11 @@ class BlockFlowCollector:
             if "error" in rec:
                 code = str(rec["error"])
                 series.errors[code] = series.errors.get(code, 0) + 1
+                series.remember(rec, None)
                 continue
             if "total" not in rec:
                 continue
+            series.remember(rec, float(rec["total"]))
             for key, stage in STAGES:
                 series.stages[stage] += float(rec.get(key, 0.0)) / 1e3
             # the block's own clock, not the stages' sum (see the module docstring)
@@ -151,6 +179,7 @@ class BlockFlowCollector:
             code = str(rec.get("code"))
             if code != "ok":
                 series.errors[code] = series.errors.get(code, 0) + 1
+                series.remember(rec, None)
                 continue
             ms = float(rec.get("ms", 0.0))
             inside = 0.0
@@ -160,13 +189,16 @@ class BlockFlowCollector:
                 inside += v
             series.stages["forward"] += max(ms - inside, 0.0) / 1e3
             series.duration.observe(max(ms, inside) / 1e3)
+            series.remember(rec, max(ms, inside))
 
     # -- one scrape --------------------------------------------------------------------------
     def collect(self):
         with self.lock:
             yield from self._collect()
 
-    def _collect(self):
+    def _refresh(self) -> tuple[dict, list[dict], dict]:
+        """Ask every ready block to flush its KPI log, read what the logs gained, and return
+        the manager's snapshot, its blocks, and each answering block's ping."""
         system = self.manager.snapshot()
         run_dir = system.get("run_dir")
         blocks = [b for b in system.get("blocks", []) if isinstance(b, dict)]
@@ -183,6 +215,39 @@ class BlockFlowCollector:
             for b in blocks:
                 self._read_block(run_dir, b["name"])
             self._read_dispatcher(run_dir)
+        return system, blocks, live
+
+    def status(self) -> list[dict]:
+        """One row per process for ``GET /status`` (``blockflow status``): the dispatcher first,
+        then the blocks; the last minute's rate and latency from the same logs as /metrics."""
+        with self.lock:
+            system, blocks, live = self._refresh()
+        now = time.time()
+        rows = []
+        disp = system.get("dispatcher")
+        if isinstance(disp, dict):
+            answered = _Series()  # the dispatcher's rate: every task's answered requests
+            for series in self.tasks.values():
+                series.last_minute(now)
+                answered.recent.extend(series.recent)
+            rows.append(self._row(disp, DISPATCHER, None, now, answered))
+        for b in blocks:
+            rows.append(self._row(b, b["name"], live.get(b["name"]), now, self.blocks.get(b["name"]) or _Series()))
+        return rows
+
+    @staticmethod
+    def _row(child: dict, name: str, ping: dict | None, now: float, series: _Series) -> dict:
+        started = child.get("started") if child.get("status") == "ready" else None
+        row = {"process": name, "status": child.get("status"), "pid": child.get("pid"),
+               "device": child.get("device", "cpu" if name != DISPATCHER else "-"),
+               "restarts": child.get("restarts", 0), "uptime_s": round(now - started, 1) if started else None,
+               "last_exit": child.get("last_exit"), **series.last_minute(now, started)}
+        if isinstance(ping, dict):
+            row["queue"] = ping.get("queue")
+        return row
+
+    def _collect(self):
+        system, blocks, live = self._refresh()
         yield from self._families("block", self.blocks, "inferences a block ran (successful or not)",
                                   "inference time in a block, arrival to departure")
         yield from self._families("task", self.tasks, "requests the dispatcher answered",
@@ -295,7 +360,8 @@ class Metrics:
 
     def __init__(self, manager):
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(BlockFlowCollector(manager))
+        self.collector = BlockFlowCollector(manager)
+        self.registry.register(self.collector)
         ProcessCollector(registry=self.registry)
 
     def render(self) -> bytes:
