@@ -177,9 +177,10 @@ def format_status(rows: list[dict], system: dict) -> str:
     def ms(v):
         return "-" if v is None else f"{v:.1f}"
 
-    head = ("PROCESS", "STATUS", "PID", "DEVICE", "RESTARTS", "UPTIME", "REQ/S", "P50 MS", "P99 MS", "ERRORS",
-            "LAST EXIT")
-    table = [head] + [(r["process"], str(r["status"]), str(r.get("pid") or "-"), str(r.get("device") or "-"),
+    head = ("PROCESS", "BLOCK", "REPLICA", "STATUS", "PID", "DEVICE", "RESTARTS", "UPTIME", "REQ/S", "P50 MS",
+            "P99 MS", "ERRORS", "LAST EXIT")
+    table = [head] + [(r["process"], r.get("block") or "-", "-" if r.get("replica") is None else str(r["replica"]),
+                       str(r["status"]), str(r.get("pid") or "-"), str(r.get("device") or "-"),
                        str(r.get("restarts", 0)), _duration(r.get("uptime_s")), f"{r['requests_per_s']:.1f}",
                        ms(r.get("p50_ms")), ms(r.get("p99_ms")), str(r.get("errors", 0)), r.get("last_exit") or "-")
                       for r in rows]

@@ -238,7 +238,8 @@ class BlockFlowCollector:
     @staticmethod
     def _row(child: dict, name: str, ping: dict | None, now: float, series: _Series) -> dict:
         started = child.get("started") if child.get("status") == "ready" else None
-        row = {"process": name, "status": child.get("status"), "pid": child.get("pid"),
+        row = {"process": name, "block": child.get("block", name), "replica": child.get("replica"),
+               "status": child.get("status"), "pid": child.get("pid"),
                "device": child.get("device", "cpu" if name != DISPATCHER else "-"),
                "restarts": child.get("restarts", 0), "uptime_s": round(now - started, 1) if started else None,
                "last_exit": child.get("last_exit"), **series.last_minute(now, started)}

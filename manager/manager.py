@@ -36,7 +36,7 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import zmq
@@ -112,6 +112,8 @@ class Child:
     ready_at: float = 0.0            # monotonic; silence is counted from here
     stop_asked: float | None = None  # monotonic, when stop_later() asked it to stop
     gone: bool = False               # exited and cleaned up after
+    block: str = ""                  # the declared block this process is a replica of
+    replica: int = 0                 # which replica (0: the one named like the block)
 
     @property
     def ident(self) -> bytes:
@@ -127,6 +129,7 @@ class Child:
              "failure": self.failure, "started": self.started}
         if self.decl is not None:
             d.update(self.decl.as_dict())
+            d["block"], d["replica"] = self.block, self.replica
         return d
 
 
@@ -145,6 +148,7 @@ class Operation:
     # progress, set by the supervisor
     phase: str = "queued"                       # queued, starting, draining
     desired: Desired | None = None
+    processes: dict[str, BlockDecl] = field(default_factory=dict)  # the desired blocks, one per replica
     plan: Plan | None = None
     new: dict[str, Child] = field(default_factory=dict)
     retired: list[Child] = field(default_factory=list)
@@ -166,7 +170,10 @@ class Manager:
         self.window = window
         self.catalog = ModelCatalog(self.repo)
         self.lock = threading.RLock()
+        #: one Child per block process, by process name: a block's replica 0 has the block's name,
+        #: replica r > 0 ``name~r`` (schema.replica_name); ``declared`` keeps the blocks as declared
         self.blocks: dict[str, Child] = {}
+        self.declared: dict[str, BlockDecl] = {}
         self.tasks: dict[str, list[str]] = {}
         self.manifests: dict[str, dict | None] = {}
         self.update_body: dict | None = None
@@ -246,6 +253,7 @@ class Manager:
             for op in ops:
                 children += list(op.new.values()) + op.retired
             self.blocks.clear()
+            self.declared.clear()
             self.tasks.clear()
             self.stop_now(children)
             if self.dispatcher is not None:
@@ -264,7 +272,9 @@ class Manager:
         self._incarnations[name] = inc
         return inc
 
-    def spawn_block(self, decl: BlockDecl, restarts: int = 0, streak: int = 0) -> Child:
+    def spawn_block(self, decl: BlockDecl, restarts: int = 0, streak: int = 0, block: str | None = None,
+                    replica: int = 0) -> Child:
+        """Start the process ``decl.name``: replica ``replica`` of ``block`` (default: the block itself)."""
         inc = self._next_incarnation(decl.name)
         model = list(decl.model) if isinstance(decl.model, tuple) else decl.model
         spec = BlockSpec(name=decl.name, model=model, repo=self.repo, run_dir=self.state.run_dir,
@@ -278,7 +288,8 @@ class Manager:
         proc = self.mp.Process(target=serve_block, args=(spec,), name=f"blockflow-{decl.name}", daemon=True)
         proc.start()
         log.info("spawned block %s#%d (pid %d, %s on %s)", decl.name, inc, proc.pid, decl.model, decl.device)
-        return Child(decl.name, decl, inc, proc, restarts=restarts, streak=streak)
+        return Child(decl.name, decl, inc, proc, restarts=restarts, streak=streak, block=block or decl.name,
+                     replica=replica)
 
     def spawn_dispatcher(self, restarts: int = 0, streak: int = 0) -> Child:
         inc = self._next_incarnation(DISPATCHER)
@@ -359,9 +370,9 @@ class Manager:
         self.child(name)  # KeyError -> 404 before anything is queued
 
         def desire() -> Desired:
-            if name not in self.blocks:
+            if name not in self.declared:
                 raise KeyError(name)
-            return without_block({n: c.decl for n, c in self.blocks.items()}, self.tasks, name)
+            return without_block(self.declared, self.tasks, name)
         return self.submit(Operation("delete_block", desire))
 
     def delete_all(self) -> dict:
@@ -387,14 +398,24 @@ class Manager:
     def task_table(self) -> dict:
         table = {}
         for tid, path in self.tasks.items():
-            hops = [self.blocks[n] for n in path]
+            # per hop, its replicas that serve now (replica 0 stands for a block with none ready)
+            choices = [[c for c in self.replicas(n) if c.status == "ready"] or self.replicas(n)[:1] for n in path]
+            hops = [cs[0] for cs in choices]
             down = [c for c in hops if c.status != "ready"]
             entry = self.manifests.get(hops[0].decl.files[0])
             table[tid] = {"path": [[c.name, c.endpoint] for c in hops], "blocks": [c.instance for c in hops],
                           "input": {"dtype": entry.get("dtype"), "shape": entry.get("input_shape")} if entry else None}
+            if any(len(cs) > 1 for cs in choices):  # the dispatcher picks a replica per hop and request
+                table[tid]["replicas"] = [[[c.name, c.endpoint, c.instance] for c in cs] for cs in choices]
             if down:
-                table[tid]["unavailable"] = ", ".join(f"block {c.name} is {c.status}" for c in down)
+                table[tid]["unavailable"] = ", ".join(f"block {c.block} is {c.status}" for c in down)
         return table
+
+    def replicas(self, block: str) -> list[Child]:
+        """The processes of a declared block, replica 0 first."""
+        decl = self.declared.get(block)
+        return [self.blocks[n] for n in decl.replica_names() if n in self.blocks] if decl else []
+
 
     def child(self, name: str) -> Child:
         with self.lock:
@@ -593,7 +614,8 @@ class Manager:
         # say why a block restarted after it is ready again, not only while it is down
         for name, c in list(self.blocks.items()):
             if c.status == "restarting":
-                self.blocks[name] = self.spawn_block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1)
+                self.blocks[name] = self.spawn_block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1,
+                                                     block=c.block, replica=c.replica)
                 self.blocks[name].last_exit = c.last_exit
                 self._persist()
         if self.dispatcher is not None and self.dispatcher.status == "restarting":
@@ -632,10 +654,12 @@ class Manager:
             return
         # an update replaces failed blocks; a deletion leaves the other blocks as they are
         current = {n: Running(c.decl, c.status == "failed" and op.kind == "update") for n, c in self.blocks.items()}
-        op.plan = plan(current, op.desired.blocks)
+        op.processes = one_per_replica(op.desired.blocks)
+        op.plan = plan(current, op.processes)
+        which = replica_of(op.desired.blocks)
         try:
             for n in op.plan.starts:
-                op.new[n] = self.spawn_block(op.desired.blocks[n])
+                op.new[n] = self.spawn_block(op.processes[n], block=which[n][0], replica=which[n][1])
         except Exception as exc:  # e.g. the forkserver is gone: answer, do not leave the caller waiting
             self.stop_later(op.new.values())
             log.exception("%s: could not spawn its blocks", op.kind)
@@ -648,13 +672,14 @@ class Manager:
         """Every new block is READY: make the desired state the current one."""
         current = self.blocks
         op.retired = [current[n] for n in op.plan.retires]
-        self.blocks = {n: op.new[n] if n in op.new else current[n] for n in op.desired.blocks}
+        self.blocks = {n: op.new[n] if n in op.new else current[n] for n in op.processes}
+        self.declared = dict(op.desired.blocks)
         old_tasks, self.tasks = self.tasks, dict(op.desired.tasks)
         if op.kind == "update":
             self.update_body, self.transport = op.body, op.transport
             self.manifests = dict(op.manifests)
         elif self.update_body:  # state.json keeps the update that describes what runs now
-            kept = [b for b in self.update_body.get("blocks", []) if b.get("name") in self.blocks]
+            kept = [b for b in self.update_body.get("blocks", []) if b.get("name") in self.declared]
             self.update_body = {**self.update_body, "blocks": kept} if kept else None
         self.version += 1
         op.diff = {**op.plan.as_diff(), "tasks": diff_tasks(old_tasks, self.tasks).as_dict()}
@@ -752,6 +777,19 @@ class Manager:
             "dispatcher": rec(self.dispatcher) if self.dispatcher and self.dispatcher.process.pid else None,
             "shm_dir": self.state.shm, "run_dir": self.state.run_dir,
         })
+
+
+def one_per_replica(blocks: dict[str, BlockDecl]) -> dict[str, BlockDecl]:
+    """The processes that run ``blocks``: one per replica, named by ``replica_name``, each
+    declared with ``replicas`` 1, so that an update changing a block's replicas alone keeps
+    the replicas it already has (the reconciler compares declarations) and starts or drains
+    only the difference."""
+    return {n: replace(decl, name=n, replicas=1) for decl in blocks.values() for n in decl.replica_names()}
+
+
+def replica_of(blocks: dict[str, BlockDecl]) -> dict[str, tuple[str, int]]:
+    """Process name -> (block, replica), for the processes ``one_per_replica`` names."""
+    return {n: (decl.name, r) for decl in blocks.values() for r, n in enumerate(decl.replica_names())}
 
 
 def _resolve(fut: Future, result=None, error: BaseException | None = None) -> None:
