@@ -718,6 +718,23 @@ def fused_text(d: dict) -> str:
             "between blocks, and the result's way back.")
 
 
+def replicas(d: dict) -> str:
+    rows = []
+    for name, s in d["layouts"].items():
+        spread = ", ".join(f"{p} {n}" for p, n in sorted(s["inferences_by_process"].items()))
+        rows.append([name, s["replicas"], s["threads"], _f(s["throughput_rps"]), _f(s["rtt_ms"].get("p50"), 1),
+                     _f(s["rtt_ms"].get("p99"), 1), s["errors"], spread])
+    return _table(["layout", "replicas", "threads each", "req/s", "round trip p50 ms", "p99 ms", "errors",
+                   "inferences per process (KPI logs)"], rows)
+
+
+def replicas_text(d: dict) -> str:
+    return (f"With {d['settings']['clients']} closed-loop clients, two replicas of the fused block deliver "
+            f"{_f(d['ratio_r2_r1'])}x the requests/s of one (goal ≥ {d['goal_ratio']:.1f}x: "
+            f"{'met' if d['meets_goal'] else 'not met'}) and {_f(d['ratio_r2_r1_threads2'])}x those of one "
+            f"process with two torch threads; every layout answers the same tensor: {d['same_results']}.")
+
+
 def skipped(d: dict) -> str:
     return f"Not run here: {d.get('reason', 'skipped')}"
 
@@ -725,13 +742,14 @@ def skipped(d: dict) -> str:
 SECTIONS = [("offline_blocks", offline_blocks), ("rtt", rtt), ("pipeline_latency", pipeline_latency),
             ("hop_overhead", hop_overhead), ("batch_scaling", batch_scaling), ("multiclient", multiclient),
             ("throughput", throughput), ("utilization", utilization), ("energy", energy),
-            ("memory_model", memory_model), ("multi_gpu", multi_gpu), ("batching", batching), ("fused", fused)]
+            ("memory_model", memory_model), ("multi_gpu", multi_gpu), ("batching", batching), ("fused", fused),
+            ("replicas", replicas)]
 #: The sentences with numbers in them, per experiment (between ``<!-- text:NAME -->`` markers).
 TEXTS = {"offline_blocks": offline_blocks_text, "rtt": rtt_text, "pipeline_latency": pipeline_latency_text,
          "hop_overhead": hop_overhead_text, "batch_scaling": batch_scaling_text, "multiclient": multiclient_text,
          "throughput": throughput_text, "utilization": utilization_text, "memory_model": memory_model_text,
          "multi_gpu": multi_gpu_text, "batching": batching_text,
-         "fused": fused_text}
+         "fused": fused_text, "replicas": replicas_text}
 
 
 def _safe(fn, d: dict, name: str) -> str:
