@@ -52,6 +52,9 @@ STAGES = (("wait", "queue_wait"), ("deser", "reconstruct"), ("dev", "to_device")
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 #: Seconds a scrape waits for one block's answer to ``store`` / ``ping`` before leaving it out.
 COMMAND_TIMEOUT = 1.0
+#: The labels of a per-process family: the declared block (``@dispatcher`` for the dispatcher) and
+#: the replica ("0" unless the block has several: blockflow/schema.py, ``replicas``).
+BLOCK_LABELS = ["block", "replica"]
 #: Seconds of records behind the "last minute" figures of ``GET /status`` (``blockflow status``).
 RECENT_S = 60.0
 
@@ -145,6 +148,8 @@ class BlockFlowCollector:
         self.blocks: dict[str, _Series] = {}
         self.tasks: dict[str, _Series] = {}
         self.tails: dict[str, _Tail] = {}
+        #: process name -> its label values [block, replica] (a replica's process is ``name.rR``)
+        self.who: dict[str, list[str]] = {DISPATCHER: [DISPATCHER, "0"]}
         self.nvml = _Nvml()
 
     # -- reading the logs --------------------------------------------------------------------
@@ -202,6 +207,8 @@ class BlockFlowCollector:
         system = self.manager.snapshot()
         run_dir = system.get("run_dir")
         blocks = [b for b in system.get("blocks", []) if isinstance(b, dict)]
+        for b in blocks:
+            self.who[b["name"]] = [str(b.get("block", b["name"])), str(b.get("replica", 0))]
         live = {}
         for b in blocks:
             if b.get("status") != "ready":
@@ -255,63 +262,70 @@ class BlockFlowCollector:
                                   "end-to-end time of successful requests at the dispatcher")
 
         queue = GaugeMetricFamily("blockflow_block_queue_length", "messages waiting for the block's inference thread",
-                                  labels=["block"])
+                                  labels=BLOCK_LABELS)
         slots = GaugeMetricFamily("blockflow_block_inflight_slots", "TensorMQ slots the block has in flight "
-                                  "(sent, not yet released by the consumer)", labels=["block"])
+                                  "(sent, not yet released by the consumer)", labels=BLOCK_LABELS)
         for name, info in live.items():
             if isinstance(info, dict):
                 if isinstance(info.get("queue"), (int, float)):
-                    queue.add_metric([name], info["queue"])
+                    queue.add_metric(self.labels(name), info["queue"])
                 if isinstance(info.get("in_flight"), (int, float)):
-                    slots.add_metric([name], info["in_flight"])
+                    slots.add_metric(self.labels(name), info["in_flight"])
         yield queue
         yield slots
 
         restarts = CounterMetricFamily("blockflow_block_restarts", "respawns of the block (or the dispatcher) "
-                                       "since it was declared", labels=["block"])
-        up = GaugeMetricFamily("blockflow_block_up", "1 when the block is ready, 0 otherwise", labels=["block", "status"])
+                                       "since it was declared", labels=BLOCK_LABELS)
+        up = GaugeMetricFamily("blockflow_block_up", "1 when the block is ready, 0 otherwise",
+                               labels=[*BLOCK_LABELS, "status"])
         rss = GaugeMetricFamily("blockflow_block_resident_memory_bytes", "resident set size of the block's process",
-                                labels=["block"])
+                                labels=BLOCK_LABELS)
         cpu = CounterMetricFamily("blockflow_block_cpu_seconds", "user and system CPU time of the block's process "
-                                  "(starts again from 0 when it is respawned)", labels=["block"])
+                                  "(starts again from 0 when it is respawned)", labels=BLOCK_LABELS)
         children = blocks + ([system["dispatcher"]] if isinstance(system.get("dispatcher"), dict) else [])
         pids = {}
         for b in children:
             name = b.get("name", DISPATCHER)
-            restarts.add_metric([name], b.get("restarts", 0))
-            up.add_metric([name, str(b.get("status"))], 1 if b.get("status") == "ready" else 0)
+            restarts.add_metric(self.labels(name), b.get("restarts", 0))
+            up.add_metric([*self.labels(name), str(b.get("status"))], 1 if b.get("status") == "ready" else 0)
             pid = b.get("pid")
             if not pid:
                 continue
             try:
                 p = psutil.Process(pid)
                 with p.oneshot():
-                    rss.add_metric([name], p.memory_info().rss)
+                    rss.add_metric(self.labels(name), p.memory_info().rss)
                     t = p.cpu_times()
-                    cpu.add_metric([name], t.user + t.system)
-                pids[pid] = name
+                    cpu.add_metric(self.labels(name), t.user + t.system)
+                pids[pid] = self.labels(name)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         yield from (restarts, up, rss, cpu)
         yield from self.nvml.families(pids)
 
+    def labels(self, name: str) -> list[str]:
+        """The [block, replica] label values of process ``name``."""
+        return self.who.get(name) or [name, "0"]
+
     def _families(self, kind: str, table: dict[str, _Series], what: str, duration_help: str):
-        label = [kind]
+        label = BLOCK_LABELS if kind == "block" else [kind]
+        key_of = self.labels if kind == "block" else (lambda key: [key])
         requests = CounterMetricFamily(f"blockflow_{kind}_requests", what, labels=label)
         errors = CounterMetricFamily(f"blockflow_{kind}_errors", f"{what} with an error, by error code",
-                                     labels=[kind, "code"])
+                                     labels=[*label, "code"])
         name = "inference" if kind == "block" else "request"
         duration = HistogramMetricFamily(f"blockflow_{kind}_{name}_duration_seconds", duration_help, labels=label)
         stages = CounterMetricFamily(f"blockflow_{kind}_stage_seconds", "time spent in each eq. 4.1 stage; the "
                                      f"stages add up to blockflow_{kind}_{name}_duration_seconds_sum",
-                                     labels=[kind, "stage"])
+                                     labels=[*label, "stage"])
         for key, s in sorted(table.items()):
-            requests.add_metric([key], s.requests)
+            values = key_of(key)
+            requests.add_metric(values, s.requests)
             for code, n in sorted(s.errors.items()):
-                errors.add_metric([key, code], n)
-            duration.add_metric([key], s.duration.buckets(), s.duration.sum)
+                errors.add_metric([*values, code], n)
+            duration.add_metric(values, s.duration.buckets(), s.duration.sum)
             for stage, seconds in s.stages.items():
-                stages.add_metric([key, stage], seconds)
+                stages.add_metric([*values, stage], seconds)
         yield from (requests, errors, duration, stages)
 
 
@@ -339,7 +353,7 @@ class _Nvml:
         energy = CounterMetricFamily("blockflow_gpu_energy_joules", "energy the GPU used since its driver loaded",
                                      labels=["gpu"])
         vram = GaugeMetricFamily("blockflow_block_gpu_memory_bytes", "GPU memory the block's process holds",
-                                 labels=["block", "gpu"])
+                                 labels=[*BLOCK_LABELS, "gpu"])
         for i in range(self.count):
             gpu = str(i)
             try:
@@ -350,7 +364,7 @@ class _Nvml:
                 energy.add_metric([gpu], nv.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3)
                 for proc in nv.nvmlDeviceGetComputeRunningProcesses(h):
                     if proc.pid in pids and proc.usedGpuMemory is not None:
-                        vram.add_metric([pids[proc.pid], gpu], proc.usedGpuMemory)
+                        vram.add_metric([*pids[proc.pid], gpu], proc.usedGpuMemory)
             except nv.NVMLError as exc:  # a field this GPU does not support: leave it out
                 log.debug("metrics: NVML on GPU %s: %s", gpu, exc)
         yield from (util, used, power, energy, vram)

@@ -16,6 +16,7 @@ from blockflow.client import BlockFlowError, Client
 from blockflow.protocol import ErrorCode
 
 from test_control_plane import block_of, rest_error, update_body, wait_for
+from test_metrics import scrape, value
 
 
 def _body(replicas: int) -> dict:
@@ -49,6 +50,9 @@ def test_replicas_share_the_load_and_change_alone(server_factory, identity_repo)
     counts = {n: _kpi_count(srv, n) for n in ("s", "s.r1")}
     print(f"\nrequests per replica: {counts}")
     assert all(n >= 5 for n in counts.values()), counts
+    m = scrape(srv.url)  # each replica is its own series: block and replica labels
+    for r, name in enumerate(("s", "s.r1")):
+        assert value(m, "blockflow_block_requests_total", block="s", replica=str(r)) == counts[name], (r, counts)
 
     before = _pids(srv)
     res = srv.call("POST", "/system/update", _body(3), timeout=60)
