@@ -177,10 +177,10 @@ def format_status(rows: list[dict], system: dict) -> str:
     def ms(v):
         return "-" if v is None else f"{v:.1f}"
 
-    head = ("PROCESS", "BLOCK", "REPLICA", "STATUS", "PID", "DEVICE", "RESTARTS", "UPTIME", "REQ/S", "P50 MS",
-            "P99 MS", "ERRORS", "LAST EXIT")
+    head = ("PROCESS", "BLOCK", "REPLICA", "GROUP", "STATUS", "PID", "DEVICE", "RESTARTS", "UPTIME", "REQ/S",
+            "P50 MS", "P99 MS", "ERRORS", "LAST EXIT")
     table = [head] + [(r["process"], r.get("block") or "-", "-" if r.get("replica") is None else str(r["replica"]),
-                       str(r["status"]), str(r.get("pid") or "-"), str(r.get("device") or "-"),
+                       r.get("group") or "-", str(r["status"]), str(r.get("pid") or "-"), str(r.get("device") or "-"),
                        str(r.get("restarts", 0)), _duration(r.get("uptime_s")), f"{r['requests_per_s']:.1f}",
                        ms(r.get("p50_ms")), ms(r.get("p99_ms")), str(r.get("errors", 0)), r.get("last_exit") or "-")
                       for r in rows]
@@ -188,7 +188,8 @@ def format_status(rows: list[dict], system: dict) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in table]
     window = max((r.get("window_s") or 0 for r in rows), default=0)
     lines.append(f"(REQ/S, P50, P99 and ERRORS over the last {window:.0f} s; P50/P99 are the block's own "
-                 "arrival-to-departure time, the dispatcher's end to end)")
+                 "arrival-to-departure time, the dispatcher's end to end; blocks of one GROUP share one process "
+                 "and its PID)")
     lines.append(f"version {system.get('version')}; tasks:")
     for t in system.get("tasks", []):
         lines.append(f"  {t['id']}: {' -> '.join(t['path'])}")

@@ -246,6 +246,7 @@ class BlockFlowCollector:
     def _row(child: dict, name: str, ping: dict | None, now: float, series: _Series) -> dict:
         started = child.get("started") if child.get("status") == "ready" else None
         row = {"process": name, "block": child.get("block", name), "replica": child.get("replica"),
+               "group": child.get("process"),
                "status": child.get("status"), "pid": child.get("pid"),
                "device": child.get("device", "cpu" if name != DISPATCHER else "-"),
                "restarts": child.get("restarts", 0), "uptime_s": round(now - started, 1) if started else None,

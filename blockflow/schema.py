@@ -28,7 +28,7 @@ MAX_BLOCKS = settings.MAX_BLOCKS
 MAX_TASKS = settings.MAX_TASKS
 
 BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads", "max_inference_s", "batching",
-                "replicas"}
+                "replicas", "process"}
 #: Processes one block may run as (``replicas``).
 MAX_REPLICAS = 16
 #: Replica r > 0 of block ``b`` runs as the process ``b.r<r>`` (replica 0 keeps the block's name);
@@ -68,6 +68,7 @@ class BlockDecl:
     max_inference_s: float = DEFAULT_MAX_INFERENCE_S
     batching: BatchPolicy | None = None   # None: one request at a time
     replicas: int = 1                     # processes of this block; requests spread over them
+    process: str | None = None            # a shared process's name: blocks with the same one run in it
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -86,6 +87,8 @@ class BlockDecl:
             d["batching"] = self.batching.to_json()
         if self.replicas != 1:
             d["replicas"] = self.replicas
+        if self.process is not None:
+            d["process"] = self.process
         return d
 
     def replica_names(self) -> list[str]:
@@ -224,7 +227,20 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None) -> Update
             max_inference_s=_max_inference(b.get("max_inference_s", DEFAULT_MAX_INFERENCE_S),
                                            f"{where}.max_inference_s"),
             batching=_batching(b.get("batching"), f"{where}.batching"),
-            replicas=_replicas(b.get("replicas", 1), f"{where}.replicas"))
+            replicas=_replicas(b.get("replicas", 1), f"{where}.replicas"),
+            process=_name(b["process"], f"{where}.process") if b.get("process") is not None else None)
+        decl = blocks[name]
+        if decl.process is not None:
+            if decl.replicas != 1:
+                raise UpdateError(f"{where}.replicas", "a block in a shared process runs once; give it its own "
+                                                       "process (no 'process' field) to run replicas")
+            if decl.cpus is not None:
+                raise UpdateError(f"{where}.cpus", "CPU affinity is per process: pin a shared process's blocks "
+                                                   "with 'cpus' only when each has a process of its own")
+            first = next(d for d in blocks.values() if d.process == decl.process)
+            if first.device != decl.device:
+                raise UpdateError(f"{where}.device", f"shared process {decl.process!r} runs on {first.device} "
+                                                     f"(block {first.name!r}); a process has one device")
 
     taken = {n: (d.name, r) for d in blocks.values() for r, n in enumerate(d.replica_names()) if r}
     for i, name in enumerate(blocks):

@@ -120,6 +120,7 @@ class BlockSpec(ChildSpec):
     warmup: bool = True
     batching: dict | None = None    # BatchPolicy.to_json(); None: one request at a time
     malloc_trim: int = settings.MALLOC_TRIM  # blocks/heap.py: freed heap bytes kept between requests
+    hosted: bool = False            # one of several blocks in a shared process (blocks/host.py)
     extra: dict = field(default_factory=dict)
 
     def endpoint_hint(self) -> str:
@@ -179,11 +180,12 @@ class Block(ChildProcess):
     # -- start-up ----------------------------------------------------------------------------
     def init_process(self) -> None:
         spec = self.spec
-        if spec.cpus:
-            os.sched_setaffinity(0, spec.cpus)
-        if spec.threads:
-            torch.set_num_threads(spec.threads)
-        keep_freed_memory(spec.malloc_trim)  # before the model loads: see blocks/heap.py
+        if not spec.hosted:  # process-wide: a shared process sets them once (blocks/host.py)
+            if spec.cpus:
+                os.sched_setaffinity(0, spec.cpus)
+            if spec.threads:
+                torch.set_num_threads(spec.threads)
+            keep_freed_memory(spec.malloc_trim)  # before the model loads: see blocks/heap.py
         from blockflow.schema import canonical_device
         self.device = torch.device(canonical_device(spec.device))  # set_device refuses a bare "cuda"
         if self.device.type == "cuda":

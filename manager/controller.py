@@ -48,6 +48,8 @@ class Controller:
         self.ready: dict[bytes, dict] = {}
         self.boot_errors: dict[bytes, dict] = {}
         self.last_seen: dict[bytes, float] = {}
+        #: hosted blocks whose thread ended in their shared process: identity -> crashed (blocks/host.py)
+        self.gone: dict[bytes, bool] = {}
         self._wake_r, self._wake_w = os.pipe()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="controller", daemon=True)
@@ -175,8 +177,10 @@ class Controller:
                 if kind in ("ready", "boot_error"):
                     (self.ready if kind == "ready" else self.boot_errors)[ident] = msg
                     self._cond.notify_all()
+                elif kind == "gone" and isinstance(msg.get("member"), str):
+                    self.gone[msg["member"].encode()] = bool(msg.get("crashed"))
                 fut = self._pop(msg.get("id")) if kind == "reply" else None
-            if kind in ("ready", "boot_error") and self.notify is not None:
+            if kind in ("ready", "boot_error", "gone") and self.notify is not None:
                 self.notify(ident)
             if fut is None or fut.done():
                 continue

@@ -42,6 +42,7 @@ from typing import Callable
 import zmq
 
 from blockflow import settings
+from blockflow.blocks.host import HostSpec, serve_host
 from blockflow.blocks.process import BlockSpec, serve_block
 from blockflow.dispatcher.process import DispatcherSpec, serve_dispatcher
 from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, describe_exit, identity
@@ -114,6 +115,8 @@ class Child:
     gone: bool = False               # exited and cleaned up after
     block: str = ""                  # the declared block this process is a replica of
     replica: int = 0                 # which replica (0: the one named like the block)
+    host: "Child | None" = None      # the shared process it runs in (blocks/host.py), if any
+    hosted_spec: str | None = None   # its BlockSpec as JSON, until the host is asked to start it
 
     @property
     def ident(self) -> bytes:
@@ -131,6 +134,45 @@ class Child:
             d.update(self.decl.as_dict())
             d["block"], d["replica"] = self.block, self.replica
         return d
+
+
+class HostedProcess:
+    """A block in a shared process (blocks/host.py), seen through the little of
+    ``multiprocessing.Process`` the manager uses: its pid is the host's; it has exited when the
+    host has (the host's exit code), or when the host said its thread ended (0, or 1 when its
+    loop crashed). Killing it kills the host: every block of the group goes down with it."""
+
+    def __init__(self, host: "Child", controller: Controller, ident: bytes):
+        self.host, self.controller, self.ident = host, controller, ident
+
+    @property
+    def pid(self) -> int | None:
+        return self.host.process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        code = self.host.process.exitcode
+        if code is not None:
+            return code
+        crashed = self.controller.gone.get(self.ident)
+        return None if crashed is None else int(crashed)
+
+    def host_alive(self) -> bool:
+        return self.host.process.exitcode is None
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout if timeout is not None else 3600.0)
+        while self.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def terminate(self) -> None:
+        """No SIGTERM for one block of several: it was asked to stop, and kill() is next."""
+
+    def kill(self) -> None:
+        self.host.process.kill()
 
 
 @dataclass(eq=False)
@@ -174,6 +216,8 @@ class Manager:
         #: replica r > 0 ``name~r`` (schema.replica_name); ``declared`` keeps the blocks as declared
         self.blocks: dict[str, Child] = {}
         self.declared: dict[str, BlockDecl] = {}
+        #: shared processes by their ``process`` name (blocks/host.py); each stops once it hosts nothing
+        self.hosts: dict[str, Child] = {}
         self.tasks: dict[str, list[str]] = {}
         self.manifests: dict[str, dict | None] = {}
         self.update_body: dict | None = None
@@ -256,6 +300,8 @@ class Manager:
             self.declared.clear()
             self.tasks.clear()
             self.stop_now(children)
+            self.stop_now(list(self.hosts.values()))  # after their blocks: they stop with nothing left to host
+            self.hosts.clear()
             if self.dispatcher is not None:
                 self.stop_now([self.dispatcher])
                 self.dispatcher = None
@@ -274,7 +320,9 @@ class Manager:
 
     def spawn_block(self, decl: BlockDecl, restarts: int = 0, streak: int = 0, block: str | None = None,
                     replica: int = 0) -> Child:
-        """Start the process ``decl.name``: replica ``replica`` of ``block`` (default: the block itself)."""
+        """Start the process ``decl.name``: replica ``replica`` of ``block`` (default: the block itself).
+        A block with a ``process`` goes into that shared process (started here if need be), once
+        the process is ready (check_starting)."""
         inc = self._next_incarnation(decl.name)
         model = list(decl.model) if isinstance(decl.model, tuple) else decl.model
         spec = BlockSpec(name=decl.name, model=model, repo=self.repo, run_dir=self.state.run_dir,
@@ -284,12 +332,69 @@ class Manager:
                          controller=self.controller.endpoint, parent_pid=os.getpid(), window=self.window,
                          max_inference_s=decl.max_inference_s,
                          batching=decl.batching.to_json() if decl.batching else None,
-                         verified=self.catalog.verified(decl.files))
+                         verified=self.catalog.verified(decl.files), hosted=decl.process is not None)
+        if decl.process is not None:
+            host = self.host_for(decl)
+            c = Child(decl.name, decl, inc, None, restarts=restarts, streak=streak, block=block or decl.name,
+                      replica=replica, host=host, hosted_spec=spec.to_json())
+            c.process = HostedProcess(host, self.controller, c.ident)
+            log.info("block %s#%d goes into shared process %s (%s on %s)", decl.name, inc, host.name, decl.model,
+                     decl.device)
+            return c
         proc = self.mp.Process(target=serve_block, args=(spec,), name=f"blockflow-{decl.name}", daemon=True)
         proc.start()
         log.info("spawned block %s#%d (pid %d, %s on %s)", decl.name, inc, proc.pid, decl.model, decl.device)
         return Child(decl.name, decl, inc, proc, restarts=restarts, streak=streak, block=block or decl.name,
                      replica=replica)
+
+    def host_for(self, decl: BlockDecl) -> Child:
+        """The shared process ``decl.process``: the running one, or a new one (after a crash: the
+        restart counts carry on, so a crash loop ends as a block's does)."""
+        host = self.hosts.get(decl.process)
+        if host is not None and host.process.exitcode is None and host.status in ("starting", "ready"):
+            return host
+        name = f"@{decl.process}"
+        groups = [self.declared, self.op.desired.blocks if self.op and self.op.desired else {}]
+        threads = max((d.threads or 0 for g in groups for d in g.values() if d.process == decl.process), default=0)
+        inc = self._next_incarnation(name)
+        spec = HostSpec(name=name, device=decl.device, threads=threads or None, incarnation=inc,
+                        controller=self.controller.endpoint, parent_pid=os.getpid())
+        proc = self.mp.Process(target=serve_host, args=(spec,), name=f"blockflow-{name}", daemon=True)
+        proc.start()
+        log.info("spawned shared process %s#%d (pid %d, %s)", name, inc, proc.pid, decl.device)
+        restarts = host.restarts + 1 if host is not None else 0
+        self.hosts[decl.process] = new = Child(name, None, inc, proc, restarts=restarts)
+        return new
+
+    def check_hosts(self) -> None:
+        """Shared processes: READY (-> ready, and their waiting blocks are sent to them), an
+        exit (-> gone: their blocks see it as their own), nothing left to host (-> stopped)."""
+        members = [c for c in [*self.blocks.values(), *self.stopping_children,
+                               *(self.op.new.values() if self.op else ())] if c.host is not None and not c.gone]
+        for group, host in list(self.hosts.items()):
+            if host.status == "starting" and host.ident in self.controller.ready:
+                self.mark_ready(host, self.controller.ready[host.ident])
+                log.info("shared process %s#%d (pid %s) is ready", host.name, host.incarnation, host.process.pid)
+            if host.process.exitcode is not None:
+                if host.status != "stopping":
+                    log.warning("shared process %s (pid %s) exited: %s", host.instance, host.process.pid,
+                                describe_exit(host.process.exitcode))
+                    host.status = "failed"
+                del self.hosts[group]
+                self.controller.forget(host.ident)
+                if host.process.pid:
+                    self.state.remove_slots_of(host.process.pid)
+                continue
+            if not any(c.host is host for c in members) and host.status != "stopping":
+                self.stop_later([host])
+                del self.hosts[group]
+                continue
+            if host.status == "ready":
+                for c in members:
+                    if c.host is host and c.hosted_spec is not None and c.status == "starting":
+                        self.controller.cast(host.ident, "host", {"spec": c.hosted_spec}).add_done_callback(
+                            _log_refusal)
+                        c.hosted_spec = None
 
     def spawn_dispatcher(self, restarts: int = 0, streak: int = 0) -> Child:
         inc = self._next_incarnation(DISPATCHER)
@@ -350,6 +455,8 @@ class Manager:
         """A dead producer's slot files are ours to remove (a clean exit left none)."""
         if c.process.pid is None or c.process.exitcode is None:
             return
+        if isinstance(c.process, HostedProcess) and c.process.host_alive():
+            return  # the others still use theirs; this one unlinked its own (check_hosts does the rest)
         removed = self.state.remove_slots_of(c.process.pid)
         if removed:
             log.info("removed %d slot files that %s (pid %d) left behind", removed, c.instance, c.process.pid)
@@ -459,6 +566,7 @@ class Manager:
                         return
                     self.reap_children()
                     self.check_health()
+                    self.check_hosts()
                     self.check_starting()
                     self.respawn_children()
                     self.reconcile()
