@@ -574,10 +574,20 @@ def memory_model(d: dict) -> str:
             quoted = quoted and q
             rows.append([r["scenario"], "/".join(str(c) for c in r["counts"]), _f(r["modular_savings_pct"]),
                          _f(r["b12_fused_savings_pct"]), _f(r["b12_b34_fused_savings_pct"]),
+                         _f(r.get("shared_process_savings_pct")), _f(r.get("one_process_savings_pct")),
                          " / ".join(_f(v) for v in th) if th else "–"])
         col = "thesis % (mod / 12 / 12+34)" + ("" if quoted else ", derived from its MB")
         out.append(f"**{label}** (per-process context {_f(res['context_mb'], 0)} MB):\n\n"
-                   + _table(["scenario", "tasks A/B/C", "modular %", "b1+2 fused %", "b1+2, 3+4 fused %", col], rows))
+                   + _table(["scenario", "tasks A/B/C", "modular %", "b1+2 fused %", "b1+2, 3+4 fused %",
+                             "shared blocks in one process %", "one process %", col], rows))
+    groups = [[m, g["processes"], _f(g["separate_5_processes"]["pss_mb"], 0), _f(g["pss_mb"], 0),
+               f"{g['ratio']['pss_mb']:.2f}x", _f(g["separate_5_processes"]["uss_mb"], 0), _f(g["uss_mb"], 0),
+               _f(g["separate_5_processes"]["rss_mb"], 0), _f(g["rss_mb"], 0), g["same_results"]]
+              for m, meas in d["measured"].items() for g in [meas.get("group")] if g]
+    if groups:
+        out.append("**4 blocks + head in one shared process** (measured, beside the five block processes):\n\n"
+                   + _table(["model", "processes", "PSS MB, 5 processes", "PSS MB, shared", "PSS ratio",
+                             "USS MB, 5", "USS MB, shared", "RSS MB, 5", "RSS MB, shared", "same results"], groups))
     return "\n\n".join(out)
 
 
@@ -601,7 +611,17 @@ def memory_model_text(d: dict) -> str:
         text.append(f"{label} (context {_f(res['context_mb'], 0)} MB): modular savings "
                     f"{_rng([r['modular_savings_pct'] for r in rows], 1)}%, with blocks 1+2 and 3+4 fused "
                     f"{_rng([r['b12_b34_fused_savings_pct'] for r in rows], 1)}% (negative in {neg} of {len(rows)} "
-                    "scenarios).")
+                    "scenarios)" + (f", with the shared blocks in one process "
+                                    f"{_rng([r['shared_process_savings_pct'] for r in rows], 1)}%, all in one process "
+                                    f"{_rng([r['one_process_savings_pct'] for r in rows], 1)}%"
+                                    if "one_process_savings_pct" in rows[0] else "") + ".")
+    for m, meas in d["measured"].items():
+        g = meas.get("group")
+        if g:
+            text.append(f"{m}'s 4 blocks + head in one shared process: PSS {_f(g['pss_mb'], 0)} MB against "
+                        f"{_f(g['separate_5_processes']['pss_mb'], 0)} MB summed over five block processes "
+                        f"({g['ratio']['pss_mb']:.2f}x; USS {g['ratio']['uss_mb']:.2f}x, RSS "
+                        f"{g['ratio']['rss_mb']:.2f}x), same results: {g['same_results']}.")
     return " ".join(text)
 
 
