@@ -77,6 +77,18 @@ class BootError(RuntimeError):
     """The process cannot start; respawning would fail the same way (ExitCode.BOOT_ERROR)."""
 
 
+class Later:
+    """What a command handler returns to answer later: the control thread goes on answering
+    others (pings included) meanwhile, and sends the reply with
+    ``ChildProcess.answer_command(later.rid, ...)`` once it has one. A process that applies a topology update between two inferences
+    stays visibly alive while it waits for the inference to end."""
+
+    __slots__ = ("rid",)
+
+    def __init__(self):
+        self.rid = None
+
+
 class ChildSpec:
     """What a spec dataclass needs to travel to its process as JSON (the ``--spec`` argument).
     A child's spec has at least ``controller`` (the control endpoint, None when run by hand),
@@ -212,10 +224,19 @@ class ChildProcess:
                 continue
             try:
                 result = self.handle_command(msg.get("cmd"), msg.get("args") or {})
-                reply = {"t": "reply", "id": msg.get("id"), "ok": True, "result": result}
             except Exception as exc:  # a bad command must not kill the process
-                reply = {"t": "reply", "id": msg.get("id"), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            self.ctrl.send(dumps(reply))
+                self.answer_command(msg.get("id"), error=f"{type(exc).__name__}: {exc}")
+                continue
+            if isinstance(result, Later):
+                result.rid = msg.get("id")  # the handler's owner answers it (Later)
+            else:
+                self.answer_command(msg.get("id"), result)
+
+    def answer_command(self, rid, result=None, error: str | None = None) -> None:
+        """Answer command ``rid`` (from the thread that owns ``ctrl``)."""
+        msg = ({"t": "reply", "id": rid, "ok": False, "error": error} if error is not None
+               else {"t": "reply", "id": rid, "ok": True, "result": result})
+        self.ctrl.send(dumps(msg))
 
     def handle_command(self, cmd: str, args: dict):
         handler = self.commands.get(cmd) if isinstance(cmd, str) else None

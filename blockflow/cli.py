@@ -225,8 +225,48 @@ def _update(args) -> int:
 
 
 def _status(args) -> int:
-    print(json.dumps(rest_call("GET", args.url, "/system", token=args.token), indent=2))
+    rows = rest_call("GET", args.url, "/status", token=args.token)["processes"]
+    system = rest_call("GET", args.url, "/system", token=args.token)
+    if args.json:
+        print(json.dumps({"version": system.get("version"), "processes": rows, "tasks": system.get("tasks", []),
+                          "run_dir": system.get("run_dir")}, indent=2))
+        return 0
+    print(format_status(rows, system))
     return 0
+
+
+def _duration(seconds) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def format_status(rows: list[dict], system: dict) -> str:
+    """``blockflow status`` for a person: one row per process, then the tasks and the run directory."""
+    def ms(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    head = ("PROCESS", "BLOCK", "REPLICA", "GROUP", "STATUS", "PID", "DEVICE", "RESTARTS", "UPTIME", "REQ/S",
+            "P50 MS", "P99 MS", "ERRORS", "LAST EXIT")
+    table = [head] + [(r["process"], r.get("block") or "-", "-" if r.get("replica") is None else str(r["replica"]),
+                       r.get("group") or "-", str(r["status"]), str(r.get("pid") or "-"), str(r.get("device") or "-"),
+                       str(r.get("restarts", 0)), _duration(r.get("uptime_s")), f"{r['requests_per_s']:.1f}",
+                       ms(r.get("p50_ms")), ms(r.get("p99_ms")), str(r.get("errors", 0)), r.get("last_exit") or "-")
+                      for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in table]
+    window = max((r.get("window_s") or 0 for r in rows), default=0)
+    lines.append(f"(REQ/S, P50, P99 and ERRORS over the last {window:.0f} s; P50/P99 are the block's own "
+                 "arrival-to-departure time, the dispatcher's end to end; blocks of one GROUP share one process "
+                 "and its PID)")
+    lines.append(f"version {system.get('version')}; tasks:")
+    for t in system.get("tasks", []):
+        lines.append(f"  {t['id']}: {' -> '.join(t['path'])}")
+    if not system.get("tasks"):
+        lines.append("  (none: POST an update with `blockflow update FILE`)")
+    lines.append(f"run dir: {system.get('run_dir')}")
+    return "\n".join(lines)
 
 
 def _load(args) -> int:
@@ -439,9 +479,13 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--token", default=settings.TOKEN, help="bearer token, when the server has one (BLOCKFLOW_TOKEN)")
     u.set_defaults(fn=_update)
 
-    st = sub.add_parser("status", help="print GET /system of a running server: blocks, tasks, run directory")
+    st = sub.add_parser("status", help="print a running server's processes as a table (status, pid, device, "
+                                       "restarts, uptime, and the last minute's requests/s and p50/p99), its "
+                                       "tasks and run directory")
     st.add_argument("--url", default="http://127.0.0.1:8080", help="the server's REST URL")
     st.add_argument("--token", default=settings.TOKEN, help="bearer token, when the server has one (BLOCKFLOW_TOKEN)")
+    st.add_argument("--json", action="store_true", help="print the same as JSON, for scripts (GET /status rows, "
+                                                        "tasks, version, run directory)")
     st.set_defaults(fn=_status)
 
     ld = sub.add_parser("load", help="send requests for a task for --duration seconds (synchronous clients or "

@@ -34,6 +34,8 @@ import json
 import logging
 import os
 import threading
+import time
+from collections import deque
 
 import psutil
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -50,6 +52,11 @@ STAGES = (("wait", "queue_wait"), ("deser", "reconstruct"), ("dev", "to_device")
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 #: Seconds a scrape waits for one block's answer to ``store`` / ``ping`` before leaving it out.
 COMMAND_TIMEOUT = 1.0
+#: The labels of a per-process family: the declared block (``@dispatcher`` for the dispatcher) and
+#: the replica ("0" unless the block has several: blockflow/schema.py, ``replicas``).
+BLOCK_LABELS = ["block", "replica"]
+#: Seconds of records behind the "last minute" figures of ``GET /status`` (``blockflow status``).
+RECENT_S = 60.0
 
 
 class _Histogram:
@@ -101,13 +108,35 @@ class _Tail:
 
 
 class _Series:
-    """Cumulative counts of one block or one task, fed from its log."""
+    """Cumulative counts of one block or one task, fed from its log, and its last RECENT_S
+    seconds of records: (wall-clock arrival, milliseconds or None for an error)."""
 
     def __init__(self):
         self.requests = 0
         self.errors: dict[str, int] = {}
         self.duration = _Histogram()
         self.stages = {stage: 0.0 for _, stage in STAGES}
+        self.recent: deque = deque()
+
+    def remember(self, rec: dict, ms: float | None) -> None:
+        ts = rec.get("ts")
+        if isinstance(ts, (int, float)):
+            self.recent.append((float(ts), ms))
+
+    def last_minute(self, now: float, since: float | None = None) -> dict:
+        """Requests per second, error count and p50/p99 (ms) of the records that arrived in
+        the last RECENT_S seconds; the rate counts over the part of the window the process
+        existed (``since``: its start, wall clock)."""
+        while self.recent and self.recent[0][0] < now - RECENT_S:
+            self.recent.popleft()
+        window = max(min(RECENT_S, now - since) if since else RECENT_S, 1.0)
+        ok = sorted(ms for _, ms in self.recent if ms is not None)
+
+        def pct(q: float) -> float | None:
+            return round(ok[min(int(q * len(ok)), len(ok) - 1)], 3) if ok else None
+
+        return {"requests_per_s": round(len(self.recent) / window, 3), "errors": len(self.recent) - len(ok),
+                "p50_ms": pct(0.50), "p99_ms": pct(0.99), "window_s": round(window, 1)}
 
 
 class BlockFlowCollector:
@@ -119,6 +148,8 @@ class BlockFlowCollector:
         self.blocks: dict[str, _Series] = {}
         self.tasks: dict[str, _Series] = {}
         self.tails: dict[str, _Tail] = {}
+        #: process name -> its label values [block, replica] (a replica's process is ``name.rR``)
+        self.who: dict[str, list[str]] = {DISPATCHER: [DISPATCHER, "0"]}
         self.nvml = _Nvml()
 
     # -- reading the logs --------------------------------------------------------------------
@@ -135,9 +166,11 @@ class BlockFlowCollector:
             if "error" in rec:
                 code = str(rec["error"])
                 series.errors[code] = series.errors.get(code, 0) + 1
+                series.remember(rec, None)
                 continue
             if "total" not in rec:
                 continue
+            series.remember(rec, float(rec["total"]))
             for key, stage in STAGES:
                 series.stages[stage] += float(rec.get(key, 0.0)) / 1e3
             # the block's own clock, not the stages' sum (see the module docstring)
@@ -151,6 +184,7 @@ class BlockFlowCollector:
             code = str(rec.get("code"))
             if code != "ok":
                 series.errors[code] = series.errors.get(code, 0) + 1
+                series.remember(rec, None)
                 continue
             ms = float(rec.get("ms", 0.0))
             inside = 0.0
@@ -160,16 +194,21 @@ class BlockFlowCollector:
                 inside += v
             series.stages["forward"] += max(ms - inside, 0.0) / 1e3
             series.duration.observe(max(ms, inside) / 1e3)
+            series.remember(rec, max(ms, inside))
 
     # -- one scrape --------------------------------------------------------------------------
     def collect(self):
         with self.lock:
             yield from self._collect()
 
-    def _collect(self):
+    def _refresh(self) -> tuple[dict, list[dict], dict]:
+        """Ask every ready block to flush its KPI log, read what the logs gained, and return
+        the manager's snapshot, its blocks, and each answering block's ping."""
         system = self.manager.snapshot()
         run_dir = system.get("run_dir")
         blocks = [b for b in system.get("blocks", []) if isinstance(b, dict)]
+        for b in blocks:
+            self.who[b["name"]] = [str(b.get("block", b["name"])), str(b.get("replica", 0))]
         live = {}
         for b in blocks:
             if b.get("status") != "ready":
@@ -183,69 +222,111 @@ class BlockFlowCollector:
             for b in blocks:
                 self._read_block(run_dir, b["name"])
             self._read_dispatcher(run_dir)
+        return system, blocks, live
+
+    def status(self) -> list[dict]:
+        """One row per process for ``GET /status`` (``blockflow status``): the dispatcher first,
+        then the blocks; the last minute's rate and latency from the same logs as /metrics."""
+        with self.lock:
+            system, blocks, live = self._refresh()
+        now = time.time()
+        rows = []
+        disp = system.get("dispatcher")
+        if isinstance(disp, dict):
+            answered = _Series()  # the dispatcher's rate: every task's answered requests
+            for series in self.tasks.values():
+                series.last_minute(now)
+                answered.recent.extend(series.recent)
+            rows.append(self._row(disp, DISPATCHER, None, now, answered))
+        for b in blocks:
+            rows.append(self._row(b, b["name"], live.get(b["name"]), now, self.blocks.get(b["name"]) or _Series()))
+        return rows
+
+    @staticmethod
+    def _row(child: dict, name: str, ping: dict | None, now: float, series: _Series) -> dict:
+        started = child.get("started") if child.get("status") == "ready" else None
+        row = {"process": name, "block": child.get("block", name), "replica": child.get("replica"),
+               "group": child.get("process"),
+               "status": child.get("status"), "pid": child.get("pid"),
+               "device": child.get("device", "cpu" if name != DISPATCHER else "-"),
+               "restarts": child.get("restarts", 0), "uptime_s": round(now - started, 1) if started else None,
+               "last_exit": child.get("last_exit"), **series.last_minute(now, started)}
+        if isinstance(ping, dict):
+            row["queue"] = ping.get("queue")
+        return row
+
+    def _collect(self):
+        system, blocks, live = self._refresh()
         yield from self._families("block", self.blocks, "inferences a block ran (successful or not)",
                                   "inference time in a block, arrival to departure")
         yield from self._families("task", self.tasks, "requests the dispatcher answered",
                                   "end-to-end time of successful requests at the dispatcher")
 
         queue = GaugeMetricFamily("blockflow_block_queue_length", "messages waiting for the block's inference thread",
-                                  labels=["block"])
+                                  labels=BLOCK_LABELS)
         slots = GaugeMetricFamily("blockflow_block_inflight_slots", "TensorMQ slots the block has in flight "
-                                  "(sent, not yet released by the consumer)", labels=["block"])
+                                  "(sent, not yet released by the consumer)", labels=BLOCK_LABELS)
         for name, info in live.items():
             if isinstance(info, dict):
                 if isinstance(info.get("queue"), (int, float)):
-                    queue.add_metric([name], info["queue"])
+                    queue.add_metric(self.labels(name), info["queue"])
                 if isinstance(info.get("in_flight"), (int, float)):
-                    slots.add_metric([name], info["in_flight"])
+                    slots.add_metric(self.labels(name), info["in_flight"])
         yield queue
         yield slots
 
         restarts = CounterMetricFamily("blockflow_block_restarts", "respawns of the block (or the dispatcher) "
-                                       "since it was declared", labels=["block"])
-        up = GaugeMetricFamily("blockflow_block_up", "1 when the block is ready, 0 otherwise", labels=["block", "status"])
+                                       "since it was declared", labels=BLOCK_LABELS)
+        up = GaugeMetricFamily("blockflow_block_up", "1 when the block is ready, 0 otherwise",
+                               labels=[*BLOCK_LABELS, "status"])
         rss = GaugeMetricFamily("blockflow_block_resident_memory_bytes", "resident set size of the block's process",
-                                labels=["block"])
+                                labels=BLOCK_LABELS)
         cpu = CounterMetricFamily("blockflow_block_cpu_seconds", "user and system CPU time of the block's process "
-                                  "(starts again from 0 when it is respawned)", labels=["block"])
+                                  "(starts again from 0 when it is respawned)", labels=BLOCK_LABELS)
         children = blocks + ([system["dispatcher"]] if isinstance(system.get("dispatcher"), dict) else [])
         pids = {}
         for b in children:
             name = b.get("name", DISPATCHER)
-            restarts.add_metric([name], b.get("restarts", 0))
-            up.add_metric([name, str(b.get("status"))], 1 if b.get("status") == "ready" else 0)
+            restarts.add_metric(self.labels(name), b.get("restarts", 0))
+            up.add_metric([*self.labels(name), str(b.get("status"))], 1 if b.get("status") == "ready" else 0)
             pid = b.get("pid")
             if not pid:
                 continue
             try:
                 p = psutil.Process(pid)
                 with p.oneshot():
-                    rss.add_metric([name], p.memory_info().rss)
+                    rss.add_metric(self.labels(name), p.memory_info().rss)
                     t = p.cpu_times()
-                    cpu.add_metric([name], t.user + t.system)
-                pids[pid] = name
+                    cpu.add_metric(self.labels(name), t.user + t.system)
+                pids[pid] = self.labels(name)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         yield from (restarts, up, rss, cpu)
         yield from self.nvml.families(pids)
 
+    def labels(self, name: str) -> list[str]:
+        """The [block, replica] label values of process ``name``."""
+        return self.who.get(name) or [name, "0"]
+
     def _families(self, kind: str, table: dict[str, _Series], what: str, duration_help: str):
-        label = [kind]
+        label = BLOCK_LABELS if kind == "block" else [kind]
+        key_of = self.labels if kind == "block" else (lambda key: [key])
         requests = CounterMetricFamily(f"blockflow_{kind}_requests", what, labels=label)
         errors = CounterMetricFamily(f"blockflow_{kind}_errors", f"{what} with an error, by error code",
-                                     labels=[kind, "code"])
+                                     labels=[*label, "code"])
         name = "inference" if kind == "block" else "request"
         duration = HistogramMetricFamily(f"blockflow_{kind}_{name}_duration_seconds", duration_help, labels=label)
         stages = CounterMetricFamily(f"blockflow_{kind}_stage_seconds", "time spent in each eq. 4.1 stage; the "
                                      f"stages add up to blockflow_{kind}_{name}_duration_seconds_sum",
-                                     labels=[kind, "stage"])
+                                     labels=[*label, "stage"])
         for key, s in sorted(table.items()):
-            requests.add_metric([key], s.requests)
+            values = key_of(key)
+            requests.add_metric(values, s.requests)
             for code, n in sorted(s.errors.items()):
-                errors.add_metric([key, code], n)
-            duration.add_metric([key], s.duration.buckets(), s.duration.sum)
+                errors.add_metric([*values, code], n)
+            duration.add_metric(values, s.duration.buckets(), s.duration.sum)
             for stage, seconds in s.stages.items():
-                stages.add_metric([key, stage], seconds)
+                stages.add_metric([*values, stage], seconds)
         yield from (requests, errors, duration, stages)
 
 
@@ -273,7 +354,7 @@ class _Nvml:
         energy = CounterMetricFamily("blockflow_gpu_energy_joules", "energy the GPU used since its driver loaded",
                                      labels=["gpu"])
         vram = GaugeMetricFamily("blockflow_block_gpu_memory_bytes", "GPU memory the block's process holds",
-                                 labels=["block", "gpu"])
+                                 labels=[*BLOCK_LABELS, "gpu"])
         for i in range(self.count):
             gpu = str(i)
             try:
@@ -284,7 +365,7 @@ class _Nvml:
                 energy.add_metric([gpu], nv.nvmlDeviceGetTotalEnergyConsumption(h) / 1e3)
                 for proc in nv.nvmlDeviceGetComputeRunningProcesses(h):
                     if proc.pid in pids and proc.usedGpuMemory is not None:
-                        vram.add_metric([pids[proc.pid], gpu], proc.usedGpuMemory)
+                        vram.add_metric([*pids[proc.pid], gpu], proc.usedGpuMemory)
             except nv.NVMLError as exc:  # a field this GPU does not support: leave it out
                 log.debug("metrics: NVML on GPU %s: %s", gpu, exc)
         yield from (util, used, power, energy, vram)
@@ -295,7 +376,8 @@ class Metrics:
 
     def __init__(self, manager):
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(BlockFlowCollector(manager))
+        self.collector = BlockFlowCollector(manager)
+        self.registry.register(self.collector)
         ProcessCollector(registry=self.registry)
 
     def render(self) -> bytes:

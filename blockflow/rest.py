@@ -290,6 +290,19 @@ class MetricsPage:
 
 
 @cherrypy.expose
+class StatusPage:
+    """/status: one row per process, for ``blockflow status`` (BlockFlowCollector.status)."""
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+
+    @cherrypy.tools.json_out()
+    def GET(self, **params):
+        no_params(params)
+        return {"processes": self.metrics.metrics.collector.status()}
+
+
+@cherrypy.expose
 class Root:
     """/blocks/... is routed here by _cp_dispatch, never by attribute lookup: CherryPy looks a
     path segment up with getattr() first, so a block named like an attribute of a handler
@@ -299,6 +312,7 @@ class Root:
         self.system = System(manager)
         self.health = Health(manager)
         self.metrics = MetricsPage(manager)
+        self.status = StatusPage(self.metrics)  # the same log readers as /metrics
         from blockflow.openinference import V2
         self.v2 = V2(manager)  # the Open Inference Protocol (KServe v2)
         self._block_list = BlockList(manager)
@@ -325,7 +339,7 @@ class Root:
     @cherrypy.tools.json_out()
     def GET(self):
         return {"service": "blockflow", "endpoints": ["/system", "/system/update", "/blocks", "/health/live",
-                                                      "/health/ready", "/metrics", "/v2"]}
+                                                      "/health/ready", "/metrics", "/status", "/v2"]}
 
 
 def app_config(token: str | None) -> dict:

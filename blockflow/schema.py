@@ -27,7 +27,12 @@ MAX_FUSED = 16
 MAX_BLOCKS = settings.MAX_BLOCKS
 MAX_TASKS = settings.MAX_TASKS
 
-BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads", "max_inference_s", "batching"}
+BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads", "max_inference_s", "batching",
+                "replicas", "process"}
+#: Processes one block may run as (``replicas``).
+MAX_REPLICAS = 16
+#: Replica r > 0 of block ``b`` runs as the process ``b.r<r>`` (replica 0 keeps the block's name);
+#: an update may not also declare a block of that name (validate_update refuses it).
 #: Seconds one inference may take before the block is considered stuck, killed and respawned.
 DEFAULT_MAX_INFERENCE_S = 60.0
 #: The largest ``max_inference_s`` accepted (a day): larger values are almost surely a unit mistake.
@@ -62,6 +67,8 @@ class BlockDecl:
     threads: int | None = None
     max_inference_s: float = DEFAULT_MAX_INFERENCE_S
     batching: BatchPolicy | None = None   # None: one request at a time
+    replicas: int = 1                     # processes of this block; requests spread over them
+    process: str | None = None            # a shared process's name: blocks with the same one run in it
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -78,7 +85,19 @@ class BlockDecl:
             d["threads"] = self.threads
         if self.batching is not None:
             d["batching"] = self.batching.to_json()
+        if self.replicas != 1:
+            d["replicas"] = self.replicas
+        if self.process is not None:
+            d["process"] = self.process
         return d
+
+    def replica_names(self) -> list[str]:
+        """The process names of this block's replicas: its own name, then ``name~1``, ..."""
+        return [replica_name(self.name, r) for r in range(self.replicas)]
+
+
+def replica_name(block: str, replica: int) -> str:
+    return block if replica == 0 else f"{block}.r{replica}"
 
 
 @dataclass
@@ -138,6 +157,12 @@ def _model(value, where: str) -> str | tuple[str, ...]:
         return files[0] if len(files) == 1 else files
     if not isinstance(value, str):
         raise UpdateError(where, f"must be a model file or a list of them, got {type(value).__name__}")
+    return value
+
+
+def _replicas(value, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_REPLICAS:
+        raise UpdateError(where, f"must be an integer from 1 to {MAX_REPLICAS}, got {value!r:.40}")
     return value
 
 
@@ -201,7 +226,28 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None) -> Update
             cpus=cpus, threads=threads,
             max_inference_s=_max_inference(b.get("max_inference_s", DEFAULT_MAX_INFERENCE_S),
                                            f"{where}.max_inference_s"),
-            batching=_batching(b.get("batching"), f"{where}.batching"))
+            batching=_batching(b.get("batching"), f"{where}.batching"),
+            replicas=_replicas(b.get("replicas", 1), f"{where}.replicas"),
+            process=_name(b["process"], f"{where}.process") if b.get("process") is not None else None)
+        decl = blocks[name]
+        if decl.process is not None:
+            if decl.replicas != 1:
+                raise UpdateError(f"{where}.replicas", "a block in a shared process runs once; give it its own "
+                                                       "process (no 'process' field) to run replicas")
+            if decl.cpus is not None:
+                raise UpdateError(f"{where}.cpus", "CPU affinity is per process: pin a shared process's blocks "
+                                                   "with 'cpus' only when each has a process of its own")
+            first = next(d for d in blocks.values() if d.process == decl.process)
+            if first.device != decl.device:
+                raise UpdateError(f"{where}.device", f"shared process {decl.process!r} runs on {first.device} "
+                                                     f"(block {first.name!r}); a process has one device")
+
+    taken = {n: (d.name, r) for d in blocks.values() for r, n in enumerate(d.replica_names()) if r}
+    for i, name in enumerate(blocks):
+        if name in taken:
+            block, r = taken[name]
+            raise UpdateError(f"blocks[{i}].name", f"{name!r} is the process name of replica {r} of block {block!r}; "
+                                                   "rename this block")
 
     tasks: dict[str, list[str]] = {}
     for i, t in enumerate(tasks_in):

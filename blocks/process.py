@@ -16,7 +16,10 @@ Threads and what each owns (ZeroMQ sockets are never shared between threads)::
 - *control* (Algorithm 5): owns the DEALER socket to the controller, the other end of the
   mailbox and the wake-up socket; answers ``ping`` (with the inference thread's heartbeat),
   ``store``, ``monitor`` itself, hands ``update`` and ``stop`` to the inference thread through
-  the mailbox, and watches the parent process.
+  the mailbox, and watches the parent process. It never waits for the inference thread: an
+  update is answered when the mailbox answers (``Later``), and pings are answered meanwhile,
+  so a block finishing a long inference before it applies an update is not taken for hung,
+  and a block that is hung is (the manager's hang check needs no exemption).
 - *monitor*: samples psutil/pynvml every 250 ms while enabled.
 
 Queueing and ``max_queue``: a message waits first in the PULL socket's ZeroMQ buffer (RCVHWM
@@ -56,7 +59,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from blockflow.childproc import BootError, ChildProcess, ChildSpec, exit_with, serve, spec_from_argv
+from blockflow.childproc import BootError, ChildProcess, Later, ChildSpec, exit_with, serve, spec_from_argv
 from blockflow.protocol import RETURN_HOP, ErrorCode
 from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, RESULT_KEYS, Transport, receive_limit, recv_message
@@ -82,6 +85,11 @@ DRAIN_LIMIT = 256
 WOKEN_AFTER_S = 100e-6
 #: Slots lent at most for one output (Note [Outputs made in a slot]): ResNet's blocks need three.
 MAX_LENT = 4
+#: Seconds between two looks for mappings of slots whose producer is gone (a retired block's
+#: files are unlinked; the consumer's mapping would pin their pages: SlotMapper.forget_unlinked).
+SWEEP_INTERVAL = 2.0
+#: Seconds the inference thread has to apply a topology update before the manager is told it failed.
+UPDATE_TIMEOUT = 10.0
 
 
 @dataclass
@@ -112,6 +120,7 @@ class BlockSpec(ChildSpec):
     warmup: bool = True
     batching: dict | None = None    # BatchPolicy.to_json(); None: one request at a time
     malloc_trim: int = settings.MALLOC_TRIM  # blocks/heap.py: freed heap bytes kept between requests
+    hosted: bool = False            # one of several blocks in a shared process (blocks/host.py)
     extra: dict = field(default_factory=dict)
 
     def endpoint_hint(self) -> str:
@@ -149,6 +158,9 @@ class Block(ChildProcess):
         self.busy_since = 0.0
         self.beat = time.monotonic()
         self._mail_seq = 0
+        #: commands the inference thread has not answered yet: seq -> (Later, deadline); the
+        #: control thread owns it and answers each when the mailbox does, or at its deadline
+        self.mail_due: dict[int, tuple[Later, float, str]] = {}
         #: set by the control thread after it posts to the mailbox (Note [One wait per hop])
         self.mail_waiting = False
         #: dynamic batching across tasks (blocks/batching.py); None: one request at a time
@@ -168,11 +180,12 @@ class Block(ChildProcess):
     # -- start-up ----------------------------------------------------------------------------
     def init_process(self) -> None:
         spec = self.spec
-        if spec.cpus:
-            os.sched_setaffinity(0, spec.cpus)
-        if spec.threads:
-            torch.set_num_threads(spec.threads)
-        keep_freed_memory(spec.malloc_trim)  # before the model loads: see blocks/heap.py
+        if not spec.hosted:  # process-wide: a shared process sets them once (blocks/host.py)
+            if spec.cpus:
+                os.sched_setaffinity(0, spec.cpus)
+            if spec.threads:
+                torch.set_num_threads(spec.threads)
+            keep_freed_memory(spec.malloc_trim)  # before the model loads: see blocks/heap.py
         from blockflow.schema import canonical_device
         self.device = torch.device(canonical_device(spec.device))  # set_device refuses a bare "cuda"
         if self.device.type == "cuda":
@@ -252,13 +265,21 @@ class Block(ChildProcess):
     # -- the control thread ------------------------------------------------------------------
     def control_loop(self) -> None:
         """Answer the controller and watch the manager; owns ``ctrl`` and ``mail_out``. Ends
-        once the block stops."""
+        once the block stops. It never waits on the inference thread: a command for it is
+        answered when the mailbox answers (``Later``), and pings go on meanwhile."""
+        poller = zmq.Poller()
+        poller.register(self.mail_out, zmq.POLLIN)
+        if self.ctrl is not None:
+            poller.register(self.ctrl, zmq.POLLIN)
         try:
             while not self.stopping.is_set():
-                if self.ctrl is not None and self.ctrl.poll(100):
+                events = dict(poller.poll(100))
+                if self.mail_out in events:
+                    self.collect_answers()
+                if self.ctrl is not None and self.ctrl in events:
                     self.receive_control()
-                elif self.ctrl is None:
-                    self.stopping.wait(0.1)
+                if self.mail_due:
+                    self.expire_answers()
                 self.watch_parent()
         except zmq.ContextTerminated:
             pass
@@ -282,11 +303,11 @@ class Block(ChildProcess):
         (self.monitor_on.set if args.get("enabled", True) else self.monitor_on.clear)()
         return {"enabled": self.monitor_on.is_set()}
 
-    def cmd_update(self, args: dict) -> dict:
+    def cmd_update(self, args: dict) -> Later:
         # tell the inference thread now which hops are gone, so that a wait for a dead
         # consumer's slots ends at once instead of holding this update for send_timeout
         self.transport.mark_live(args.get("live", []))
-        return self.ask_inference("topology", args, timeout=10.0)
+        return self.post_to_inference("topology", args, timeout=UPDATE_TIMEOUT)
 
     def cmd_stop(self, args: dict) -> dict:
         answer = super().cmd_stop(args)
@@ -302,24 +323,42 @@ class Block(ChildProcess):
         except zmq.Again:
             pass  # wake-ups already pending: the inference thread is about to go around anyway
 
-    def ask_inference(self, kind: str, args: dict, timeout: float) -> dict:
-        """Post a command to the inference thread's mailbox and wait for its answer (control thread)."""
+    def post_to_inference(self, kind: str, args: dict, timeout: float) -> Later:
+        """Post a command to the inference thread's mailbox; the reply goes when it answers, or
+        as an error after ``timeout`` (control thread)."""
         self._mail_seq += 1
         seq = self._mail_seq
         self.mail_out.send(dumps({"seq": seq, "kind": kind, "args": args}))
         self.mail_waiting = True  # after the send: see Note [One wait per hop]
         self.wake()
-        deadline = time.monotonic() + timeout
+        later = Later()
+        self.mail_due[seq] = (later, time.monotonic() + timeout, kind)
+        return later
+
+    def collect_answers(self) -> None:
+        """Reply to the commands the inference thread answered (control thread)."""
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.mail_out.poll(left * 1e3):
-                raise TimeoutError(f"the inference thread of block {self.name} did not apply the {kind} within "
-                                   f"{timeout:.0f}s; it is busy (busy_s in ping says for how long)")
-            answer = json.loads(self.mail_out.recv())
-            if answer.get("seq") == seq:  # an answer to an earlier command that timed out is dropped
-                if "error" in answer:
-                    raise RuntimeError(f"block {self.name} could not apply the {kind}: {answer['error']}")
-                return answer["result"]
+            try:
+                answer = json.loads(self.mail_out.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            due = self.mail_due.pop(answer.get("seq"), None)
+            if due is None:  # an answer to a command that timed out is dropped
+                continue
+            if "error" in answer:
+                later, _deadline, kind = due
+                self.answer_command(later.rid, error=f"block {self.name} could not apply the {kind}: {answer['error']}")
+            else:
+                self.answer_command(due[0].rid, answer["result"])
+
+    def expire_answers(self) -> None:
+        now = time.monotonic()
+        for seq, (later, deadline, kind) in list(self.mail_due.items()):
+            if now > deadline:
+                del self.mail_due[seq]
+                self.answer_command(later.rid, error=f"TimeoutError: the inference thread of block {self.name} did "
+                                                     f"not apply the {kind} in time; it is busy (busy_s in ping says "
+                                                     f"for how long)")
 
     def monitor_loop(self) -> None:
         while not self.stopping.wait(self.spec.monitor_interval):
@@ -343,8 +382,12 @@ class Block(ChildProcess):
         poller.register(self.mail_in, zmq.POLLIN)
         pull, backlog, admit = self.pull, self.backlog, self.admit
         pull.rcvtimeo = int(BEAT_INTERVAL * 1e3)
+        next_sweep = time.monotonic() + SWEEP_INTERVAL
         while not self.stopping.is_set():
             self.beat = time.monotonic()
+            if self.beat >= next_sweep:  # busy or idle: a loaded block never times out its receive
+                next_sweep = self.beat + SWEEP_INTERVAL
+                self.transport.forget_unlinked()
             if self.mail_waiting:
                 self.read_mailbox()
             drain = DRAIN_LIMIT

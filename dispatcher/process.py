@@ -121,6 +121,7 @@ class Dispatcher(ChildProcess):
         self.tasks: dict[str, dict] = dict(spec.tasks)
         self.table_version = 0
         self.outstanding: dict[int, Request] = {}
+        self.turn = 0  # round robin among equally loaded replicas (route)
         self.pending: deque[tuple[int, Request]] = deque()
         # what junk on the result sockets may log: a few lines, then a count
         self.junk_log = RateLimitedLog(log)
@@ -220,6 +221,8 @@ class Dispatcher(ChildProcess):
                 next_flush = now + 1.0
                 if self.kpi is not None:
                     self.kpi.flush()  # /metrics reads the log: at most a second behind
+                # results of a retired last block: their slot files are unlinked, our maps pin them
+                self.transport.forget_unlinked()
             self.watch_parent()
 
     # -- clients -----------------------------------------------------------------------------
@@ -339,6 +342,24 @@ class Dispatcher(ChildProcess):
             want = ["N"] + list(shape[1:])
             raise ValueError(f"task {task} takes tensors of shape {want}, got {list(desc.shape)}")
 
+    def route(self, replicas: list) -> tuple[list, tuple]:
+        """A path through replicated blocks: per hop, the replica with the fewest of our
+        requests in flight through it, ties taken in turn (round robin). Returns the path's
+        [name, endpoint] pairs and the processes on it (to fail the request when one dies).
+        Only tasks with a replicated block pay for the count."""
+        load: dict[str, int] = {}
+        for r in self.outstanding.values():
+            for inst in r.blocks:
+                load[inst] = load.get(inst, 0) + 1
+        self.turn += 1
+        path, blocks = [], []
+        for hop in replicas:
+            k = len(hop)
+            name, endpoint, inst = hop[min(range(k), key=lambda i: (load.get(hop[i][2], 0), (i - self.turn) % k))]
+            path.append([name, endpoint])
+            blocks.append(inst)
+        return path, tuple(blocks)
+
     def forward(self, rid: int, req: Request) -> bool:
         """Send a request into its path; False when the first hop's window is full (try later)."""
         entry = self.tasks.get(req.task)
@@ -347,6 +368,8 @@ class Dispatcher(ChildProcess):
                        error=f"task {req.task} was removed by a system update before it could start")
             return True
         path = entry["path"]
+        if "replicas" in entry:
+            path, req.blocks = self.route(entry["replicas"])
         first = path[0][1]
         # the last block reaches us the way it is reached itself
         ret = self.result_tcp if path[-1][1].startswith("tcp://") else self.result_ipc

@@ -36,6 +36,7 @@ EXPERIMENTS = [
     "kserve_cost",       # the Open Inference Protocol against the ZeroMQ client
     "batching",          # dynamic batching at shared blocks (issue 15)
     "fused",             # fused blocks vs the monolithic model (issue 11)
+    "replicas",          # one fused block as 1 and 2 processes (issue 28)
     "validation_cost",   # hand-written checks vs pydantic/msgspec (issue 11)
     "peers",             # Ray Serve beside BlockFlow (issue 16; skipped without the [peers] extra)
     "chaos",             # faults under load (reliability)
@@ -59,6 +60,7 @@ CPU_SETTINGS = {
     "memory_model": [],                                                       # 3
     "kserve_cost": [],                                                        # 1
     "fused": [],                                                              # 2.5
+    "replicas": [],                                                           # 2
     "validation_cost": [],                                                    # 0.2
     "peers": [],                                                              # 5 (skipped without [peers])
     "batching": ["--rates", "6,12,20", "--duration", "8"],                    # 4.5 (2.5 of it half-load rounds)

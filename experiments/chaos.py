@@ -61,10 +61,16 @@ SHARED = ("b1", "b2", "b3")
 BATCHING = {"max_batch": 4, "max_queue_delay_us": 50_000}
 
 
-def topology_body(i: int, batching: dict | None = None) -> tuple[str, dict]:
+def topology_body(i: int, batching: dict | None = None, replicas: dict | None = None,
+                  processes: dict | None = None) -> tuple[str, dict]:
     label, blocks, tasks = TOPOLOGIES[i % len(TOPOLOGIES)]
     body = {"transport": "tensormq", "blocks": _blocks(blocks),
             "tasks": [{"id": t, "path": p} for t, p in tasks.items()]}
+    for b in body["blocks"]:
+        if replicas and b["name"] in replicas:
+            b["replicas"] = replicas[b["name"]]
+        if processes and b["name"] in processes:
+            b["process"] = processes[b["name"]]
     if batching:
         for b in body["blocks"]:
             if b["name"] in SHARED:
@@ -96,10 +102,14 @@ def _resume(pid: int) -> None:
 
 def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 1, fault_every: float = 4.0,
               timeout: float = 20.0, log=print, batching: dict | None = None, kinds: tuple[str, ...] = KINDS,
-              fault_blocks: tuple[str, ...] | None = None, server_env: dict | None = None) -> dict:
+              fault_blocks: tuple[str, ...] | None = None, server_env: dict | None = None,
+              replicas: dict | None = None, processes: dict | None = None) -> dict:
     """One chaos run (see the module docstring). ``kinds``: the faults to inject; ``fault_blocks``:
-    the only blocks a kill or a stop may pick (default any ready block); ``server_env``: the
-    environment of ``blockflow serve`` (e.g. ``BLOCKFLOW_MAX_RESTARTS``)."""
+    the only block processes a kill or a stop may pick (default any ready one); ``server_env``:
+    the environment of ``blockflow serve`` (e.g. ``BLOCKFLOW_MAX_RESTARTS``); ``replicas``: block
+    name -> replicas in every topology (a kill or stop may then hit one replica of several);
+    ``processes``: block name -> shared process in every topology (a kill or stop of one of its
+    blocks strikes the whole group: its tasks are every task through any block of the group)."""
     unknown = set(kinds) - set(KINDS)
     if unknown or not kinds:
         raise ValueError(f"unknown fault kinds {sorted(unknown)}: choose from {', '.join(KINDS)}")
@@ -110,7 +120,9 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
 
     rng = random.Random(seed)
     log(f"chaos: seed {seed}, {duration:.0f}s at {rate}/s, a fault every ~{fault_every}s"
-        + (f", shared blocks batched {batching}" if batching else ""))
+        + (f", shared blocks batched {batching}" if batching else "")
+        + (f", replicas {replicas}" if replicas else "")
+        + (f", shared processes {processes}" if processes else ""))
     gen = torch.Generator().manual_seed(seed)
     inputs = [torch.randn(1, 3, 224, 224, generator=gen) for _ in range(4)]
     full = load_block(repo, f"{MODEL}/full.pt")
@@ -128,7 +140,7 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
     url = info["rest"]
     faults: list[dict] = []
     try:
-        call("POST", f"{url}/system/update", topology_body(0, batching)[1])
+        call("POST", f"{url}/system/update", topology_body(0, batching, replicas, processes)[1])
         t_start = time.monotonic()
         stop_at = t_start + duration
 
@@ -155,7 +167,10 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
             touched = sorted(paths)  # a killed dispatcher or an update: every task
             if kind in ("kill_block", "stop_block") and ready:
                 b = rng.choice(ready)
-                touched = sorted(t for t, p in paths.items() if b["name"] in p)
+                # the signal strikes the process: every block in it (a shared process holds several);
+                # a replica's tasks are its block's (the other replicas may serve them meanwhile)
+                struck = {x.get("block", x["name"]) for x in system["blocks"] if x["pid"] == b["pid"]}
+                touched = sorted(t for t, p in paths.items() if struck & set(p))
                 detail = f"{b['name']} (pid {b['pid']})"
                 os.kill(b["pid"], signal.SIGKILL if kind == "kill_block" else signal.SIGSTOP)
                 if kind == "stop_block":
@@ -169,7 +184,7 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
             else:
                 kind = "update"
                 topo += 1
-                label, body = topology_body(topo, batching)
+                label, body = topology_body(topo, batching, replicas, processes)
                 detail = label
                 try:
                     call("POST", f"{url}/system/update", body)
@@ -213,7 +228,9 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
     outcomes: dict[str, int] = {}
     for f in faults:
         outcomes[f["outcome"]] = outcomes.get(f["outcome"], 0) + 1
-    report = {"seed": seed, "duration_s": duration, "rate": rate, "batching": batching, **counts,
+    report = {"seed": seed, "duration_s": duration, "rate": rate, "batching": batching, "replicas": replicas,
+              "processes": processes,
+              **counts,
               "errors_total": sum(counts["errors"].values()), "faults": faults, "outcomes": outcomes,
               "recovery_s": {"max": max(rec) if rec else None,
                              "median": sorted(rec)[len(rec) // 2] if rec else None, "of": len(rec)},
@@ -297,6 +314,10 @@ def main(argv=None) -> int:
     ap.add_argument("--faults", default=",".join(KINDS),
                     help=f"comma-separated fault kinds to inject (default all: {','.join(KINDS)})")
     ap.add_argument("--fault-blocks", help="comma-separated blocks a kill or a stop may pick (default any ready block)")
+    ap.add_argument("--replicas", help="block=n[,block=n]: run these blocks as n replicas in every topology "
+                                       "(e.g. b2=2); a kill or stop may then hit one replica of several")
+    ap.add_argument("--processes", help="block=group[,block=group]: run these blocks in shared processes in every "
+                                        "topology (e.g. b1=g,b2=g,b3=g)")
     ap.add_argument("--batching", action="store_true",
                     help=f"batch the shared blocks {', '.join(SHARED)} across tasks ({BATCHING})")
     args = ap.parse_args(argv)
@@ -307,13 +328,25 @@ def main(argv=None) -> int:
     if set(kinds) - set(KINDS) or not kinds:
         ap.error(f"--faults: unknown kind in {args.faults!r}; choose from {', '.join(KINDS)}")
     fault_blocks = tuple(b.strip() for b in args.fault_blocks.split(",")) if args.fault_blocks else None
+    replicas = None
+    if args.replicas:
+        try:
+            replicas = {k.strip(): int(v) for k, v in (item.split("=") for item in args.replicas.split(","))}
+        except ValueError:
+            ap.error(f"--replicas: give block=n pairs separated by commas, e.g. b2=2; got {args.replicas!r}")
+    pairs = [item.split("=", 1) for item in args.processes.split(",")] if args.processes else []
+    processes = {p[0].strip(): p[1].strip() for p in pairs if len(p) == 2} or None
+    if len(processes or {}) != len(pairs) or not all(k and v for k, v in (processes or {}).items()):
+        ap.error(f"--processes: give block=group pairs separated by commas, e.g. b1=g,b2=g; got {args.processes!r}")
     report = run_chaos(args.repo, 20.0 if args.quick else args.duration, args.rate, args.seed, args.fault_every,
-                       batching=BATCHING if args.batching else None, kinds=kinds, fault_blocks=fault_blocks)
+                       batching=BATCHING if args.batching else None, kinds=kinds, fault_blocks=fault_blocks,
+                       replicas=replicas, processes=processes)
     from experiments.common import env_info, write_json
     settings = {"duration_s": 20.0 if args.quick else args.duration, "rate": args.rate, "seed": args.seed,
                 "fault_every_s": args.fault_every, "quick": args.quick, "model": MODEL,
                 "batching": BATCHING if args.batching else None, "faults": list(kinds),
-                "fault_blocks": list(fault_blocks) if fault_blocks else None}
+                "fault_blocks": list(fault_blocks) if fault_blocks else None, "replicas": replicas,
+                "processes": processes}
     write_json(args.out, "chaos", {"env": env_info(settings), "settings": settings, **report})
     bad = (report["never_answered"] or report["duplicates"] or report["wrong"]
            or report["outcomes"].get("not_recovered") or report["blocks_not_ready"])

@@ -29,7 +29,16 @@ largest remainder, so that they add up to N):
 "block4" is block4 with its classification head in one process (o4 = o_block4 + o_head), as in the
 thesis's B = {b1, b2, b3, b4, b_resnet}. Fusion merges processes and so saves C each time:
 "B12 fused" serves block1+block2 as one shared process (o1 + o2 + C); "B12 & B34 fused" also
-serves a class-B task's block3+block4 as one process (o3 + o4 + C). Savings = 1 - M / M_trad.
+serves a class-B task's block3+block4 as one process (o3 + o4 + C). Shared processes (issue 28,
+the block field ``process``) pay C once for several blocks without fusing them: "shared blocks in
+one process" puts the shared block1..block3 in one process (their o's + C) and keeps one process
+per specialised block; "one process" runs every block of every task in one process per device
+(all o's + C once). Savings = 1 - M / M_trad.
+
+The premise that a shared process costs C once plus its blocks is measured too: the 4 blocks +
+head are deployed a second time in one shared process (task ``grouped``, checked to answer the
+very tensor ``classify`` does), and its RSS, USS and PSS are reported beside the sums over the
+five separate block processes (``group`` in the JSON; the issue's goal on a CPU: PSS <= 0.7x).
 
 The same formulas fed with the thesis's own inputs (C = 370 MB; o_j from Table 4.2's process
 VRAM minus C, the head counted as free; o_full = 54100 / 100 - 370) are printed beside the
@@ -59,7 +68,10 @@ STEMS = ("block1", "block2", "block3", "block4", "head", "full")
 #: Table 4.4: (class A %, class B %, class C %)
 SCENARIOS = {1: (33, 33, 33), 2: (10, 30, 60), 3: (5, 20, 75), 4: (5, 5, 90), 5: (1, 4, 95), 6: (60, 30, 10),
              7: (75, 20, 5), 8: (90, 5, 5)}
-VARIANTS = ("modular", "b12_fused", "b12_b34_fused")
+VARIANTS = ("modular", "b12_fused", "b12_b34_fused", "shared_process", "one_process")
+#: How the table and plot call each variant.
+VARIANT_LABELS = {"modular": "modular", "b12_fused": "B12 fused", "b12_b34_fused": "B12 & B34 fused",
+                  "shared_process": "shared blocks in one process", "one_process": "one process"}
 #: Tables 4.5 / 4.6 (GV100, VRAM, N = 100): scenario -> (MOD, MOD B12, MOD B12&B34, TRAD) in MB.
 THESIS_TABLES = {
     "resnet50": {1: (64503, 64113, 51078, 54100), 2: (62239, 61849, 49999, 54100), 3: (57889, 57299, 49399, 54100),
@@ -98,6 +110,15 @@ def deployment(o: dict, c: float, counts: tuple, variant: str) -> dict:
     """Memory (MB) of the modular deployment ``variant`` and of the traditional one."""
     a, b, cc = counts
     o4 = o["block4"] + o["head"]
+    if variant in ("shared_process", "one_process"):  # blocks sharing a process pay C once (issue 28)
+        shared = (o["block1"] + o["block2"]) * bool(b or cc) + o["block3"] * bool(cc)
+        own = a * o["full"] + b * (o["block3"] + o4) + cc * o4
+        if variant == "one_process":  # every block of every task in one process per device
+            return {"shared_mb": shared, "specialised_mb": own, "total_mb": shared + own + c, "processes": 1}
+        shared += c * bool(b or cc)
+        own += c * (a + 2 * b + cc)
+        return {"shared_mb": shared, "specialised_mb": own, "total_mb": shared + own,
+                "processes": bool(b or cc) + a + 2 * b + cc}
     shared = 0.0
     if b or cc:
         shared += (o["block1"] + o["block2"] + c) if variant != "modular" else (o["block1"] + c) + (o["block2"] + c)
@@ -191,18 +212,35 @@ def measure_model(server, model: str, device: str, threads: int, requests: int) 
     blocks = [{"name": n, "model": f"{model}/{stem}.pt", "device": device, "threads": threads}
               for n, stem in names.items()]
     blocks.append({"name": "id", "model": "toy/identity.pt", "device": device, "threads": threads})
+    # the same 4 blocks + head again, in one shared process (issue 28): what a group costs
+    grouped = {f"g{n}": stem for n, stem in names.items() if n != "f"}
+    blocks += [{"name": n, "model": f"{model}/{stem}.pt", "device": device, "threads": threads, "process": "g"}
+               for n, stem in grouped.items()]
     server.update({"transport": "tensormq", "protocol": "ipc", "blocks": blocks,
                    "tasks": [{"id": "classify", "path": ["b1", "b2", "b3", "b4", "h"]},
-                             {"id": "full", "path": ["f"]}, {"id": "identity", "path": ["id"]}]})
+                             {"id": "full", "path": ["f"]}, {"id": "identity", "path": ["id"]},
+                             {"id": "grouped", "path": list(grouped)}]})
     x = common.input_tensor(1)
+    same = True
     with Client(server.dispatcher, timeout=120) as c:
         for _ in range(requests):
             for task in ("classify", "full", "identity"):
                 c.infer(task, x)
+            same = same and torch.equal(c.infer("grouped", x), c.infer("classify", x))
     pids = server.block_pids()
-    mem = {names.get(n, "identity"): process_memory(pid) for n, pid in pids.items()}
-    vram = process_vram(pids)
-    return {"model": model, "pids": pids, "memory": mem,
+    mem = {names.get(n, "identity"): process_memory(pid) for n, pid in pids.items() if n not in grouped}
+    vram = process_vram({n: p for n, p in pids.items() if n not in grouped})
+    host = process_memory(pids["gb1"])
+    separate = {k: sum(mem[s][k] for s in ("block1", "block2", "block3", "block4", "head"))
+                for k in ("rss_mb", "uss_mb", "pss_mb")}
+    group = {"pid": pids["gb1"], "processes": len({pids[n] for n in grouped}), "same_results": same, **host,
+             "separate_5_processes": separate,
+             "ratio": {k: host[k] / separate[k] if separate[k] else None for k in separate}}
+    group_vram = process_vram({"group": pids["gb1"]})
+    if group_vram:
+        group["vram_mb"] = group_vram["group"]
+        group["separate_5_processes"]["vram_mb"] = sum(vram.get(n, 0.0) for n in ("b1", "b2", "b3", "b4", "h"))
+    return {"model": model, "pids": pids, "memory": mem, "group": group,
             "vram_mb": {names.get(n, "identity"): v for n, v in vram.items()}}
 
 
@@ -220,11 +258,11 @@ def plot(tables: dict, out: str, machine: str) -> None:
     plt = common.pyplot()
     fig, axes = plt.subplots(1, len(tables), figsize=(4.6 * len(tables), 3.6), squeeze=False)
     for ax, (label, rows) in zip(axes[0], tables.items()):
-        width = 0.27
+        width = 0.8 / len(VARIANTS)
         xs = range(len(rows))
         for k, v in enumerate(VARIANTS):
-            ax.bar([i + (k - 1) * width for i in xs], [r[f"{v}_savings_pct"] for r in rows], width,
-                   label={"modular": "modular", "b12_fused": "B12 fused", "b12_b34_fused": "B12 & B34 fused"}[v])
+            ax.bar([i + (k - (len(VARIANTS) - 1) / 2) * width for i in xs], [r[f"{v}_savings_pct"] for r in rows], width,
+                   label=VARIANT_LABELS[v])
         ax.axhline(0, color="black", lw=0.6)
         ax.set_xticks(list(xs), [str(r["scenario"]) for r in rows])
         ax.set_xlabel("scenario (Table 4.4)")

@@ -1,7 +1,7 @@
 """The peer, measured beside BlockFlow: the same ResNet50 blocks served by Ray Serve (issue 16).
 
 One run, one machine, the same TorchScript files (model_repo/resnet50/*.pt) and the same torch
-threads per serving process (``--threads``, default 1), four systems:
+threads per serving process (``--threads``, default 1), six systems:
 
   blockflow        ``blockflow serve``, block1..block4 + head as five block processes over
                    TensorMQ, a synchronous ``blockflow.client.Client`` (ZeroMQ) as the client;
@@ -9,7 +9,9 @@ threads per serving process (``--threads``, default 1), four systems:
   ray_composed     Ray Serve, one deployment per block, composed the idiomatic way: an ingress
                    deployment holds the five handles and passes each DeploymentResponse to the
                    next handle (the tensors go through Ray's object store, not the ingress);
-  ray_single       Ray Serve, one deployment running the five files in sequence.
+  ray_single       Ray Serve, one deployment running the five files in sequence;
+  *_r2             the fused block and the single deployment again, each as two replicas
+                   (BlockFlow's ``replicas: 2``, Ray's ``num_replicas=2``; issue 28).
 
 The Ray client is a ``DeploymentHandle`` in this process (no HTTP proxy is started: Ray's
 fastest path from Python). Ray runs locally with ``ray.init(num_cpus=2, include_dashboard=False)``
@@ -62,11 +64,13 @@ from experiments import common
 log = logging.getLogger("experiments.peers")
 
 NAME = "peers"
-SYSTEMS = ("blockflow", "blockflow_fused", "ray_composed", "ray_single")
+SYSTEMS = ("blockflow", "blockflow_fused", "blockflow_fused_r2", "ray_composed", "ray_single", "ray_single_r2")
 LABELS = {"blockflow": "BlockFlow, 5 blocks (tensormq)", "blockflow_fused": "BlockFlow, 1 fused block",
-          "ray_composed": "Ray Serve, 5 deployments composed", "ray_single": "Ray Serve, 1 deployment"}
+          "blockflow_fused_r2": "BlockFlow, 1 fused block, 2 replicas",
+          "ray_composed": "Ray Serve, 5 deployments composed", "ray_single": "Ray Serve, 1 deployment",
+          "ray_single_r2": "Ray Serve, 1 deployment, 2 replicas"}
 #: like for like: (BlockFlow system, Ray system)
-PAIRS = (("blockflow", "ray_composed"), ("blockflow_fused", "ray_single"))
+PAIRS = (("blockflow", "ray_composed"), ("blockflow_fused", "ray_single"), ("blockflow_fused_r2", "ray_single_r2"))
 #: ResNet50's block1 output at batch 1 and 32: 3.2 MB and 103 MB of float32.
 HOP_SIZES = {"3.2MB": (1, 256, 56, 56), "103MB": (32, 256, 56, 56)}
 HOP_KINDS = ("identity", "copy")
@@ -309,10 +313,11 @@ class BlockFlowSide:
         with self.Client(self.server.dispatcher, timeout=120) as c:
             yield lambda: c.infer(common.TASK, self.x)
 
-    def deploy_fused(self) -> float:
+    def deploy_fused(self, replicas: int = 1) -> float:
         files = [f"resnet50/{stem}.pt" for _, stem in common.PIPELINE]
         return self.deploy({"transport": "tensormq", "protocol": "ipc",
-                            "blocks": [{"name": FUSED, "model": files, "device": "cpu", "threads": self.threads}],
+                            "blocks": [{"name": FUSED, "model": files, "device": "cpu", "threads": self.threads,
+                                        "replicas": replicas}],
                             "tasks": [{"id": common.TASK, "path": [FUSED]}]})
 
     def deploy_hops(self) -> None:
@@ -423,9 +428,9 @@ class RaySide:
     def open_caller(self):
         yield self.call  # one DeploymentHandle shared by the client threads, as Ray intends
 
-    def deploy_single(self) -> float:
-        return self.deploy(self.TorchBlock.options(name="single").bind(list(self.files.values()), self.threads,
-                                                                       self.shapes["block1"]), "single")
+    def deploy_single(self, replicas: int = 1) -> float:
+        return self.deploy(self.TorchBlock.options(name="single", num_replicas=replicas).bind(
+            list(self.files.values()), self.threads, self.shapes["block1"]), "single")
 
     def deploy_hops(self) -> None:
         blocks = [self.TorchBlock.options(name=f"{kind}{k}").bind([os.path.join(self.toys, f"{kind}.pt")],
@@ -501,6 +506,11 @@ def run(repo: str, cfg: dict) -> tuple[dict, list[dict], dict]:
         r_start = {"deploy_s": ray.deploy_single()}
         idle = idle_cpu({"blockflow_fused": bf.pids(), "ray_single": ray.pids()}, cfg["idle_s"])
         rows((("blockflow_fused", b_start, memory(bf.pids())), ("ray_single", r_start, memory(ray.pids()))))
+
+        b_start = {"deploy_s": bf.deploy_fused(replicas=2)}
+        r_start = {"deploy_s": ray.deploy_single(replicas=2)}
+        idle = idle_cpu({"blockflow_fused_r2": bf.pids(), "ray_single_r2": ray.pids()}, cfg["idle_s"])
+        rows((("blockflow_fused_r2", b_start, memory(bf.pids())), ("ray_single_r2", r_start, memory(ray.pids()))))
 
         bf.deploy_hops()
         ray.deploy_hops()
@@ -594,10 +604,10 @@ def plot(d: dict, out: str) -> None:
     plt = common.pyplot()
     s = d["systems"]
     cols = [k for k in SYSTEMS if k in s]
-    colors = {"blockflow": "tab:orange", "blockflow_fused": "tab:red", "ray_composed": "tab:blue",
-              "ray_single": "tab:cyan"}
-    short = {"blockflow": "BF 5 blocks", "blockflow_fused": "BF fused", "ray_composed": "Ray 5 depl.",
-             "ray_single": "Ray 1 depl."}
+    colors = {"blockflow": "tab:orange", "blockflow_fused": "tab:red", "blockflow_fused_r2": "tab:brown",
+              "ray_composed": "tab:blue", "ray_single": "tab:cyan", "ray_single_r2": "tab:purple"}
+    short = {"blockflow": "BF 5 blocks", "blockflow_fused": "BF fused", "blockflow_fused_r2": "BF fused x2",
+             "ray_composed": "Ray 5 depl.", "ray_single": "Ray 1 depl.", "ray_single_r2": "Ray 1 depl. x2"}
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     cold = [k for k in cols if s[k]["startup"].get("cold_s") is not None]
     panels = [

@@ -574,10 +574,20 @@ def memory_model(d: dict) -> str:
             quoted = quoted and q
             rows.append([r["scenario"], "/".join(str(c) for c in r["counts"]), _f(r["modular_savings_pct"]),
                          _f(r["b12_fused_savings_pct"]), _f(r["b12_b34_fused_savings_pct"]),
+                         _f(r.get("shared_process_savings_pct")), _f(r.get("one_process_savings_pct")),
                          " / ".join(_f(v) for v in th) if th else "–"])
         col = "thesis % (mod / 12 / 12+34)" + ("" if quoted else ", derived from its MB")
         out.append(f"**{label}** (per-process context {_f(res['context_mb'], 0)} MB):\n\n"
-                   + _table(["scenario", "tasks A/B/C", "modular %", "b1+2 fused %", "b1+2, 3+4 fused %", col], rows))
+                   + _table(["scenario", "tasks A/B/C", "modular %", "b1+2 fused %", "b1+2, 3+4 fused %",
+                             "shared blocks in one process %", "one process %", col], rows))
+    groups = [[m, g["processes"], _f(g["separate_5_processes"]["pss_mb"], 0), _f(g["pss_mb"], 0),
+               f"{g['ratio']['pss_mb']:.2f}x", _f(g["separate_5_processes"]["uss_mb"], 0), _f(g["uss_mb"], 0),
+               _f(g["separate_5_processes"]["rss_mb"], 0), _f(g["rss_mb"], 0), g["same_results"]]
+              for m, meas in d["measured"].items() for g in [meas.get("group")] if g]
+    if groups:
+        out.append("**4 blocks + head in one shared process** (measured, beside the five block processes):\n\n"
+                   + _table(["model", "processes", "PSS MB, 5 processes", "PSS MB, shared", "PSS ratio",
+                             "USS MB, 5", "USS MB, shared", "RSS MB, 5", "RSS MB, shared", "same results"], groups))
     return "\n\n".join(out)
 
 
@@ -601,7 +611,17 @@ def memory_model_text(d: dict) -> str:
         text.append(f"{label} (context {_f(res['context_mb'], 0)} MB): modular savings "
                     f"{_rng([r['modular_savings_pct'] for r in rows], 1)}%, with blocks 1+2 and 3+4 fused "
                     f"{_rng([r['b12_b34_fused_savings_pct'] for r in rows], 1)}% (negative in {neg} of {len(rows)} "
-                    "scenarios).")
+                    "scenarios)" + (f", with the shared blocks in one process "
+                                    f"{_rng([r['shared_process_savings_pct'] for r in rows], 1)}%, all in one process "
+                                    f"{_rng([r['one_process_savings_pct'] for r in rows], 1)}%"
+                                    if "one_process_savings_pct" in rows[0] else "") + ".")
+    for m, meas in d["measured"].items():
+        g = meas.get("group")
+        if g:
+            text.append(f"{m}'s 4 blocks + head in one shared process: PSS {_f(g['pss_mb'], 0)} MB against "
+                        f"{_f(g['separate_5_processes']['pss_mb'], 0)} MB summed over five block processes "
+                        f"({g['ratio']['pss_mb']:.2f}x; USS {g['ratio']['uss_mb']:.2f}x, RSS "
+                        f"{g['ratio']['rss_mb']:.2f}x), same results: {g['same_results']}.")
     return " ".join(text)
 
 
@@ -718,6 +738,23 @@ def fused_text(d: dict) -> str:
             "between blocks, and the result's way back.")
 
 
+def replicas(d: dict) -> str:
+    rows = []
+    for name, s in d["layouts"].items():
+        spread = ", ".join(f"{p} {n}" for p, n in sorted(s["inferences_by_process"].items()))
+        rows.append([name, s["replicas"], s["threads"], _f(s["throughput_rps"]), _f(s["rtt_ms"].get("p50"), 1),
+                     _f(s["rtt_ms"].get("p99"), 1), s["errors"], spread])
+    return _table(["layout", "replicas", "threads each", "req/s", "round trip p50 ms", "p99 ms", "errors",
+                   "inferences per process (KPI logs)"], rows)
+
+
+def replicas_text(d: dict) -> str:
+    return (f"With {d['settings']['clients']} closed-loop clients, two replicas of the fused block deliver "
+            f"{_f(d['ratio_r2_r1'])}x the requests/s of one (goal ≥ {d['goal_ratio']:.1f}x: "
+            f"{'met' if d['meets_goal'] else 'not met'}) and {_f(d['ratio_r2_r1_threads2'])}x those of one "
+            f"process with two torch threads; every layout answers the same tensor: {d['same_results']}.")
+
+
 def skipped(d: dict) -> str:
     return f"Not run here: {d.get('reason', 'skipped')}"
 
@@ -725,13 +762,14 @@ def skipped(d: dict) -> str:
 SECTIONS = [("offline_blocks", offline_blocks), ("rtt", rtt), ("pipeline_latency", pipeline_latency),
             ("hop_overhead", hop_overhead), ("batch_scaling", batch_scaling), ("multiclient", multiclient),
             ("throughput", throughput), ("utilization", utilization), ("energy", energy),
-            ("memory_model", memory_model), ("multi_gpu", multi_gpu), ("batching", batching), ("fused", fused)]
+            ("memory_model", memory_model), ("multi_gpu", multi_gpu), ("batching", batching), ("fused", fused),
+            ("replicas", replicas)]
 #: The sentences with numbers in them, per experiment (between ``<!-- text:NAME -->`` markers).
 TEXTS = {"offline_blocks": offline_blocks_text, "rtt": rtt_text, "pipeline_latency": pipeline_latency_text,
          "hop_overhead": hop_overhead_text, "batch_scaling": batch_scaling_text, "multiclient": multiclient_text,
          "throughput": throughput_text, "utilization": utilization_text, "memory_model": memory_model_text,
          "multi_gpu": multi_gpu_text, "batching": batching_text,
-         "fused": fused_text}
+         "fused": fused_text, "replicas": replicas_text}
 
 
 def _safe(fn, d: dict, name: str) -> str:

@@ -42,11 +42,14 @@ class Controller:
         self._ids = itertools.count(1)
         self._out: queue.Queue = queue.Queue()
         self._futures: dict[int, Future] = {}
+        self._asked: dict[int, bytes] = {}  # request id -> the process it went to (forget() fails them)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self.ready: dict[bytes, dict] = {}
         self.boot_errors: dict[bytes, dict] = {}
         self.last_seen: dict[bytes, float] = {}
+        #: hosted blocks whose thread ended in their shared process: identity -> crashed (blocks/host.py)
+        self.gone: dict[bytes, bool] = {}
         self._wake_r, self._wake_w = os.pipe()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="controller", daemon=True)
@@ -69,6 +72,7 @@ class Controller:
         fut: Future = Future()
         with self._lock:
             self._futures[rid] = fut
+            self._asked[rid] = ident
         self._out.put((ident, rid, {"t": "cmd", "id": rid, "cmd": cmd, "args": args or {}}))
         os.write(self._wake_w, b"x")
         return fut
@@ -81,7 +85,7 @@ class Controller:
             with self._lock:
                 for rid, f in list(self._futures.items()):
                     if f is fut:
-                        del self._futures[rid]
+                        self._pop(rid)
             raise TimeoutError(f"{ident.decode()} did not answer {cmd!r} within {timeout:.1f}s") from None
 
     def wait_ready(self, ident: bytes, timeout: float, alive=lambda: True) -> dict:
@@ -101,10 +105,22 @@ class Controller:
                 self._cond.wait(min(left, 0.1))
 
     def forget(self, ident: bytes) -> None:
+        """``ident`` is gone (dead, killed or stopped): its pending requests fail now, so that
+        nothing waits for an answer that cannot come (an update's acknowledgements)."""
         with self._lock:
             self.ready.pop(ident, None)
             self.boot_errors.pop(ident, None)
             self.last_seen.pop(ident, None)
+            rids = [rid for rid, who in self._asked.items() if who == ident]
+            pending = [self._pop(rid) for rid in rids]
+        for fut in pending:
+            if fut is not None and not fut.done():
+                fut.set_exception(ControlError(f"{ident.decode()} is gone"))
+
+    def _pop(self, rid: int) -> Future | None:
+        """Forget request ``rid`` (call with the lock held)."""
+        self._asked.pop(rid, None)
+        return self._futures.pop(rid, None)
 
     # -- the thread --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -122,7 +138,7 @@ class Controller:
         finally:
             self.sock.close(linger=0)
             with self._lock:
-                futures, self._futures = self._futures, {}
+                futures, self._futures, self._asked = self._futures, {}, {}
             for f in futures.values():
                 if not f.done():
                     f.set_exception(ControlError("controller stopped"))
@@ -137,7 +153,7 @@ class Controller:
                 self.sock.send_multipart([ident, dumps(msg)])
             except zmq.ZMQError as exc:  # EHOSTUNREACH: not connected (yet, or any more)
                 with self._lock:
-                    fut = self._futures.pop(rid, None)
+                    fut = self._pop(rid)
                 if fut is not None and not fut.done():
                     fut.set_exception(ControlError(f"{ident.decode()} is not connected to the controller ({exc})"))
 
@@ -161,8 +177,10 @@ class Controller:
                 if kind in ("ready", "boot_error"):
                     (self.ready if kind == "ready" else self.boot_errors)[ident] = msg
                     self._cond.notify_all()
-                fut = self._futures.pop(msg.get("id"), None) if kind == "reply" else None
-            if kind in ("ready", "boot_error") and self.notify is not None:
+                elif kind == "gone" and isinstance(msg.get("member"), str):
+                    self.gone[msg["member"].encode()] = bool(msg.get("crashed"))
+                fut = self._pop(msg.get("id")) if kind == "reply" else None
+            if kind in ("ready", "boot_error", "gone") and self.notify is not None:
                 self.notify(ident)
             if fut is None or fut.done():
                 continue

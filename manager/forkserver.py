@@ -9,7 +9,7 @@ from __future__ import annotations
 import multiprocessing
 
 #: what every block and the dispatcher need, imported once in the forkserver before any fork
-PRELOAD = ["blockflow.blocks.process", "blockflow.dispatcher.process"]
+PRELOAD = ["blockflow.blocks.process", "blockflow.blocks.host", "blockflow.dispatcher.process"]
 
 
 def context():

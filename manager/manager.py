@@ -36,12 +36,13 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import zmq
 
 from blockflow import settings
+from blockflow.blocks.host import HostSpec, serve_host
 from blockflow.blocks.process import BlockSpec, serve_block
 from blockflow.dispatcher.process import DispatcherSpec, serve_dispatcher
 from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, describe_exit, identity
@@ -74,8 +75,10 @@ TICK = 0.05
 #: A child asked to stop gets this long before SIGTERM, and STOP_KILL_S before SIGKILL.
 STOP_TERM_S = 1.0
 STOP_KILL_S = 5.0
-#: Seconds the switch waits for processes to take a topology update before draining anyway.
-ACK_TIMEOUT = 5.0
+#: Seconds the switch waits for processes to take a topology update before draining anyway. A
+#: hung process is killed within HANG_TIMEOUT, which fails its acknowledgement at once; this is
+#: the bound for one that answers pings but not the update (its inference thread is busy).
+ACK_TIMEOUT = HANG_TIMEOUT
 
 
 class UpdateFailed(RuntimeError):
@@ -109,8 +112,11 @@ class Child:
     spawned_at: float = field(default_factory=time.monotonic)
     ready_at: float = 0.0            # monotonic; silence is counted from here
     stop_asked: float | None = None  # monotonic, when stop_later() asked it to stop
-    applying: Future | None = None   # its answer to the last topology update, while it is due
     gone: bool = False               # exited and cleaned up after
+    block: str = ""                  # the declared block this process is a replica of
+    replica: int = 0                 # which replica (0: the one named like the block)
+    host: "Child | None" = None      # the shared process it runs in (blocks/host.py), if any
+    hosted_spec: str | None = None   # its BlockSpec as JSON, until the host is asked to start it
 
     @property
     def ident(self) -> bytes:
@@ -126,7 +132,47 @@ class Child:
              "failure": self.failure, "started": self.started}
         if self.decl is not None:
             d.update(self.decl.as_dict())
+            d["block"], d["replica"] = self.block, self.replica
         return d
+
+
+class HostedProcess:
+    """A block in a shared process (blocks/host.py), seen through the little of
+    ``multiprocessing.Process`` the manager uses: its pid is the host's; it has exited when the
+    host has (the host's exit code), or when the host said its thread ended (0, or 1 when its
+    loop crashed). Killing it kills the host: every block of the group goes down with it."""
+
+    def __init__(self, host: "Child", controller: Controller, ident: bytes):
+        self.host, self.controller, self.ident = host, controller, ident
+
+    @property
+    def pid(self) -> int | None:
+        return self.host.process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        code = self.host.process.exitcode
+        if code is not None:
+            return code
+        crashed = self.controller.gone.get(self.ident)
+        return None if crashed is None else int(crashed)
+
+    def host_alive(self) -> bool:
+        return self.host.process.exitcode is None
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout if timeout is not None else 3600.0)
+        while self.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def terminate(self) -> None:
+        """No SIGTERM for one block of several: it was asked to stop, and kill() is next."""
+
+    def kill(self) -> None:
+        self.host.process.kill()
 
 
 @dataclass(eq=False)
@@ -144,6 +190,7 @@ class Operation:
     # progress, set by the supervisor
     phase: str = "queued"                       # queued, starting, draining
     desired: Desired | None = None
+    processes: dict[str, BlockDecl] = field(default_factory=dict)  # the desired blocks, one per replica
     plan: Plan | None = None
     new: dict[str, Child] = field(default_factory=dict)
     retired: list[Child] = field(default_factory=list)
@@ -165,7 +212,12 @@ class Manager:
         self.window = window
         self.catalog = ModelCatalog(self.repo)
         self.lock = threading.RLock()
+        #: one Child per block process, by process name: a block's replica 0 has the block's name,
+        #: replica r > 0 ``name~r`` (schema.replica_name); ``declared`` keeps the blocks as declared
         self.blocks: dict[str, Child] = {}
+        self.declared: dict[str, BlockDecl] = {}
+        #: shared processes by their ``process`` name (blocks/host.py); each stops once it hosts nothing
+        self.hosts: dict[str, Child] = {}
         self.tasks: dict[str, list[str]] = {}
         self.manifests: dict[str, dict | None] = {}
         self.update_body: dict | None = None
@@ -245,8 +297,11 @@ class Manager:
             for op in ops:
                 children += list(op.new.values()) + op.retired
             self.blocks.clear()
+            self.declared.clear()
             self.tasks.clear()
             self.stop_now(children)
+            self.stop_now(list(self.hosts.values()))  # after their blocks: they stop with nothing left to host
+            self.hosts.clear()
             if self.dispatcher is not None:
                 self.stop_now([self.dispatcher])
                 self.dispatcher = None
@@ -263,7 +318,11 @@ class Manager:
         self._incarnations[name] = inc
         return inc
 
-    def spawn_block(self, decl: BlockDecl, restarts: int = 0, streak: int = 0) -> Child:
+    def spawn_block(self, decl: BlockDecl, restarts: int = 0, streak: int = 0, block: str | None = None,
+                    replica: int = 0) -> Child:
+        """Start the process ``decl.name``: replica ``replica`` of ``block`` (default: the block itself).
+        A block with a ``process`` goes into that shared process (started here if need be), once
+        the process is ready (check_starting)."""
         inc = self._next_incarnation(decl.name)
         model = list(decl.model) if isinstance(decl.model, tuple) else decl.model
         spec = BlockSpec(name=decl.name, model=model, repo=self.repo, run_dir=self.state.run_dir,
@@ -273,11 +332,69 @@ class Manager:
                          controller=self.controller.endpoint, parent_pid=os.getpid(), window=self.window,
                          max_inference_s=decl.max_inference_s,
                          batching=decl.batching.to_json() if decl.batching else None,
-                         verified=self.catalog.verified(decl.files))
+                         verified=self.catalog.verified(decl.files), hosted=decl.process is not None)
+        if decl.process is not None:
+            host = self.host_for(decl)
+            c = Child(decl.name, decl, inc, None, restarts=restarts, streak=streak, block=block or decl.name,
+                      replica=replica, host=host, hosted_spec=spec.to_json())
+            c.process = HostedProcess(host, self.controller, c.ident)
+            log.info("block %s#%d goes into shared process %s (%s on %s)", decl.name, inc, host.name, decl.model,
+                     decl.device)
+            return c
         proc = self.mp.Process(target=serve_block, args=(spec,), name=f"blockflow-{decl.name}", daemon=True)
         proc.start()
         log.info("spawned block %s#%d (pid %d, %s on %s)", decl.name, inc, proc.pid, decl.model, decl.device)
-        return Child(decl.name, decl, inc, proc, restarts=restarts, streak=streak)
+        return Child(decl.name, decl, inc, proc, restarts=restarts, streak=streak, block=block or decl.name,
+                     replica=replica)
+
+    def host_for(self, decl: BlockDecl) -> Child:
+        """The shared process ``decl.process``: the running one, or a new one (after a crash: the
+        restart counts carry on, so a crash loop ends as a block's does)."""
+        host = self.hosts.get(decl.process)
+        if host is not None and host.process.exitcode is None and host.status in ("starting", "ready"):
+            return host
+        name = f"@{decl.process}"
+        groups = [self.declared, self.op.desired.blocks if self.op and self.op.desired else {}]
+        threads = max((d.threads or 0 for g in groups for d in g.values() if d.process == decl.process), default=0)
+        inc = self._next_incarnation(name)
+        spec = HostSpec(name=name, device=decl.device, threads=threads or None, incarnation=inc,
+                        controller=self.controller.endpoint, parent_pid=os.getpid())
+        proc = self.mp.Process(target=serve_host, args=(spec,), name=f"blockflow-{name}", daemon=True)
+        proc.start()
+        log.info("spawned shared process %s#%d (pid %d, %s)", name, inc, proc.pid, decl.device)
+        restarts = host.restarts + 1 if host is not None else 0
+        self.hosts[decl.process] = new = Child(name, None, inc, proc, restarts=restarts)
+        return new
+
+    def check_hosts(self) -> None:
+        """Shared processes: READY (-> ready, and their waiting blocks are sent to them), an
+        exit (-> gone: their blocks see it as their own), nothing left to host (-> stopped)."""
+        members = [c for c in [*self.blocks.values(), *self.stopping_children,
+                               *(self.op.new.values() if self.op else ())] if c.host is not None and not c.gone]
+        for group, host in list(self.hosts.items()):
+            if host.status == "starting" and host.ident in self.controller.ready:
+                self.mark_ready(host, self.controller.ready[host.ident])
+                log.info("shared process %s#%d (pid %s) is ready", host.name, host.incarnation, host.process.pid)
+            if host.process.exitcode is not None:
+                if host.status != "stopping":
+                    log.warning("shared process %s (pid %s) exited: %s", host.instance, host.process.pid,
+                                describe_exit(host.process.exitcode))
+                    host.status = "failed"
+                del self.hosts[group]
+                self.controller.forget(host.ident)
+                if host.process.pid:
+                    self.state.remove_slots_of(host.process.pid)
+                continue
+            if not any(c.host is host for c in members) and host.status != "stopping":
+                self.stop_later([host])
+                del self.hosts[group]
+                continue
+            if host.status == "ready":
+                for c in members:
+                    if c.host is host and c.hosted_spec is not None and c.status == "starting":
+                        self.controller.cast(host.ident, "host", {"spec": c.hosted_spec}).add_done_callback(
+                            _log_refusal)
+                        c.hosted_spec = None
 
     def spawn_dispatcher(self, restarts: int = 0, streak: int = 0) -> Child:
         inc = self._next_incarnation(DISPATCHER)
@@ -338,6 +455,8 @@ class Manager:
         """A dead producer's slot files are ours to remove (a clean exit left none)."""
         if c.process.pid is None or c.process.exitcode is None:
             return
+        if isinstance(c.process, HostedProcess) and c.process.host_alive():
+            return  # the others still use theirs; this one unlinked its own (check_hosts does the rest)
         removed = self.state.remove_slots_of(c.process.pid)
         if removed:
             log.info("removed %d slot files that %s (pid %d) left behind", removed, c.instance, c.process.pid)
@@ -358,9 +477,9 @@ class Manager:
         self.child(name)  # KeyError -> 404 before anything is queued
 
         def desire() -> Desired:
-            if name not in self.blocks:
+            if name not in self.declared:
                 raise KeyError(name)
-            return without_block({n: c.decl for n, c in self.blocks.items()}, self.tasks, name)
+            return without_block(self.declared, self.tasks, name)
         return self.submit(Operation("delete_block", desire))
 
     def delete_all(self) -> dict:
@@ -386,14 +505,24 @@ class Manager:
     def task_table(self) -> dict:
         table = {}
         for tid, path in self.tasks.items():
-            hops = [self.blocks[n] for n in path]
+            # per hop, its replicas that serve now (replica 0 stands for a block with none ready)
+            choices = [[c for c in self.replicas(n) if c.status == "ready"] or self.replicas(n)[:1] for n in path]
+            hops = [cs[0] for cs in choices]
             down = [c for c in hops if c.status != "ready"]
             entry = self.manifests.get(hops[0].decl.files[0])
             table[tid] = {"path": [[c.name, c.endpoint] for c in hops], "blocks": [c.instance for c in hops],
                           "input": {"dtype": entry.get("dtype"), "shape": entry.get("input_shape")} if entry else None}
+            if any(len(cs) > 1 for cs in choices):  # the dispatcher picks a replica per hop and request
+                table[tid]["replicas"] = [[[c.name, c.endpoint, c.instance] for c in cs] for cs in choices]
             if down:
-                table[tid]["unavailable"] = ", ".join(f"block {c.name} is {c.status}" for c in down)
+                table[tid]["unavailable"] = ", ".join(f"block {c.block} is {c.status}" for c in down)
         return table
+
+    def replicas(self, block: str) -> list[Child]:
+        """The processes of a declared block, replica 0 first."""
+        decl = self.declared.get(block)
+        return [self.blocks[n] for n in decl.replica_names() if n in self.blocks] if decl else []
+
 
     def child(self, name: str) -> Child:
         with self.lock:
@@ -437,6 +566,7 @@ class Manager:
                         return
                     self.reap_children()
                     self.check_health()
+                    self.check_hosts()
                     self.check_starting()
                     self.respawn_children()
                     self.reconcile()
@@ -496,12 +626,11 @@ class Manager:
             if c.status != "ready":
                 continue
             seen = max(self.controller.last_seen.get(c.ident, c.ready_at), c.ready_at, self._grace_from)
-            # A block applies a topology update between two inferences and answers nothing
-            # meanwhile (not even pings): that silence is not a hang. The block itself gives up
-            # on the update after 10 s, and a stuck inference shows in busy_s anyway.
-            if c.applying is not None and c.applying.done():
-                c.applying = None
-            if now - seen > HANG_TIMEOUT and c.applying is None:
+            # No exemption while an update is due: a block answers pings while its inference
+            # thread finishes the request before applying it (blocks/process.py, Later), so
+            # silence is a hang then too, and killing it fails the due acknowledgement at once
+            # (Controller.forget): no update waits on a hung process longer than this.
+            if now - seen > HANG_TIMEOUT:
                 self.kill_child(c, f"hung ({now - seen:.2f}s without answering), killed")
                 continue
             fut = self.controller.cast(c.ident, "ping")
@@ -593,7 +722,8 @@ class Manager:
         # say why a block restarted after it is ready again, not only while it is down
         for name, c in list(self.blocks.items()):
             if c.status == "restarting":
-                self.blocks[name] = self.spawn_block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1)
+                self.blocks[name] = self.spawn_block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1,
+                                                     block=c.block, replica=c.replica)
                 self.blocks[name].last_exit = c.last_exit
                 self._persist()
         if self.dispatcher is not None and self.dispatcher.status == "restarting":
@@ -632,10 +762,12 @@ class Manager:
             return
         # an update replaces failed blocks; a deletion leaves the other blocks as they are
         current = {n: Running(c.decl, c.status == "failed" and op.kind == "update") for n, c in self.blocks.items()}
-        op.plan = plan(current, op.desired.blocks)
+        op.processes = one_per_replica(op.desired.blocks)
+        op.plan = plan(current, op.processes)
+        which = replica_of(op.desired.blocks)
         try:
             for n in op.plan.starts:
-                op.new[n] = self.spawn_block(op.desired.blocks[n])
+                op.new[n] = self.spawn_block(op.processes[n], block=which[n][0], replica=which[n][1])
         except Exception as exc:  # e.g. the forkserver is gone: answer, do not leave the caller waiting
             self.stop_later(op.new.values())
             log.exception("%s: could not spawn its blocks", op.kind)
@@ -648,13 +780,14 @@ class Manager:
         """Every new block is READY: make the desired state the current one."""
         current = self.blocks
         op.retired = [current[n] for n in op.plan.retires]
-        self.blocks = {n: op.new[n] if n in op.new else current[n] for n in op.desired.blocks}
+        self.blocks = {n: op.new[n] if n in op.new else current[n] for n in op.processes}
+        self.declared = dict(op.desired.blocks)
         old_tasks, self.tasks = self.tasks, dict(op.desired.tasks)
         if op.kind == "update":
             self.update_body, self.transport = op.body, op.transport
             self.manifests = dict(op.manifests)
         elif self.update_body:  # state.json keeps the update that describes what runs now
-            kept = [b for b in self.update_body.get("blocks", []) if b.get("name") in self.blocks]
+            kept = [b for b in self.update_body.get("blocks", []) if b.get("name") in self.declared]
             self.update_body = {**self.update_body, "blocks": kept} if kept else None
         self.version += 1
         op.diff = {**op.plan.as_diff(), "tasks": diff_tasks(old_tasks, self.tasks).as_dict()}
@@ -730,8 +863,7 @@ class Manager:
                                                 {**topology, "transport": self.transport}))
         for c in self.blocks.values():
             if c.status == "ready":
-                c.applying = self.controller.cast(c.ident, "update", topology)
-                futures.append(c.applying)
+                futures.append(self.controller.cast(c.ident, "update", topology))
         for f in futures:
             f.add_done_callback(_log_refusal)
         return futures
@@ -753,6 +885,19 @@ class Manager:
             "dispatcher": rec(self.dispatcher) if self.dispatcher and self.dispatcher.process.pid else None,
             "shm_dir": self.state.shm, "run_dir": self.state.run_dir,
         })
+
+
+def one_per_replica(blocks: dict[str, BlockDecl]) -> dict[str, BlockDecl]:
+    """The processes that run ``blocks``: one per replica, named by ``replica_name``, each
+    declared with ``replicas`` 1, so that an update changing a block's replicas alone keeps
+    the replicas it already has (the reconciler compares declarations) and starts or drains
+    only the difference."""
+    return {n: replace(decl, name=n, replicas=1) for decl in blocks.values() for n in decl.replica_names()}
+
+
+def replica_of(blocks: dict[str, BlockDecl]) -> dict[str, tuple[str, int]]:
+    """Process name -> (block, replica), for the processes ``one_per_replica`` names."""
+    return {n: (decl.name, r) for decl in blocks.values() for r, n in enumerate(decl.replica_names())}
 
 
 def _resolve(fut: Future, result=None, error: BaseException | None = None) -> None:

@@ -545,6 +545,17 @@ class SlotMapper:
             old.drop()
         return m
 
+    def forget_unlinked(self) -> int:
+        """Close the mappings of slot files that no longer exist: their producer exited (a
+        retired or dead block's slots are unlinked) or grew the slot under a new name. Kept,
+        each would pin the pages this consumer read until the LRU evicted it (256 mappings:
+        hundreds of MB of a retired producer's memory after enough updates). A mapping a tensor
+        still views closes when that tensor goes (``Mapped.drop``). Returns how many went."""
+        gone = [seg for seg in self.maps if not os.path.exists(os.path.join(self.directory, seg))]
+        for seg in gone:
+            self.maps.pop(seg).drop()
+        return len(gone)
+
     def release(self, seg, gen) -> bool:
         """Release generation ``gen`` of slot ``seg`` through its header alone (the data is
         never mapped as a tensor, whatever its kind). True if the slot was freed."""

@@ -284,6 +284,10 @@ class Transport:
         except WireError as exc:
             log.warning("%s: could not give back the slot of an unsent message: %s", self.owner, exc)
 
+    def forget_unlinked(self) -> int:
+        """Close the host mappings of slots whose producer is gone (``SlotMapper.forget_unlinked``)."""
+        return self.mapper.forget_unlinked() if self.mapper is not None else 0
+
     def release_handle(self, x) -> bool:
         """Release the slot a handle names through the slot's header alone, never mapping its
         memory: the handle of a message never sent (our own slot: opening one's own CUDA IPC

@@ -63,6 +63,28 @@ def test_chaos_with_batching_at_the_shared_blocks(model_repo, leak_check):
     assert sum(report["batched_requests"].values()) > 0, report["batched_requests"]
 
 
+def test_chaos_with_a_replicated_block(model_repo, leak_check):
+    """Issue 28: the faults and updates with b2 (shared by both tasks) as two replicas; kills and
+    stops aimed at b2's replicas. Every request still gets exactly one right reply."""
+    report = run_chaos(model_repo, duration=15.0, rate=6.0, seed=149, fault_every=3.0, replicas={"b2": 2},
+                       fault_blocks=("b2", "b2.r1"))
+    hit = [f["detail"].split()[0] for f in report["faults"] if f["kind"] in ("kill_block", "stop_block")]
+    assert hit and set(hit) <= {"b2", "b2.r1"}, report["faults"]
+    assert_one_reply_each(report)
+    assert_recovered(report)
+
+
+def test_chaos_with_a_shared_process(model_repo, leak_check):
+    """Issue 28: b2 and b3 (shared by both tasks) in one shared process, and the faults aimed at
+    them: a kill or stop of either strikes both. Every request still gets exactly one reply."""
+    report = run_chaos(model_repo, duration=15.0, rate=6.0, seed=149, fault_every=3.0,
+                       processes={"b2": "g", "b3": "g"}, fault_blocks=("b2", "b3"))
+    hit = [f["detail"].split()[0] for f in report["faults"] if f["kind"] in ("kill_block", "stop_block")]
+    assert hit and set(hit) <= {"b2", "b3"}, report["faults"]
+    assert_one_reply_each(report)
+    assert_recovered(report)
+
+
 def test_chaos_sees_a_block_that_is_never_respawned(model_repo, leak_check):
     """The planted fault: with BLOCKFLOW_MAX_RESTARTS=0 the manager gives up on a killed block.
     Killing `hx` (only `special` passes through it) leaves `classify` serving, so most requests

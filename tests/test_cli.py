@@ -110,6 +110,28 @@ def test_load_and_kpi_against_a_server(server_factory, identity_repo, tmp_path):
     assert res.returncode == Exit.FAILED and "Traceback" not in res.stderr
     assert "unknown_task: unknown task 'nope'; tasks served now: t" in res.stdout, res.stdout
 
+    # blockflow status: one row per process, the last minute's figures from the KPI logs
+    res = blockflow("status", "--url", srv.url, "--json")
+    assert res.returncode == 0, res.stderr
+    status = json.loads(res.stdout)
+    rows = {r["process"]: r for r in status["processes"]}
+    system = srv.call("GET", "/system")
+    assert set(rows) == {"@dispatcher", "a", "d"}, rows
+    assert rows["@dispatcher"]["pid"] == system["dispatcher"]["pid"]
+    for b in system["blocks"]:
+        r = rows[b["name"]]
+        assert (r["pid"], r["status"], r["device"], r["restarts"], r["block"], r["replica"]) == \
+            (b["pid"], "ready", "cpu", 0, b["name"], 0), r
+        assert r["requests_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] and r["uptime_s"] > 0, r
+    assert rows["@dispatcher"]["requests_per_s"] > 0, rows["@dispatcher"]
+    assert status["tasks"] == [{"id": "t", "path": ["a", "d"]}]
+    res = blockflow("status", "--url", srv.url)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].split()[:6] == ["PROCESS", "BLOCK", "REPLICA", "STATUS", "PID", "DEVICE"], res.stdout
+    assert [line.split()[0] for line in lines[1:4]] == ["@dispatcher", "a", "d"], res.stdout
+    assert "  t: a -> d" in lines, res.stdout
+
     for b in ("a", "d"):
         srv.call("POST", f"/blocks/{b}/kpi")  # flush the KPI logs
     plot = tmp_path / "kpi.png"

@@ -29,6 +29,8 @@ def scrape(url: str) -> dict:
 
 
 def value(samples: dict, name: str, **labels) -> float | None:
+    if name.startswith("blockflow_block_") and "block" in labels:
+        labels.setdefault("replica", "0")  # per-process families: block and replica (issue 28)
     return samples.get((name, frozenset(labels.items())))
 
 

@@ -1,12 +1,12 @@
 """What a consumer keeps of a producer that an update retired (found by the soak's per-process
 RSS split, README "Nothing leaks"): its mappings of the producer's slot files, unlinked when the
-producer exited, stay open until the consumer's mapper evicts them (an LRU of 256 in
-tensormq/shm.py), and with them the pages the consumer read. A strict xfail until a consumer
-drops them: it fails the suite the day it starts passing, so the mark goes with the fix."""
+producer exited, stayed open until the consumer's mapper evicted them (an LRU of 256 in
+tensormq/shm.py), and with them the pages the consumer read. A block now closes them within
+SWEEP_INTERVAL (blocks/process.py, SlotMapper.forget_unlinked)."""
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 from blockflow.client import Client
 from conftest import gone, wait_for
@@ -38,8 +38,6 @@ def _update(srv, middle: str) -> None:
         "tasks": [{"id": "t", "path": ["a", middle, "h"]}]}, timeout=60)
 
 
-@pytest.mark.xfail(strict=True, reason="a consumer keeps its mappings of a retired producer's unlinked slot "
-                                       "files until its LRU evicts them (closing note of 2026-11-26)")
 def test_a_consumer_lets_go_of_a_retired_producers_slots(server_factory, copy_repo):
     srv = server_factory(copy_repo)
     x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
@@ -56,7 +54,36 @@ def test_a_consumer_lets_go_of_a_retired_producers_slots(server_factory, copy_re
             assert torch.equal(c.infer("t", x), x)
     # a consumer may take a moment to notice: poll, then say what it still holds
     try:
-        wait_for(lambda: not _deleted_slot_mappings(h), 5, "h drops its mappings of p's unlinked slots")
+        wait_for(lambda: not _deleted_slot_mappings(h), 15, "h drops its mappings of p's unlinked slots")
     except AssertionError:
         raise AssertionError(f"h still maps {len(_deleted_slot_mappings(h))} unlinked slot file(s) of the "
                              f"retired p: {_deleted_slot_mappings(h)[:2]}") from None
+
+
+def test_the_dispatcher_lets_go_of_a_retired_last_blocks_slots(server_factory, copy_repo):
+    """The same for the dispatcher, which reads the last block's outputs from its slots."""
+    srv = server_factory(copy_repo)
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+
+    def update(last: str) -> None:
+        srv.call("POST", "/system/update", {
+            "transport": "tensormq",
+            "blocks": [{"name": n, "model": "toy/copy.pt", "threads": 1} for n in ("a", last)],
+            "tasks": [{"id": "t", "path": ["a", last]}]}, timeout=60)
+
+    update("p")
+    dispatcher = srv.call("GET", "/system")["dispatcher"]["pid"]
+    with Client(srv.dispatcher, timeout=30) as c:
+        for _ in range(3):
+            assert torch.equal(c.infer("t", x), x)
+        p = {b["name"]: b["pid"] for b in srv.call("GET", "/system")["blocks"]}["p"]
+        update("q")
+        wait_for(lambda: gone(p), 30, "the retired last block p exits")
+        assert srv.call("GET", "/system")["dispatcher"]["pid"] == dispatcher
+        for _ in range(3):
+            assert torch.equal(c.infer("t", x), x)
+    try:
+        wait_for(lambda: not _deleted_slot_mappings(dispatcher), 15, "the dispatcher drops p's unlinked slots")
+    except AssertionError:
+        raise AssertionError(f"the dispatcher still maps {len(_deleted_slot_mappings(dispatcher))} unlinked slot "
+                             f"file(s) of the retired p: {_deleted_slot_mappings(dispatcher)[:2]}") from None

@@ -194,6 +194,37 @@ def test_a_killed_block_is_respawned_while_an_update_waits(server_factory, slow_
     assert srv.call("GET", "/blocks/d")["restarts"] == 1
 
 
+def test_a_block_hung_during_an_update_is_killed_and_the_update_goes_on(server_factory, identity_repo):
+    """Issue 28 item 4. A block stopped (SIGSTOP) just before an update cannot acknowledge it.
+    The manager used to spare a block from the hang check while its acknowledgement was due, and
+    that future never resolved: the block stayed stopped for ever, and the update waited its
+    whole ack timeout. Now the block has the hang timeout for the update, like any silence; it is
+    killed and respawned, and the update ends."""
+    srv = server_factory(identity_repo)
+    srv.call("POST", "/system/update", SIMPLE, timeout=60)
+    old = srv.call("GET", "/blocks/d")
+    os.kill(old["pid"], signal.SIGSTOP)
+    try:
+        bigger = update_body({"a": "toy/identity.pt", "d": "toy/double.pt", "e": "toy/identity.pt"},
+                             {"t": ["a", "d"], "u": ["e"]})
+        t0 = time.monotonic()
+        result = srv.call("POST", "/system/update", bigger, timeout=60)
+        took = time.monotonic() - t0
+        assert result["diff"]["spawned"] == ["e"], result
+        new = wait_for(lambda: (lambda b: b if b["pid"] != old["pid"] and b["status"] == "ready" else None)(
+            block_of(srv.call("GET", "/system"), "d")), 30, "the block stopped during the update is replaced")
+    finally:
+        try:
+            os.kill(old["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    print(f"\nupdate with a stopped block took {took:.2f}s; it was replaced ({new['last_exit']})")
+    assert new["restarts"] == 1 and "hung" in (new.get("last_exit") or ""), new
+    with Client(srv.dispatcher, timeout=10) as c:
+        x = torch.ones(3)
+        assert torch.equal(wait_for(lambda: _infer_or_none(c, "t", x), 10, "t serves again")[0], x * 2)
+
+
 def _infer_or_none(c, task, x):
     try:
         return [c.infer(task, x, timeout=5)]

@@ -1,0 +1,163 @@
+"""A shared block process: several blocks in one process (issue 28, the block field ``process``).
+
+Blocks declared with the same ``process`` name (and device) run in one process, so they share
+one interpreter, one torch and, on a GPU, one CUDA context, instead of paying for each. Inside,
+every hosted block is the same ``Block`` a block process runs (blocks/process.py), with its own
+inference, control and monitor threads, its own data socket, mailbox, TensorMQ pools, queue
+and KPI log, and its own DEALER to the controller under its own identity: the manager pings,
+updates, replaces and retires each one as it does a block process. Only what is process-wide
+is the host's: signals, the parent watch, glibc's heap settings and torch's thread pool.
+
+    manager ──host {spec}──> [DEALER] host main thread ──starts──> member thread: Block.run()
+                                                                    (init, READY, loop, shutdown)
+    controller <──────────── each member's own DEALER (ping, update, store, stop) ──────────>
+
+The host's main thread owns its DEALER: it answers ``host`` (start a member: model load and
+READY happen on the member's thread, so the host keeps answering), ``ping`` and ``stop``, and
+tells the controller when a member's thread has ended (``gone``, with ``crashed`` when its loop
+raised) so the manager can tell a retired member from one that is still running.
+
+The trade-off (README, "Shared processes"): a crash of the process, or a member hung so badly
+that the manager kills it, takes every block of the group down; their held requests are
+answered at once and the group comes back as a new process, each member in it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from blockflow import settings
+from blockflow.childproc import ChildProcess, ChildSpec, exit_with, serve
+from blockflow.tensormq.wire import dumps
+
+from .heap import keep_freed_memory
+from .process import Block, BlockSpec
+
+log = logging.getLogger("blockflow.host")
+
+#: Seconds the host's shutdown waits for its members to stop (each answers what it holds first).
+MEMBER_STOP_S = 10.0
+
+
+@dataclass
+class HostSpec(ChildSpec):
+    """A shared process before it starts: its name (``@<group>``) and what is process-wide."""
+
+    name: str
+    device: str = "cpu"
+    threads: int | None = None       # torch's intra-op pool, shared by every member
+    incarnation: int = 0
+    controller: str | None = None
+    parent_pid: int | None = None
+    malloc_trim: int = settings.MALLOC_TRIM
+
+
+class _Member:
+    """One hosted block and the thread its life runs on."""
+
+    def __init__(self, block: Block):
+        self.block = block
+        self.crashed = False
+        self.thread = threading.Thread(target=self.live, name=f"{block.name}-life", daemon=True)
+
+    def live(self) -> None:
+        """Block.run() on this thread, as serve() runs it in a process of its own."""
+        from blockflow.childproc import BootError
+        b = self.block
+        try:
+            b.init_process()
+        except BootError as exc:
+            log.error("%s", exc)
+            b.report_boot_error(str(exc))
+            self.crashed = True
+            return
+        except Exception:
+            log.exception("%s crashed while starting", b.label)
+            b.report_boot_error(f"{b.label} crashed while starting (see the server's log)")
+            self.crashed = True
+            return
+        try:
+            b.run()
+        except Exception:
+            log.exception("%s crashed", b.label)
+            self.crashed = True
+
+
+class BlockHost(ChildProcess):
+    def __init__(self, spec: HostSpec):
+        super().__init__(spec, spec.name, f"shared process {spec.name}", spec.name)
+        self.members: dict[str, _Member] = {}
+        self.register("host", self.cmd_host)
+
+    def init_process(self) -> None:
+        if self.spec.threads:
+            torch.set_num_threads(self.spec.threads)
+        keep_freed_memory(self.spec.malloc_trim)
+        self.ctx = zmq.Context()
+        self.transport = None
+        self.open_control()
+
+    def ready_info(self) -> dict:
+        return {"endpoint": None, "device": self.spec.device}
+
+    def cmd_host(self, args: dict) -> dict:
+        spec = BlockSpec.from_json(args["spec"])
+        if not spec.hosted:
+            raise ValueError(f"block {spec.name}: its spec is not marked hosted")
+        key = f"{spec.name}#{spec.incarnation}"
+        if key in self.members:
+            raise ValueError(f"block {key} is hosted here already")
+        member = self.members[key] = _Member(Block(spec))
+        member.thread.start()
+        return {"hosting": key, "pid": os.getpid()}
+
+    def cmd_ping(self, args: dict) -> dict:
+        return {**super().cmd_ping(args), "members": sorted(self.members)}
+
+    def loop(self) -> None:
+        while not self.stopping.is_set():
+            if self.ctrl is not None and self.ctrl.poll(100):
+                self.receive_control()
+            elif self.ctrl is None:
+                self.stopping.wait(0.1)
+            self.report_gone()
+            self.watch_parent()
+
+    def report_gone(self) -> None:
+        """Tell the controller about members whose thread ended (main thread: it owns ``ctrl``)."""
+        for key, m in list(self.members.items()):
+            if m.thread.is_alive():
+                continue
+            del self.members[key]
+            log.info("%s: %s has stopped%s", self.label, key, " (crashed)" if m.crashed else "")
+            if self.ctrl is not None:
+                self.ctrl.send(dumps({"t": "gone", "member": key, "crashed": m.crashed}))
+
+    def answer_held(self) -> None:
+        """Stop every member: each answers what it holds and closes its own sockets."""
+        for m in self.members.values():
+            m.block.request_stop()  # its inference thread sees it within BEAT_INTERVAL
+        deadline = time.monotonic() + MEMBER_STOP_S
+        for key, m in self.members.items():
+            m.thread.join(max(0.0, deadline - time.monotonic()))
+            if m.thread.is_alive():
+                log.warning("%s: %s did not stop within %.0fs", self.label, key, MEMBER_STOP_S)
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        self.answer_held()
+        if self.ctrl is not None:
+            self.ctrl.close(linger=0)
+        self.ctx.term()
+        log.info("%s stopped (exit %d)", self.label, self.exit_code)
+
+
+def serve_host(spec: HostSpec) -> None:
+    """Entry point of a shared process spawned by the manager: ends it with its exit code."""
+    exit_with(serve(BlockHost, spec))

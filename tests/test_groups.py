@@ -1,0 +1,134 @@
+"""Shared processes (issue 28 item 2): blocks declared with the same ``process`` run in one
+process (blocks/host.py), each with its own threads, queue and KPI log, still replaced and
+retired one by one; a crash of the process takes them all down, their held requests are
+answered at once and the group comes back. Real server, real processes, ResNet18 blocks."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from blockflow.client import BlockFlowError, Client
+from blockflow.protocol import ErrorCode
+
+from test_control_plane import rest_error, wait_for
+
+MODEL = "resnet18"
+BLOCKS = {"b1": "block1", "b2": "block2", "b3": "block3", "b4": "block4", "h": "head", "b4x": "block4-x",
+          "hx": "head-x"}
+TASKS = {"classify": ["b1", "b2", "b3", "b4", "h"], "special": ["b1", "b2", "b3", "b4x", "hx"]}
+
+
+def _body(group: dict[str, str], changed: dict[str, dict] | None = None) -> dict:
+    blocks = []
+    for name, stem in BLOCKS.items():
+        b = {"name": name, "model": f"{MODEL}/{stem}.pt", "threads": 1}
+        if name in group:
+            b["process"] = group[name]
+        b.update((changed or {}).get(name, {}))
+        blocks.append(b)
+    return {"transport": "tensormq", "blocks": blocks, "tasks": [{"id": t, "path": p} for t, p in TASKS.items()]}
+
+
+def _procs(srv) -> dict[str, tuple[int, int]]:
+    return {b["name"]: (b["pid"], b["incarnation"]) for b in srv.call("GET", "/system")["blocks"]}
+
+
+def _answers(srv, xs) -> dict[str, list[torch.Tensor]]:
+    with Client(srv.dispatcher, timeout=60) as c:
+        futures = {t: [c.submit(t, x) for x in xs] for t in TASKS}  # both tasks at once, through shared blocks
+        return {t: [f.result(60) for f in fs] for t, fs in futures.items()}
+
+
+def test_a_group_answers_as_separate_processes_and_its_blocks_change_one_by_one(server_factory, model_repo):
+    srv = server_factory(model_repo)
+    xs = [torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    srv.call("POST", "/system/update", _body({}), timeout=120)
+    separate = _answers(srv, xs)
+    everything = {name: "g" for name in BLOCKS}
+    res = srv.call("POST", "/system/update", _body(everything), timeout=120)
+    assert sorted(res["diff"]["replaced"]) == sorted(BLOCKS), res  # moved into the shared process
+    procs = _procs(srv)
+    assert len({pid for pid, _ in procs.values()}) == 1, procs
+    grouped = _answers(srv, xs)
+    for t in TASKS:
+        assert all(torch.equal(a, b) for a, b in zip(separate[t], grouped[t])), t
+
+    # replacing one block of the group leaves its neighbours alone
+    res = srv.call("POST", "/system/update", _body(everything, {"b3": {"max_inference_s": 30}}), timeout=120)
+    assert res["diff"]["replaced"] == ["b3"], res
+    after = _procs(srv)
+    assert {n: after[n] for n in BLOCKS if n != "b3"} == {n: procs[n] for n in BLOCKS if n != "b3"}
+    assert after["b3"][0] == procs["b3"][0] and after["b3"][1] == procs["b3"][1] + 1, (procs, after)
+    assert _answers(srv, xs[:1])["special"][0].equal(separate["special"][0])
+    # one block leaves the group for a process of its own: only it changes
+    res = srv.call("POST", "/system/update", _body({n: "g" for n in BLOCKS if n != "hx"}), timeout=120)
+    assert sorted(res["diff"]["replaced"]) == ["b3", "hx"], res  # b3 loses its max_inference_s again
+    final = _procs(srv)
+    assert final["hx"][0] != procs["hx"][0] and final["b1"] == procs["b1"], (procs, final)
+    system = srv.call("GET", "/system")
+    assert {b["name"]: b.get("process") for b in system["blocks"]}["b1"] == "g"
+    status = {r["process"]: r for r in srv.call("GET", "/status")["processes"]}
+    assert status["b1"]["group"] == "g" and status["hx"]["group"] is None, status
+
+
+def test_a_shared_process_is_refused_what_only_a_process_of_its_own_can_do(server_factory, identity_repo):
+    srv = server_factory(identity_repo)
+    for extra, field in (({"replicas": 2}, "replicas"), ({"cpus": [0]}, "cpus")):
+        body = {"blocks": [{"name": "a", "model": "toy/identity.pt", "process": "g", **extra}],
+                "tasks": [{"id": "t", "path": ["a"]}]}
+        err = rest_error(srv, "POST", "/system/update", body)
+        assert err.status == 400 and err.body["field"] == f"blocks[0].{field}", err.body
+    body = {"blocks": [{"name": "a", "model": "toy/identity.pt", "process": "bad name"}], "tasks": []}
+    err = rest_error(srv, "POST", "/system/update", body)
+    assert err.status == 400 and err.body["field"] == "blocks[0].process", err.body
+
+
+def test_a_killed_shared_process_answers_at_once_and_comes_back(server_factory, identity_repo):
+    srv = server_factory(identity_repo)
+    body = {"blocks": [{"name": "a", "model": "toy/identity.pt", "process": "g"},
+                       {"name": "s", "model": "toy/sleepy.pt", "process": "g"},
+                       {"name": "d", "model": "toy/double.pt"}],
+            "tasks": [{"id": "t", "path": ["a", "s", "d"]}]}
+    srv.call("POST", "/system/update", body, timeout=60)
+    before = _procs(srv)
+    host = before["a"][0]
+    assert before["s"][0] == host != before["d"][0]
+    x = torch.ones(1, 8)
+    with Client(srv.dispatcher, timeout=30) as c:
+        want = c.infer("t", x)
+        held = [c.submit("t", x) for _ in range(6)]  # s takes ~50 ms each: some wait inside the group
+        wait_for(lambda: (srv.call("GET", "/blocks/s/ping").get("busy_s") or 0) > 0, 20,
+                 "a request inside s", interval=0.01)
+        os.kill(host, signal.SIGKILL)
+        t0 = time.monotonic()
+        outcomes = []
+        for f in held:
+            try:
+                outcomes.append("ok" if torch.equal(f.result(25), want) else "wrong")
+            except BlockFlowError as exc:
+                outcomes.append(exc.code)
+        answered = time.monotonic() - t0
+        print(f"\nheld requests after the kill: {outcomes} in {answered:.2f}s")
+        assert ErrorCode.BLOCK_FAILED.value in outcomes and set(outcomes) <= {"ok", ErrorCode.BLOCK_FAILED.value}
+        assert answered < 5.0, answered  # at once, not at the 30 s deadline
+        after = wait_for(lambda: (lambda p: p if p["a"][0] != host and p["s"][0] == p["a"][0]
+                                  and all(b["status"] == "ready" for b in srv.call("GET", "/system")["blocks"])
+                                  else None)(_procs(srv)), 30, "the group comes back as one new process")
+        assert after["d"] == before["d"], "the block outside the group was left alone"
+        assert not psutil.pid_exists(host) or psutil.Process(host).status() == psutil.STATUS_ZOMBIE
+        y = wait_for(lambda: _infer(c, x), 20, "t serves again")
+        assert torch.equal(y[0], want)
+    system = {b["name"]: b for b in srv.call("GET", "/system")["blocks"]}
+    assert system["a"]["restarts"] == system["s"]["restarts"] == 1 and system["d"]["restarts"] == 0
+
+
+def _infer(c, x):
+    try:
+        return [c.infer("t", x, timeout=5)]
+    except BlockFlowError:
+        return None
