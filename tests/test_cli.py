@@ -128,7 +128,7 @@ def test_load_and_kpi_against_a_server(server_factory, identity_repo, tmp_path):
     res = blockflow("status", "--url", srv.url)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0].split()[:6] == ["PROCESS", "BLOCK", "REPLICA", "STATUS", "PID", "DEVICE"], res.stdout
+    assert lines[0].split()[:7] == ["PROCESS", "BLOCK", "REPLICA", "GROUP", "STATUS", "PID", "DEVICE"], res.stdout
     assert [line.split()[0] for line in lines[1:4]] == ["@dispatcher", "a", "d"], res.stdout
     assert "  t: a -> d" in lines, res.stdout
 
