@@ -14,6 +14,12 @@ Setting ``M_TRIM_THRESHOLD`` also switches off glibc's dynamic mmap threshold, w
 every allocation above 128 KiB to its own ``mmap`` (and page faults after every ``munmap``): the
 mmap threshold is therefore set as well, to the highest value glibc's dynamic rule would reach
 (``MMAP_THRESHOLD``). Tensors above it still get their own mapping.
+
+A shared process (blocks/host.py) runs several blocks' inference threads, and glibc gives each
+thread that allocates its own arena: each keeps its own freed activations up to the threshold,
+so five blocks in one process held more memory than five processes (experiments/memory_model.py,
+``group``). :func:`one_heap` makes them share the main arena; the blocks allocate a few large
+tensors per layer, so the arena's lock is not where their time goes.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ log = logging.getLogger(__name__)
 #: mallopt() parameter numbers (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 #: glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the largest value mallopt accepts.
 MMAP_THRESHOLD = 32 << 20
 
@@ -49,3 +56,16 @@ def keep_freed_memory(trim_bytes: int) -> bool:
         log.warning("mallopt(M_TRIM_THRESHOLD, %d) or (M_MMAP_THRESHOLD, %d) was refused; freed heap memory may "
                     "be given back to the kernel after every request", trim_bytes, MMAP_THRESHOLD)
     return ok
+
+
+def one_heap() -> bool:
+    """Every thread of this process allocates from glibc's main arena (``M_ARENA_MAX`` 1). Call it
+    before the threads start. False, with a log line, where the C library has no ``mallopt``."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        log.info("no mallopt() in this C library: each thread keeps its own heap arena")
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_ARENA_MAX, 1) == 1

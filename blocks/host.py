@@ -36,7 +36,7 @@ from blockflow import settings
 from blockflow.childproc import ChildProcess, ChildSpec, exit_with, serve
 from blockflow.tensormq.wire import dumps
 
-from .heap import keep_freed_memory
+from .heap import keep_freed_memory, one_heap
 from .process import Block, BlockSpec
 
 log = logging.getLogger("blockflow.host")
@@ -99,6 +99,7 @@ class BlockHost(ChildProcess):
         if self.spec.threads:
             torch.set_num_threads(self.spec.threads)
         keep_freed_memory(self.spec.malloc_trim)
+        one_heap()  # before the members' threads: see blocks/heap.py
         self.ctx = zmq.Context()
         self.transport = None
         self.open_control()
@@ -113,6 +114,8 @@ class BlockHost(ChildProcess):
         key = f"{spec.name}#{spec.incarnation}"
         if key in self.members:
             raise ValueError(f"block {key} is hosted here already")
+        if spec.threads and spec.threads > torch.get_num_threads():  # a later, bigger member: one pool
+            torch.set_num_threads(spec.threads)
         member = self.members[key] = _Member(Block(spec))
         member.thread.start()
         return {"hosting": key, "pid": os.getpid()}

@@ -294,7 +294,8 @@ class Block(ChildProcess):
         now, busy_since = time.monotonic(), self.busy_since
         return {**super().cmd_ping(args), "queue": len(self.backlog), "served": self.kpi.count,
                 "in_flight": self.transport.in_flight(), "outputs_made_in_slot": self.transport.made_in_slot,
-                "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat}
+                "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat,
+                "torch_threads": torch.get_num_threads()}
 
     def cmd_store(self, args: dict) -> dict:
         return {"written": self.kpi.flush(), "paths": self.kpi.paths}

@@ -752,7 +752,9 @@ def replicas_text(d: dict) -> str:
     return (f"With {d['settings']['clients']} closed-loop clients, two replicas of the fused block deliver "
             f"{_f(d['ratio_r2_r1'])}x the requests/s of one (goal ≥ {d['goal_ratio']:.1f}x: "
             f"{'met' if d['meets_goal'] else 'not met'}) and {_f(d['ratio_r2_r1_threads2'])}x those of one "
-            f"process with two torch threads; every layout answers the same tensor: {d['same_results']}.")
+            f"process with two torch threads; two replicas answer the very tensor one does: {d['same_results']}"
+            + (f" (two threads: max abs difference {d['max_abs_diff_threads2']:.1e}, float summation order)"
+               if "max_abs_diff_threads2" in d else "") + ".")
 
 
 def skipped(d: dict) -> str:

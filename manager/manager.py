@@ -319,7 +319,7 @@ class Manager:
         return inc
 
     def spawn_block(self, decl: BlockDecl, restarts: int = 0, streak: int = 0, block: str | None = None,
-                    replica: int = 0) -> Child:
+                    replica: int = 0, declared: dict[str, BlockDecl] | None = None) -> Child:
         """Start the process ``decl.name``: replica ``replica`` of ``block`` (default: the block itself).
         A block with a ``process`` goes into that shared process (started here if need be), once
         the process is ready (check_starting)."""
@@ -334,7 +334,7 @@ class Manager:
                          batching=decl.batching.to_json() if decl.batching else None,
                          verified=self.catalog.verified(decl.files), hosted=decl.process is not None)
         if decl.process is not None:
-            host = self.host_for(decl)
+            host = self.host_for(decl, self.declared if declared is None else declared)
             c = Child(decl.name, decl, inc, None, restarts=restarts, streak=streak, block=block or decl.name,
                       replica=replica, host=host, hosted_spec=spec.to_json())
             c.process = HostedProcess(host, self.controller, c.ident)
@@ -347,15 +347,14 @@ class Manager:
         return Child(decl.name, decl, inc, proc, restarts=restarts, streak=streak, block=block or decl.name,
                      replica=replica)
 
-    def host_for(self, decl: BlockDecl) -> Child:
-        """The shared process ``decl.process``: the running one, or a new one (after a crash: the
-        restart counts carry on, so a crash loop ends as a block's does)."""
+    def host_for(self, decl: BlockDecl, declared: dict[str, BlockDecl]) -> Child:
+        """The shared process ``decl.process``: the running one, or a new one whose torch thread
+        pool is the largest ``threads`` among the ``declared`` blocks of the group."""
         host = self.hosts.get(decl.process)
         if host is not None and host.process.exitcode is None and host.status in ("starting", "ready"):
             return host
         name = f"@{decl.process}"
-        groups = [self.declared, self.op.desired.blocks if self.op and self.op.desired else {}]
-        threads = max((d.threads or 0 for g in groups for d in g.values() if d.process == decl.process), default=0)
+        threads = max((d.threads or 0 for d in declared.values() if d.process == decl.process), default=0)
         inc = self._next_incarnation(name)
         spec = HostSpec(name=name, device=decl.device, threads=threads or None, incarnation=inc,
                         controller=self.controller.endpoint, parent_pid=os.getpid())
@@ -767,7 +766,8 @@ class Manager:
         which = replica_of(op.desired.blocks)
         try:
             for n in op.plan.starts:
-                op.new[n] = self.spawn_block(op.processes[n], block=which[n][0], replica=which[n][1])
+                op.new[n] = self.spawn_block(op.processes[n], block=which[n][0], replica=which[n][1],
+                                             declared=op.desired.blocks)
         except Exception as exc:  # e.g. the forkserver is gone: answer, do not leave the caller waiting
             self.stop_later(op.new.values())
             log.exception("%s: could not spawn its blocks", op.kind)

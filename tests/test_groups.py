@@ -54,6 +54,8 @@ def test_a_group_answers_as_separate_processes_and_its_blocks_change_one_by_one(
     assert sorted(res["diff"]["replaced"]) == sorted(BLOCKS), res  # moved into the shared process
     procs = _procs(srv)
     assert len({pid for pid, _ in procs.values()}) == 1, procs
+    # the group's one torch pool is sized by its blocks' threads (it was torch's default once)
+    assert srv.call("GET", "/blocks/b1/ping")["torch_threads"] == 1
     grouped = _answers(srv, xs)
     for t in TASKS:
         assert all(torch.equal(a, b) for a, b in zip(separate[t], grouped[t])), t
