@@ -24,6 +24,15 @@ def _deleted_slot_mappings(pid: int) -> list[str]:
         return [line for line in f if "(deleted)" in line and "blockflow" in line]
 
 
+def _lets_go(pid: int, who: str) -> None:
+    """A consumer may take a moment to notice: poll, then say what it still maps of p."""
+    try:
+        wait_for(lambda: not _deleted_slot_mappings(pid), 15, f"{who} drops its mappings of p's unlinked slots")
+    except AssertionError:
+        raise AssertionError(f"{who} still maps {len(_deleted_slot_mappings(pid))} unlinked slot file(s) of the "
+                             f"retired p: {_deleted_slot_mappings(pid)[:2]}") from None
+
+
 @pytest.fixture
 def copy_repo(tmp_path):
     (tmp_path / "toy").mkdir()
@@ -52,12 +61,7 @@ def test_a_consumer_lets_go_of_a_retired_producers_slots(server_factory, copy_re
         assert h == old["h"], "h must be the same process across the update"
         for _ in range(3):
             assert torch.equal(c.infer("t", x), x)
-    # a consumer may take a moment to notice: poll, then say what it still holds
-    try:
-        wait_for(lambda: not _deleted_slot_mappings(h), 15, "h drops its mappings of p's unlinked slots")
-    except AssertionError:
-        raise AssertionError(f"h still maps {len(_deleted_slot_mappings(h))} unlinked slot file(s) of the "
-                             f"retired p: {_deleted_slot_mappings(h)[:2]}") from None
+    _lets_go(h, "h")
 
 
 def test_the_dispatcher_lets_go_of_a_retired_last_blocks_slots(server_factory, copy_repo):
@@ -82,8 +86,4 @@ def test_the_dispatcher_lets_go_of_a_retired_last_blocks_slots(server_factory, c
         assert srv.call("GET", "/system")["dispatcher"]["pid"] == dispatcher
         for _ in range(3):
             assert torch.equal(c.infer("t", x), x)
-    try:
-        wait_for(lambda: not _deleted_slot_mappings(dispatcher), 15, "the dispatcher drops p's unlinked slots")
-    except AssertionError:
-        raise AssertionError(f"the dispatcher still maps {len(_deleted_slot_mappings(dispatcher))} unlinked slot "
-                             f"file(s) of the retired p: {_deleted_slot_mappings(dispatcher)[:2]}") from None
+    _lets_go(dispatcher, "the dispatcher")
