@@ -28,7 +28,9 @@ MAX_BLOCKS = settings.MAX_BLOCKS
 MAX_TASKS = settings.MAX_TASKS
 
 BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads", "max_inference_s", "batching",
-                "replicas", "process"}
+                "replicas", "process", "cuda_graphs", "warmup_shapes"}
+#: Input shapes one block may declare for its warm-up (each may capture a CUDA graph).
+MAX_WARMUP_SHAPES = 16
 #: Processes one block may run as (``replicas``).
 MAX_REPLICAS = 16
 #: Replica r > 0 of block ``b`` runs as the process ``b.r<r>`` (replica 0 keeps the block's name);
@@ -69,6 +71,8 @@ class BlockDecl:
     batching: BatchPolicy | None = None   # None: one request at a time
     replicas: int = 1                     # processes of this block; requests spread over them
     process: str | None = None            # a shared process's name: blocks with the same one run in it
+    cuda_graphs: bool = True              # on a GPU: a CUDA graph per input shape (blocks/runner.py)
+    warmup_shapes: tuple[tuple[int, ...], ...] | None = None  # run before ready; None: the manifest's
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -89,6 +93,10 @@ class BlockDecl:
             d["replicas"] = self.replicas
         if self.process is not None:
             d["process"] = self.process
+        if not self.cuda_graphs:
+            d["cuda_graphs"] = False
+        if self.warmup_shapes is not None:
+            d["warmup_shapes"] = [list(s) for s in self.warmup_shapes]
         return d
 
     def replica_names(self) -> list[str]:
@@ -166,6 +174,25 @@ def _replicas(value, where: str) -> int:
     return value
 
 
+def _bool(value, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise UpdateError(where, f"must be true or false, got {value!r:.40}")
+    return value
+
+
+def _warmup_shapes(value, where: str) -> tuple[tuple[int, ...], ...] | None:
+    if value is None:
+        return None
+    ok = (isinstance(value, list) and len(value) <= MAX_WARMUP_SHAPES
+          and all(isinstance(s, list) and 1 <= len(s) <= 8
+                  and all(isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= 1 << 16 for d in s)
+                  for s in value))
+    if not ok:
+        raise UpdateError(where, f"must be a list of at most {MAX_WARMUP_SHAPES} input shapes, each a list of 1 to 8 "
+                                 f"sizes from 1 to 65536, e.g. [[1, 3, 224, 224]]")
+    return tuple(tuple(s) for s in value)
+
+
 def _max_inference(value, where: str) -> float:
     if (not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
             or not 0 < value <= MAX_MAX_INFERENCE_S):
@@ -228,7 +255,9 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None) -> Update
                                            f"{where}.max_inference_s"),
             batching=_batching(b.get("batching"), f"{where}.batching"),
             replicas=_replicas(b.get("replicas", 1), f"{where}.replicas"),
-            process=_name(b["process"], f"{where}.process") if b.get("process") is not None else None)
+            process=_name(b["process"], f"{where}.process") if b.get("process") is not None else None,
+            cuda_graphs=_bool(b.get("cuda_graphs", True), f"{where}.cuda_graphs"),
+            warmup_shapes=_warmup_shapes(b.get("warmup_shapes"), f"{where}.warmup_shapes"))
         decl = blocks[name]
         if decl.process is not None:
             if decl.replicas != 1:

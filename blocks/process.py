@@ -69,6 +69,7 @@ from .batching import BatchPolicy, DelayController, plan_batches, run_batch
 from .heap import keep_freed_memory
 from .kpilog import KpiLog
 from .monitor import DEFAULT_INTERVAL, ResourceSampler
+from .runner import BlockRunner, warmup_shapes
 from blockflow import settings
 
 log = logging.getLogger("blockflow.block")
@@ -118,6 +119,8 @@ class BlockSpec(ChildSpec):
     monitor: bool = True
     monitor_interval: float = DEFAULT_INTERVAL
     warmup: bool = True
+    warmup_shapes: list | None = None  # input shapes run (graphs captured) before ready; None: the manifest's
+    cuda_graphs: bool = True        # on a GPU, replay a CUDA graph per input shape (blocks/runner.py)
     batching: dict | None = None    # BatchPolicy.to_json(); None: one request at a time
     malloc_trim: int = settings.MALLOC_TRIM  # blocks/heap.py: freed heap bytes kept between requests
     hosted: bool = False            # one of several blocks in a shared process (blocks/host.py)
@@ -200,10 +203,18 @@ class Block(ChildProcess):
             self.model, entry = open_block(spec.repo, spec.model, str(self.device), spec.verified)
         except BlockFileError as exc:
             raise BootError(f"block {self.name}: {exc}") from None
-        if spec.warmup and entry and entry.get("input_shape"):
-            with torch.inference_mode():
-                self.model(torch.zeros(entry["input_shape"], dtype=getattr(torch, entry.get("dtype", "float32")),
-                                       device=self.device))
+        #: what runs a request: the model, its CUDA graphs and the GPU clock (blocks/runner.py)
+        self.runner = BlockRunner(self.model, self.device, self.name, cuda_graphs=spec.cuda_graphs)
+        if spec.warmup:  # before ready: no request pays a first call or a graph capture
+            entry = entry or {}
+            # a batch size is a shape: a GPU block captures one graph per size it may run
+            shapes = warmup_shapes(entry.get("input_shape"), spec.warmup_shapes,
+                                   self.batching if self.runner.on_gpu else None)
+            try:
+                self.runner.warm_up(shapes, getattr(torch, entry.get("dtype", "float32")))
+            except Exception as exc:
+                raise BootError(f"block {self.name}: warm-up on input shapes {shapes} failed: "
+                                f"{type(exc).__name__}: {exc}") from None
         if spec.transport == "tensormq" and self.device.type == "cpu":
             from blockflow.tensormq import outalloc
             self.lender = outalloc.load()  # after the model: its weights are never made in a slot
@@ -295,7 +306,7 @@ class Block(ChildProcess):
         return {**super().cmd_ping(args), "queue": len(self.backlog), "served": self.kpi.count,
                 "in_flight": self.transport.in_flight(), "outputs_made_in_slot": self.transport.made_in_slot,
                 "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat,
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(), "runner": self.runner.stats()}
 
     def cmd_store(self, args: dict) -> dict:
         return {"written": self.kpi.flush(), "paths": self.kpi.paths}
@@ -374,7 +385,7 @@ class Block(ChildProcess):
     # -- the inference thread (Algorithm 2) ----------------------------------------------------
     def loop(self) -> None:
         # once for the thread, not per request (entering it costs more than an identity model)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.runner.on_stream():  # a GPU block's own stream: blocks/runner.py
             self.inference_loop()
 
     def inference_loop(self) -> None:
@@ -517,6 +528,8 @@ class Block(ChildProcess):
 
     def infer(self, arrival: float, arrival_wall: float, header: dict, frames: list) -> None:
         """One request: its input, the model, its output on to the next hop (Algorithm 2)."""
+        if self.runner.stream_ordered:
+            return self.infer_ordered(arrival, arrival_wall, header, frames)
         req = self.take_input(arrival, arrival_wall, header, frames)
         if req is None:
             return
@@ -527,16 +540,34 @@ class Block(ChildProcess):
             req.lend_ms = (t_inf - req.t2) * 1e3
         try:
             try:
-                y = self.model(req.x)  # inference mode: entered once by run()
+                y = self.runner(req.x)  # inference mode: entered once by run()
             finally:
                 if lent:
                     takes = self.lender.disarm()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
         except Exception as exc:
             self.fail(req, exc)
             return
         self.send_output(req, y, t_inf, time.perf_counter(), 1, lent, takes)
+
+    def infer_ordered(self, arrival: float, arrival_wall: float, header: dict, frames: list) -> None:
+        """One request on a GPU, stream-ordered (Note [GPU hand-over order] in blocks/runner.py):
+        the input's producer event, the model (its CUDA graph) and the copy into the next hop's
+        slot are queued, the handle is sent, and only then does the block wait for its GPU,
+        release the input and read its stage times from the CUDA events."""
+        clock = self.runner.clock
+        clock.reset()
+        clock.mark("queued")
+        req = self.take_input(arrival, arrival_wall, header, frames)
+        if req is None:
+            return
+        t_inf = time.perf_counter()
+        try:
+            y = self.runner(req.x)
+            clock.mark("inferred")
+        except Exception as exc:
+            self.fail(req, exc)
+            return
+        self.send_output(req, y, t_inf, time.perf_counter(), 1, ordered=True)
 
     def lend_output(self, req: "_Request") -> list:
         """Free slots of the next hop, armed for the model to make its output in (Note [Outputs
@@ -591,10 +622,9 @@ class Block(ChildProcess):
         for group in plan_batches(xs, self.batching):
             t_inf = time.perf_counter()
             with torch.inference_mode():
-                outs = run_batch(self.model, [xs[i] for i in group],
+                outs = run_batch(self.runner, [xs[i] for i in group],
                                  inputs_copied=lambda g=group: self.release_inputs([reqs[i] for i in g]))
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                self.runner.finish()  # a GPU batch is timed to its end (its own stream only)
             t_done = time.perf_counter()
             self.batcher.served(len(group), t_done - t_inf)
             for i, y in zip(group, outs):
@@ -608,8 +638,7 @@ class Block(ChildProcess):
     def release_inputs(self, reqs: list) -> None:
         """The batch copied these requests' inputs: give their slots back to the block upstream
         now, not after the batch's inference and sends (it would wait for them meanwhile)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the copy is queued on the GPU: done before the slot goes
+        self.runner.finish()  # the copy is queued on the GPU: done before the slot goes
         for r in reqs:
             if r.lease is not None:
                 r.lease.release()
@@ -619,10 +648,13 @@ class Block(ChildProcess):
         """Rebuild a request's tensor on this block's device; None after answering an error."""
         req = _Request(arrival, arrival_wall, header)
         req.t0 = time.perf_counter()
+        runner = self.runner
         try:
             req.x_in, req.lease = self.transport.decode(header.get("x"), frames)
+            runner.mark("ready")  # on a GPU: once the stream waited for the input's producer
             req.t1 = time.perf_counter()
-            req.x = req.x_in if req.x_in.device == self.device else req.x_in.to(self.device)
+            req.x = runner.to_device(req.x_in)
+            runner.mark("on_device")
             req.t2 = time.perf_counter()
         except Exception as exc:
             self.fail(req, exc)
@@ -630,10 +662,11 @@ class Block(ChildProcess):
         return req
 
     def send_output(self, req: "_Request", y, t_inf: float, t_done: float, batch: int, lent=(),
-                    takes: int = 0) -> None:
+                    takes: int = 0, ordered: bool = False) -> None:
         """Send ``y`` on along the request's path, by handle where it is a view of the input or
         was made in one of the ``lent`` slots (``takes``: how many times the model's tensors took
-        one), else copied into a slot (or as bytes)."""
+        one), else copied into a slot (or as bytes). ``ordered``: the GPU work is still queued
+        (``infer_ordered``): the input is released, and the stage times read, after the send."""
         header, lease, x_in = req.header, req.lease, req.x_in
         path = header["path"]
         x_desc = None  # the handle of a message not sent yet: its slot is ours to give back
@@ -643,7 +676,7 @@ class Block(ChildProcess):
             t3 = time.perf_counter()
             next_name, next_addr = path[0]
             new = y is not x_in and (lease is None or not lease.contains(y))
-            if lease is not None and new:
+            if lease is not None and new and not ordered:
                 lease.release()  # done with the input: free its slot before we wait for ours
             made_in = self.made_in(req, y, lent, takes) if lent and new else None
             if self.lender is not None and (new or req.key is not None):
@@ -661,8 +694,9 @@ class Block(ChildProcess):
             # an output that is the input itself keeps the input's handle as it came
             x_desc, payload = self.transport.encode(y, next_addr, lease,
                                                     same_as=header["x"] if y is x_in else None, made_in=made_in)
-            if lease is not None:
+            if lease is not None and not ordered:
                 lease.release()  # no-op when the handle was forwarded: the duty went with it
+            self.runner.mark("shared")
             t4 = time.perf_counter()
             hop["share"] = (t4 - t3) * 1e3 + req.lend_ms
             hop["t_out"] = round(t4, 6)  # Note [Hop timestamps] in blocks/kpilog.py
@@ -672,6 +706,9 @@ class Block(ChildProcess):
             t5 = time.perf_counter()
         except Exception as exc:
             self.fail(req, exc, x_desc)
+            return
+        if ordered:
+            self.finish_ordered(req, header, hop, t4, t5, y)
             return
         total = (t5 - req.arrival) * 1e3
         if self.batching is None:  # the common case, in LATENCY_ROW's order (see KpiLog.add_row)
@@ -692,6 +729,24 @@ class Block(ChildProcess):
         rec["requests_in_batch"] = batch
         rec["batch_wait"] = req.batch_wait
         self.kpi.add("latency", rec)
+
+    def finish_ordered(self, req: "_Request", header: dict, hop: dict, t4: float, t5: float, y) -> None:
+        """After the send of a stream-ordered request: wait for the GPU, give the input back,
+        log the request's stages. GPU work is timed by its CUDA events (``GpuClock``), host
+        work by the host clock, and ``total`` is their sum: ``wait`` (queue, then the stream's
+        wait for the input's producer), ``deser`` (host), ``dev``, ``inf`` and ``share`` (GPU),
+        ``fwd`` (host). The hop record that travelled in the header was written before the GPU
+        ran, with host times (the launch, not the kernels)."""
+        self.runner.finish()
+        if req.lease is not None:
+            req.lease.release()  # nothing queued here reads it any more; no-op when forwarded
+        clock = self.runner.clock
+        wait = hop["wait"] + clock.between("queued", "ready")
+        dev, inf = clock.between("ready", "on_device"), clock.between("on_device", "inferred")
+        share, fwd = clock.between("inferred", "shared"), (t5 - t4) * 1e3
+        self.kpi.add_row((req.arrival_wall, header["rid"], header.get("task"), wait, hop["deser"], dev, inf, share,
+                          fwd, wait + hop["deser"] + dev + inf + share + fwd, hop["t_in"], hop["t_out"],
+                          len(self.backlog), y.shape[0] if y.dim() else 1))
 
     def fail(self, req: "_Request", exc: Exception, x_desc: dict | None = None) -> None:
         """Answer the request with the error, give back what it holds, count it."""

@@ -27,7 +27,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 STEP_LIMIT=${STEP_LIMIT:-570}
 SITE=${GPU_SITE:-/tmp/blockflow-site}
-ALL_STEPS="tests-ipc tests-manager tests-pipeline hop_overhead pipeline_latency throughput energy memory_model batch_scaling utilization multi_gpu report"
+ALL_STEPS="tests-fastpath tests-ipc tests-manager tests-pipeline pipeline_latency hop_overhead batching vram throughput energy memory_model batch_scaling utilization multi_gpu report"
 STEPS=${*:-$ALL_STEPS}
 
 die() { echo "gpu-check: $*" >&2; exit 2; }
@@ -118,6 +118,9 @@ run_step() {
 OUTARG=(--out "$RES")
 for step in $STEPS; do
   case $step in
+    tests-fastpath)  # issue 27: CUDA graphs vs eager, stream-ordered hand-overs, kill -9 of a consumer block
+      run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider \
+        --junitxml="$LOGS/$step.xml" tests/test_gpu_fastpath.py ;;
     tests-ipc)  # tests/test_cuda_ipc.py without the manager path: two processes, one GPU
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider \
         --junitxml="$LOGS/$step.xml" -k "not manager_path and not producer_killed" tests/test_cuda_ipc.py ;;
@@ -130,7 +133,13 @@ for step in $STEPS; do
     pipeline_latency)  # 4-block ResNet50 vs monolithic; eq. 4.1 components per transport
       run_step "$step" "$PY" -m experiments.pipeline_latency --device cuda --n 300 "${OUTARG[@]}" ;;
     hop_overhead)  # goal: a handle-forwarding hop <= 0.10 ms median
-      run_step "$step" "$PY" -m experiments.hop_overhead --device cuda:0 --budget 1 --batches 1,32 "${OUTARG[@]}" ;;
+      run_step "$step" "$PY" -m experiments.hop_overhead --device cuda:0 --stages block1,block4 --budget 1 \
+        --batches 1,32 "${OUTARG[@]}" ;;
+    batching)  # issue 27 item 5: saturation unbatched vs dynamic batching (goal >= 3x)
+      run_step "$step" "$PY" -m experiments.batching --device cuda --rates 400,800,1600,3200 --duration 4 \
+        --rounds 2 --window 4 "${OUTARG[@]}" ;;
+    vram)  # issue 27 item 6: what a block process's VRAM is made of; one shared process vs five
+      run_step "$step" "$PY" -m experiments.vram --device cuda:0 "${OUTARG[@]}" ;;
     batch_scaling)
       run_step "$step" "$PY" -m experiments.batch_scaling --device cuda --n 20 "${OUTARG[@]}" ;;
     throughput)  # offered rates up to saturation of one GPU at batch 1

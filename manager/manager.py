@@ -332,7 +332,9 @@ class Manager:
                          controller=self.controller.endpoint, parent_pid=os.getpid(), window=self.window,
                          max_inference_s=decl.max_inference_s,
                          batching=decl.batching.to_json() if decl.batching else None,
-                         verified=self.catalog.verified(decl.files), hosted=decl.process is not None)
+                         verified=self.catalog.verified(decl.files), hosted=decl.process is not None,
+                         cuda_graphs=decl.cuda_graphs,
+                         warmup_shapes=[list(s) for s in decl.warmup_shapes] if decl.warmup_shapes else None)
         if decl.process is not None:
             host = self.host_for(decl, self.declared if declared is None else declared)
             c = Child(decl.name, decl, inc, None, restarts=restarts, streak=streak, block=block or decl.name,

@@ -16,8 +16,9 @@ Note [TensorMQ slot ownership] applies unchanged) and, in its data area, the pro
 
     header (64 B, kind = 1) | share record (RECORD_BYTES)
     record words (u64):  version | device | size | storage offset | ref-counter offset |
-                         handle length | ref-counter name length
-    then the IPC handle (at HANDLE_AT) and the ref-counter file name (at RC_AT)
+                         handle length | ref-counter name length | event handle length
+    then the IPC handle (at HANDLE_AT), the ref-counter file name (at RC_AT) and the
+    inter-process event's handle (at EVENT_AT; empty when the producer synchronises instead)
 
 ``CudaSlotPool`` is ``SlotPool`` (whole window on first use, back-off wait, growth, reclaim)
 with ``CudaSlot`` as its memory. The consumer takes the handle, the storage size and offset
@@ -42,10 +43,18 @@ view of    any        the input's handle is forwarded when its memory suits the 
 input                 (a host slot always does; a CUDA slot only towards its own device)
 =========  =========  ==================================================================
 
-Ordering: the producer synchronises the slot device's stream after copying into the slot and
-before the handle is sent, so the consumer never reads a half-written slot; the consumer
-synchronises after its model ran (its inference time is measured that way) before it
-releases the slot, so the producer never overwrites memory that is still being read.
+Ordering (Note [GPU hand-over order]): by default no host waits on a GPU-to-GPU hop. The
+producer queues its copy into the slot on its current stream and records the slot's
+inter-process CUDA event after it (``CudaSlot.fill``), then sends the handle at once; the
+consumer makes its current stream wait on that event (``CudaMapper.open``) before it queues
+anything that reads the slot. The event is created once per slot and its IPC handle travels in
+the share record, so the consumer opens it once per slot, never per message. The release stays
+a host write into the slot header, but a consumer writes it only after the GPU work that read
+the slot has completed (the block process synchronises on its own completion event *after* it
+has sent its output on, blocks/runner.py), so the producer never overwrites memory that is
+still being read, and a dead consumer's slots are reclaimed as before. With
+``BLOCKFLOW_CUDA_HANDOVER=sync`` the producer synchronises its stream before it sends instead
+(the record then carries no event): the path of earlier releases, kept to compare against.
 
 PyTorch's reference count. ``_share_cuda_`` puts the buffer behind a counter (set to 1) in a
 ``/dev/shm/torch_<pid>_<n>`` file; when the producer frees a buffer whose counter is still
@@ -79,10 +88,21 @@ log = logging.getLogger(__name__)
 
 #: Bytes of a CUDA slot's share record (the data area of its header file).
 RECORD_BYTES = 512
-RECORD_VERSION = 1
-#: Where the IPC handle and the ref-counter file name start inside the record.
-HANDLE_AT, RC_AT = 64, 256
-MAX_HANDLE, MAX_RC = RC_AT - HANDLE_AT, RECORD_BYTES - RC_AT
+RECORD_VERSION = 2
+#: Where the IPC handle, the ref-counter file name and the event handle start inside the record.
+HANDLE_AT, RC_AT, EVENT_AT = 64, 256, 384
+MAX_HANDLE, MAX_RC = RC_AT - HANDLE_AT, EVENT_AT - RC_AT
+#: Bytes of a cudaIpcEventHandle_t, what ``torch.cuda.Event.ipc_handle()`` returns.
+CUDA_IPC_EVENT_SIZE = 64
+
+
+def handover_mode() -> str:
+    """How a GPU-to-GPU hop is ordered (Note [GPU hand-over order]): ``event`` (default) or
+    ``sync``, from ``BLOCKFLOW_CUDA_HANDOVER``; anything else is refused by name."""
+    mode = os.environ.get("BLOCKFLOW_CUDA_HANDOVER", "event").strip().lower() or "event"
+    if mode not in ("event", "sync"):
+        raise ValueError(f"BLOCKFLOW_CUDA_HANDOVER={mode!r}: use 'event' (stream-ordered, the default) or 'sync'")
+    return mode
 #: A versioned torch handle: version byte, type byte, then cudaIpcMemHandle_t (64 bytes).
 CUDA_IPC_HANDLE_SIZE = 64
 #: Type byte of a plain cudaMalloc block (c10's SHAREABLE_CUDA_MALLOC). The other type, 'e'
@@ -108,22 +128,26 @@ class ShareRecord:
     soff: int
     rc: bytes
     rco: int
+    event: bytes = b""  #: the slot's inter-process event; empty: the producer synchronises before it sends
 
     @staticmethod
-    def of(buffer: torch.Tensor) -> "ShareRecord":
+    def of(buffer: torch.Tensor, event: bytes = b"") -> "ShareRecord":
         # (device, handle, size, offset, ref_counter_handle, ref_counter_offset, event_handle, event_sync)
         shared = buffer.untyped_storage()._share_cuda_()
         return ShareRecord(int(shared[0]), bytes(shared[1]), int(shared[2]), int(shared[3]),
-                           bytes(shared[4]), int(shared[5]))
+                           bytes(shared[4]), int(shared[5]), bytes(event))
 
     def pack(self) -> bytes:
         if len(self.handle) > MAX_HANDLE or len(self.rc) > MAX_RC:
             raise ValueError(f"CUDA share record does not fit: handle {len(self.handle)} B, counter name {len(self.rc)} B")
         out = bytearray(RECORD_BYTES)
-        out[:56] = np.array([RECORD_VERSION, self.dev, self.size, self.soff, self.rco, len(self.handle), len(self.rc)],
-                            dtype="<u8").tobytes()
+        if len(self.event) > RECORD_BYTES - EVENT_AT:
+            raise ValueError(f"CUDA share record does not fit: event handle {len(self.event)} B")
+        out[:64] = np.array([RECORD_VERSION, self.dev, self.size, self.soff, self.rco, len(self.handle), len(self.rc),
+                             len(self.event)], dtype="<u8").tobytes()
         out[HANDLE_AT:HANDLE_AT + len(self.handle)] = self.handle
         out[RC_AT:RC_AT + len(self.rc)] = self.rc
+        out[EVENT_AT:EVENT_AT + len(self.event)] = self.event
         return bytes(out)
 
     @staticmethod
@@ -131,12 +155,13 @@ class ShareRecord:
         """Parse and check a record read from a slot file; WireError names what is wrong."""
         if len(raw) != RECORD_BYTES:
             raise WireError(f"x.seg {seg}: CUDA share record is {len(raw)} bytes, not {RECORD_BYTES}")
-        version, dev, size, soff, rco, hlen, rclen = (int(v) for v in np.frombuffer(raw[:56], dtype="<u8"))
+        version, dev, size, soff, rco, hlen, rclen, evlen = (int(v) for v in np.frombuffer(raw[:64], dtype="<u8"))
         if version != RECORD_VERSION:
             raise WireError(f"x.seg {seg}: CUDA share record version {version} is not {RECORD_VERSION}")
-        if hlen > MAX_HANDLE or rclen > MAX_RC:
+        if hlen > MAX_HANDLE or rclen > MAX_RC or evlen not in (0, CUDA_IPC_EVENT_SIZE):
             raise WireError(f"x.seg {seg}: CUDA share record lengths are out of range")
-        rec = ShareRecord(dev, raw[HANDLE_AT:HANDLE_AT + hlen], size, soff, raw[RC_AT:RC_AT + rclen], rco)
+        rec = ShareRecord(dev, raw[HANDLE_AT:HANDLE_AT + hlen], size, soff, raw[RC_AT:RC_AT + rclen], rco,
+                          raw[EVENT_AT:EVENT_AT + evlen])
         rec.check(seg)
         return rec
 
@@ -226,7 +251,13 @@ class CudaSlot(Slot):
             self.device = device
             with plain_cuda_malloc():
                 buffer = torch.empty(capacity, dtype=torch.uint8, device=device)
-            self.record = ShareRecord.of(buffer)
+            #: recorded after every copy into the slot; its IPC handle travels in the share record
+            self.event = None
+            if handover_mode() == "event":
+                with torch.cuda.device(device):
+                    self.event = torch.cuda.Event(interprocess=True)  # timing off: IPC events cannot time
+                    self.event.record()
+            self.record = ShareRecord.of(buffer, bytes(self.event.ipc_handle()) if self.event is not None else b"")
             self.record.check(name)  # what the consumer will check; fails here, loudly, first
             self.capacity = capacity
             self.data = buffer
@@ -242,10 +273,18 @@ class CudaSlot(Slot):
 
     def fill(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
         dst = self.data[:nbytes].view(tensor.dtype).view(tensor.shape)
-        dst.copy_(tensor)  # device to device; a peer copy when the tensor is on another GPU
-        torch.cuda.current_stream(self.device).synchronize()
-        if tensor.device != self.device and tensor.device.type == "cuda":
-            torch.cuda.current_stream(tensor.device).synchronize()
+        peer = tensor.device != self.device and tensor.device.type == "cuda"
+        stream = torch.cuda.current_stream(self.device)
+        if peer:  # the peer copy runs on the slot device's stream: it waits for the producer's kernels
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(tensor)  # device to device; a peer copy when the tensor is on another GPU
+        if self.event is not None:
+            self.event.record(stream)  # Note [GPU hand-over order]: the consumer's stream waits on it
+            if peer:  # the source GPU must not reuse the tensor's memory before the copy read it
+                torch.cuda.current_stream(tensor.device).wait_event(self.event)
+        else:
+            stream.synchronize()
         return dst
 
     def close(self) -> None:
@@ -281,14 +320,15 @@ class CudaMapper:
 
     def __init__(self, directory: str, max_mappings: int = MAX_MAPPINGS):
         self.headers = SlotMapper(directory, max_mappings)
-        self.storages: OrderedDict[str, torch.Tensor] = OrderedDict()
+        #: seg -> (the slot's buffer, its producer's event or None), opened once per slot
+        self.storages: OrderedDict[str, tuple[torch.Tensor, torch.cuda.Event | None]] = OrderedDict()
         self.max_mappings = max_mappings
 
-    def _storage(self, seg: str, m: Mapped) -> torch.Tensor:
-        buf = self.storages.get(seg)
-        if buf is not None:
+    def _storage(self, seg: str, m: Mapped) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        got = self.storages.get(seg)
+        if got is not None:
             self.storages.move_to_end(seg)
-            return buf
+            return got
         rec = read_record(m, seg)
         init_cuda()
         if rec.dev >= torch.cuda.device_count():
@@ -300,10 +340,16 @@ class CudaMapper:
         except RuntimeError as exc:
             raise WireError(f"x: CUDA IPC handle of {seg} cannot be opened ({str(exc).strip()[:200]})") from None
         buf = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", rec.dev)).set_(storage)
-        self.storages[seg] = buf
+        event = None
+        if rec.event:
+            try:
+                event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", rec.dev), rec.event)
+            except RuntimeError as exc:
+                raise WireError(f"x: the CUDA event of {seg} cannot be opened ({str(exc).strip()[:200]})") from None
+        self.storages[seg] = (buf, event)
         while len(self.storages) > self.max_mappings:
             self.storages.popitem(last=False)
-        return buf
+        return buf, event
 
     def open(self, desc: TensorDesc):
         f = desc.fields
@@ -316,10 +362,12 @@ class CudaMapper:
         header = self.headers._open(seg)
         SlotMapper.check_kind(header, seg, "cuda")
         SlotMapper.check_in_flight(header, seg, gen)
-        buf = self._storage(seg, header)
+        buf, event = self._storage(seg, header)
         span = desc.span_bytes()
         if off % desc.itemsize or off + max(nbytes, span) > buf.numel() or span > nbytes:
             raise WireError(f"x.off/x.nbytes/x.shape describe memory outside CUDA slot {seg}")
+        if event is not None:  # Note [GPU hand-over order]: what reads the slot is queued after the producer's copy
+            torch.cuda.current_stream(buf.device).wait_event(event)
         tensor = torch.as_strided(buf.view(desc.dtype), desc.shape, desc.stride, off // desc.itemsize)
         return tensor, CudaLease(header, seg, gen, buf)
 
@@ -352,7 +400,11 @@ class CudaLease:
                              off=tensor.data_ptr() - self.buf.data_ptr(), nbytes=span)
 
     def release(self) -> None:
+        """Give the slot back. Work queued on this device may still read it (stream-ordered
+        hand-over): the release waits for the stream first, so the producer can never overwrite
+        what is being read (a block calls this after it has synchronised anyway: then it is free)."""
         if self.released:
             return
         self.released = True
+        torch.cuda.current_stream(self.buf.device).synchronize()
         release_slot(self.mapped, self.gen)

@@ -1,0 +1,225 @@
+"""What runs a request in a block: its model on its device, CUDA graphs, and the GPU clock.
+
+``BlockRunner`` is the part of a block process that computes; ``blocks/process.py`` keeps the
+sockets, threads and the request's way through them. Tests drive a runner without any socket.
+
+On a CPU a runner calls the model, nothing more. On a GPU it
+
+- replays a **CUDA graph** per input shape (``GraphCache``): captured the first time the shape
+  is seen (or before the block reports ready, for the shapes its update declares: ``warm_up``),
+  at most ``max_graphs`` of them; a later shape runs eager. A capture that fails (an operation
+  that synchronises, data-dependent control flow) is logged once with its reason and that shape
+  runs eager from then on. The request's tensor is copied into the graph's static input (one
+  device-to-device copy on the stream; the graph cannot be captured on slot addresses, which
+  change with every message), and the graph's static output is what the block sends on: the
+  transport copies it into the next hop's slot on the same stream, before the next replay can
+  overwrite it.
+- queues everything on **its own CUDA stream** (``on_stream``), so blocks sharing a process
+  do not wait for one another's kernels.
+- keeps the **GPU clock** of a request (``GpuClock``): CUDA events recorded on the stream
+  between the stages (input ready, on the device, model done, output in its slot), read after
+  the fact, once the block has synchronised on its last event *after* it sent the output on.
+
+Note [GPU hand-over order]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Between two GPU blocks no host waits for the GPU before a handle is sent: the producer queues
+the copy of its output into the consumer's slot and records that slot's inter-process event
+(tensormq/cuda_ipc.py, ``CudaSlot.fill``), then sends at once; the consumer's stream waits on
+the event (``CudaMapper.open``) and the consumer queues its own work behind it. A block
+synchronises with its own stream once per request, *after* its send (``BlockRunner.finish``):
+only then are its input slot released (the producer may then overwrite it: nothing queued here
+still reads it) and its stage times read. So the host-side work of block b+1 (receive, open,
+launch) overlaps the GPU work of block b, and the only wait on the critical path is the last
+block's copy to the host. ``BLOCKFLOW_CUDA_HANDOVER=sync`` makes producers synchronise before
+they send instead (the behaviour before stream ordering; kept to measure against).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+
+import torch
+
+log = logging.getLogger("blockflow.block")
+
+#: CUDA graphs a block keeps at most (one per input shape); further shapes run eager.
+MAX_GRAPHS = 16
+#: Eager calls on a side stream before a capture: TorchScript's profiling executor specialises
+#: a graph on its first calls, and cuDNN/cuBLAS pick their algorithms and workspaces then.
+CAPTURE_WARM_CALLS = 3
+#: Batch sizes warmed up for a batching block whose max_batch is at most this: every one of them.
+WARM_ALL_BATCHES_UP_TO = 16
+
+
+class GraphCache:
+    """The model as one CUDA graph per (dtype, shape) of its input, eager where none fits."""
+
+    def __init__(self, model, device: torch.device, name: str, max_graphs: int = MAX_GRAPHS):
+        self.model, self.device, self.name, self.max_graphs = model, device, name, max_graphs
+        #: (dtype, shape) -> (graph, static input, static output)
+        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        #: (dtype, shape) -> why it runs eager (its capture failed)
+        self.refused: dict[tuple, str] = {}
+        self.replays = self.eager_calls = 0
+
+    def __call__(self, x: torch.Tensor):
+        key = (x.dtype, tuple(x.shape))
+        entry = self.graphs.get(key)
+        if entry is None:
+            if key in self.refused or len(self.graphs) >= self.max_graphs:
+                self.eager_calls += 1
+                return self.model(x)
+            entry = self.capture(x, key)
+            if entry is None:
+                self.eager_calls += 1
+                return self.model(x)
+        graph, static_in, static_out = entry
+        static_in.copy_(x)
+        graph.replay()
+        self.replays += 1
+        return static_out
+
+    def capture(self, x: torch.Tensor, key: tuple):
+        """Capture the model on a static copy of ``x``: the cache entry, or None (logged why)."""
+        stream = torch.cuda.current_stream(self.device)
+        try:
+            static_in = torch.empty(x.shape, dtype=x.dtype, device=self.device)
+            static_in.copy_(x)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(stream)
+            with torch.cuda.stream(side):
+                for _ in range(CAPTURE_WARM_CALLS):
+                    self.model(static_in)
+            stream.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = self.model(static_in)
+            if not isinstance(static_out, torch.Tensor):
+                raise TypeError(f"the model returned {type(static_out).__name__}, not a tensor")
+        except Exception as exc:  # the capture's reason, once per shape; the shape runs eager
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+            self.refused[key] = reason
+            log.warning("block %s: no CUDA graph for input %s %s, it runs eager (%s)",
+                        self.name, str(key[0]).replace("torch.", ""), list(key[1]), reason)
+            try:
+                torch.cuda.synchronize(self.device)  # a failed capture leaves nothing queued behind
+            except Exception:
+                pass
+            return None
+        self.graphs[key] = (graph, static_in, static_out)
+        log.info("block %s: captured a CUDA graph for input %s %s (%d of at most %d)", self.name,
+                 str(key[0]).replace("torch.", ""), list(key[1]), len(self.graphs), self.max_graphs)
+        return self.graphs[key]
+
+    def stats(self) -> dict:
+        return {"graphs": [[str(k[0]).replace("torch.", ""), list(k[1])] for k in self.graphs],
+                "refused": {f"{str(k[0]).replace('torch.', '')}{list(k[1])}": r for k, r in self.refused.items()},
+                "replays": self.replays, "eager_calls": self.eager_calls}
+
+
+class GpuClock:
+    """CUDA events between a request's stages on the block's stream, read after the fact.
+
+    Marks, in order: ``queued`` (before the stream waits for the input's producer), ``ready``
+    (the input is there), ``on_device`` (moved to this device / into the graph's input),
+    ``inferred`` (the model ran), ``shared`` (the output is in the next hop's slot). One request
+    at a time: the block reads them (``ms``) after it synchronised, before the next request."""
+
+    MARKS = ("queued", "ready", "on_device", "inferred", "shared")
+
+    def __init__(self, device: torch.device):
+        with torch.cuda.device(device):
+            self.events = {m: torch.cuda.Event(enable_timing=True) for m in self.MARKS}
+        self.device = device
+        self.marked: set[str] = set()
+
+    def mark(self, name: str) -> None:
+        self.events[name].record(torch.cuda.current_stream(self.device))
+        self.marked.add(name)
+
+    def between(self, a: str, b: str) -> float:
+        """Milliseconds from mark ``a`` to mark ``b`` on the GPU (0.0 where either is missing)."""
+        if a not in self.marked or b not in self.marked:
+            return 0.0
+        return max(0.0, self.events[a].elapsed_time(self.events[b]))
+
+    def reset(self) -> None:
+        self.marked.clear()
+
+
+class BlockRunner:
+    """A block's model on its device: eager or CUDA graphs, warm-up, and the GPU seam.
+
+    ``cuda_graphs`` only matters on a GPU (on a CPU a runner calls the model). ``stream_ordered``
+    is True on a GPU: the block sends before it waits for the GPU (Note [GPU hand-over order])."""
+
+    def __init__(self, model, device: torch.device | str, name: str = "block", cuda_graphs: bool = True,
+                 max_graphs: int = MAX_GRAPHS):
+        self.model, self.name = model, name
+        self.device = torch.device(device)
+        self.on_gpu = self.device.type == "cuda"
+        self.graphs = GraphCache(model, self.device, name, max_graphs) if self.on_gpu and cuda_graphs else None
+        self.clock = GpuClock(self.device) if self.on_gpu else None
+        self.stream_ordered = self.on_gpu
+        #: the block's own CUDA stream: blocks sharing a process (blocks/host.py) queue their
+        #: work apart, and a block's sync waits for its own work only
+        self.stream = torch.cuda.Stream(self.device) if self.on_gpu else None
+
+    def on_stream(self):
+        """Context in which the block's thread queues its GPU work (nothing to do on a CPU)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def __call__(self, x: torch.Tensor):
+        return self.graphs(x) if self.graphs is not None else self.model(x)
+
+    def to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` on this block's device. From host memory the copy is queued without waiting:
+        CUDA copies pageable memory to its staging buffer before the call returns, so the host
+        slot may be released as soon as this returns (nothing later reads it)."""
+        if x.device == self.device:
+            return x
+        return x.to(self.device, non_blocking=self.on_gpu and x.device.type == "cpu")
+
+    def mark(self, name: str) -> None:
+        if self.clock is not None:
+            self.clock.mark(name)
+
+    def finish(self) -> None:
+        """Wait for everything this request queued on the GPU (after its output was sent on)."""
+        if self.on_gpu:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def warm_up(self, shapes: list, dtype: torch.dtype = torch.float32) -> int:
+        """Run the model (capturing its graphs on a GPU) once per shape, before the block is
+        ready, so no request pays a first call or a capture; returns how many shapes ran."""
+        n = 0
+        with torch.inference_mode(), self.on_stream():
+            for shape in shapes:
+                self(torch.zeros(shape, dtype=dtype, device=self.device))
+                n += 1
+            self.finish()
+        return n
+
+    def stats(self) -> dict:
+        if self.graphs is None:
+            return {"cuda_graphs": False}
+        return {"cuda_graphs": True, **self.graphs.stats()}
+
+
+def warmup_shapes(input_shape: list | None, declared: list | None, batching) -> list[list[int]]:
+    """The input shapes a block runs before it reports ready: those its update declares
+    (``warmup_shapes``), else the manifest's input shape; a batching block adds its batch sizes
+    (every size up to ``WARM_ALL_BATCHES_UP_TO``, else 1, its preferred sizes and max_batch)."""
+    shapes = [list(s) for s in declared] if declared else ([list(input_shape)] if input_shape else [])
+    if batching is not None and shapes:
+        mb = batching.max_batch
+        sizes = (range(1, mb + 1) if mb <= WARM_ALL_BATCHES_UP_TO
+                 else sorted({1, mb, *getattr(batching, "preferred", ())}))
+        shapes = [[b, *s[1:]] for s in shapes for b in sizes] if all(len(s) >= 1 for s in shapes) else shapes
+    seen, out = set(), []
+    for s in shapes:
+        if tuple(s) not in seen:
+            seen.add(tuple(s))
+            out.append(s)
+    return out

@@ -1,0 +1,283 @@
+"""The GPU fast path (issue 27): CUDA graphs per block, stream-ordered hand-overs, warm-up.
+
+Two layers:
+- tests without a mark run everywhere: the runner on a CPU (what a block calls, what it warms
+  up), the update fields that steer it, the share record that carries a slot's event;
+- tests marked ``cuda`` need a GPU (``make gpu-check``): graphs against eager per shape (plain,
+  fused, batched), a model that cannot be captured, hand-overs under random GPU delays in both
+  processes, and kill -9 of a consumer block in the middle of a stream of requests.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from blockflow.blocks.batching import BatchPolicy
+from blockflow.blocks.runner import BlockRunner, GraphCache, warmup_shapes
+from blockflow.schema import UpdateError, validate_update
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA = pytest.mark.cuda
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible here")
+
+
+# -- everywhere ------------------------------------------------------------------------------------
+
+def test_a_cpu_runner_calls_the_model_and_warms_up_each_shape():
+    calls = []
+
+    def model(x):
+        calls.append(tuple(x.shape))
+        return x * 2
+
+    r = BlockRunner(model, "cpu", "b", cuda_graphs=True)
+    assert r.graphs is None and r.clock is None and not r.stream_ordered
+    assert r.stats() == {"cuda_graphs": False}
+    x = torch.arange(6.0).view(2, 3)
+    assert torch.equal(r(x), x * 2)
+    assert r.to_device(x) is x
+    r.mark("ready")  # a no-op on a CPU
+    assert r.warm_up([[1, 3], [4, 3]]) == 2
+    assert calls == [(2, 3), (1, 3), (4, 3)]
+
+
+def test_warmup_shapes_come_from_the_update_else_the_manifest_and_cover_batch_sizes():
+    assert warmup_shapes([1, 3, 224, 224], None, None) == [[1, 3, 224, 224]]
+    assert warmup_shapes([1, 3, 224, 224], [[1, 3, 64, 64]], None) == [[1, 3, 64, 64]]
+    assert warmup_shapes(None, None, None) == []
+    small = BatchPolicy.parse({"max_batch": 4, "max_queue_delay_us": 100})
+    assert warmup_shapes([1, 8], None, small) == [[1, 8], [2, 8], [3, 8], [4, 8]]
+    big = BatchPolicy.parse({"max_batch": 64, "max_queue_delay_us": 100, "preferred": [16, 32]})
+    assert warmup_shapes([1, 8], None, big) == [[1, 8], [16, 8], [32, 8], [64, 8]]
+
+
+def _update(**fields):
+    return {"blocks": [{"name": "b", "model": "resnet18/block1.pt", "device": "cuda", **fields}],
+            "tasks": [{"id": "t", "path": ["b"]}]}
+
+
+def test_update_fields_cuda_graphs_and_warmup_shapes():
+    decl = validate_update(_update(), gpus=1).blocks["b"]
+    assert decl.cuda_graphs is True and decl.warmup_shapes is None
+    decl = validate_update(_update(cuda_graphs=False, warmup_shapes=[[1, 3, 224, 224], [8, 3, 224, 224]]),
+                           gpus=1).blocks["b"]
+    assert decl.cuda_graphs is False and decl.warmup_shapes == ((1, 3, 224, 224), (8, 3, 224, 224))
+    assert decl.as_dict()["warmup_shapes"] == [[1, 3, 224, 224], [8, 3, 224, 224]]
+    for bad, field in (({"cuda_graphs": "yes"}, "cuda_graphs"), ({"warmup_shapes": [[0, 3]]}, "warmup_shapes"),
+                       ({"warmup_shapes": [[1] * 9]}, "warmup_shapes"), ({"warmup_shapes": [1, 3]}, "warmup_shapes"),
+                       ({"warmup_shapes": [[1, 3]] * 17}, "warmup_shapes")):
+        with pytest.raises(UpdateError) as err:
+            validate_update(_update(**bad), gpus=1)
+        assert err.value.field == f"blocks[0].{field}", err.value
+
+
+def test_the_share_record_carries_the_slots_event_and_refuses_a_forged_one():
+    from blockflow.tensormq.cuda_ipc import RECORD_BYTES, ShareRecord
+    from blockflow.tensormq.wire import WireError
+    handle = bytes([2, ord("c")]) + bytes(64)
+    rec = ShareRecord(0, handle, 1 << 20, 0, b"/torch_1_2", 3, event=bytes(range(64)))
+    raw = rec.pack()
+    assert len(raw) == RECORD_BYTES and ShareRecord.unpack(raw, "s") == rec
+    forged = bytearray(raw)
+    forged[56:64] = (63).to_bytes(8, "little")  # an event handle that is not a cudaIpcEventHandle_t
+    with pytest.raises(WireError, match="lengths"):
+        ShareRecord.unpack(bytes(forged), "s")
+
+
+def test_an_unknown_hand_over_mode_is_refused_by_name(monkeypatch):
+    from blockflow.tensormq.cuda_ipc import handover_mode
+    monkeypatch.setenv("BLOCKFLOW_CUDA_HANDOVER", "sync")
+    assert handover_mode() == "sync"
+    monkeypatch.setenv("BLOCKFLOW_CUDA_HANDOVER", "lazy")
+    with pytest.raises(ValueError, match="BLOCKFLOW_CUDA_HANDOVER='lazy'"):
+        handover_mode()
+
+
+# -- on a GPU ------------------------------------------------------------------------------------
+
+def _blocks(model_repo, stems, device="cuda:0"):
+    from blockflow.blocks.repository import open_block
+    model, _ = open_block(model_repo, [f"resnet18/{s}.pt" for s in stems] if len(stems) > 1 else
+                          f"resnet18/{stems[0]}.pt", device)
+    return model
+
+
+def _assert_same(got, want, what):
+    diff = (got.float() - want.float()).abs().max().item()
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), f"{what}: graph differs from eager by {diff}"
+
+
+@CUDA
+@needs_gpu
+@pytest.mark.parametrize("stems", [["block1"], ["block2", "block3"], ["head"]], ids=["plain", "fused", "head"])
+def test_graph_results_equal_eager_results_per_shape(model_repo, stems):
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    model = _blocks(model_repo, stems)
+    shape = {"block1": (3, 224, 224), "block2": (64, 56, 56), "head": (512, 7, 7)}[stems[0]]
+    runner = BlockRunner(model, "cuda:0", "t", cuda_graphs=True)
+    with torch.inference_mode():
+        for batch in (1, 2, 5, 1, 5):  # a shape seen again replays its graph
+            x = torch.randn(batch, *shape, device="cuda:0", generator=torch.Generator("cuda:0").manual_seed(batch))
+            want = model(x).clone()
+            got = runner(x).clone()
+            _assert_same(got, want, f"{stems} batch {batch}")
+        torch.cuda.synchronize()
+    st = runner.stats()
+    assert len(st["graphs"]) == 3 and st["replays"] == 5 and st["eager_calls"] == 0 and not st["refused"], st
+
+
+@CUDA
+@needs_gpu
+def test_a_batched_block_replays_one_graph_per_batch_size(model_repo):
+    """run_batch through the runner: the batch is a shape, each request gets its own rows."""
+    from blockflow.blocks.batching import run_batch
+    model = _blocks(model_repo, ["block4", "head"])
+    runner = BlockRunner(model, "cuda:0", "t")
+    runner.warm_up(warmup_shapes([1, 256, 14, 14], None, BatchPolicy.parse({"max_batch": 4, "max_queue_delay_us": 0})))
+    assert len(runner.stats()["graphs"]) == 4
+    with torch.inference_mode():
+        xs = [torch.randn(1, 256, 14, 14, device="cuda:0", generator=torch.Generator("cuda:0").manual_seed(i))
+              for i in range(3)]
+        outs = [y.clone() for y in run_batch(runner, xs)]
+        for x, y in zip(xs, outs):
+            _assert_same(y, model(x), "a request of a batch of 3")
+    assert runner.stats()["eager_calls"] == 0
+
+
+@CUDA
+@needs_gpu
+def test_a_model_that_cannot_be_captured_runs_eager_with_one_logged_reason(caplog):
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            if bool(x.sum() > 0):  # data-dependent: a host sync inside the capture
+                return x * 2
+            return x - 1
+
+    model = torch.jit.script(Branchy()).cuda().eval()
+    runner = BlockRunner(model, "cuda:0", "branchy")
+    with caplog.at_level(logging.WARNING, logger="blockflow.block"), torch.inference_mode():
+        for v in (1.0, -1.0, 3.0):
+            x = torch.full((2, 4), v, device="cuda:0")
+            assert torch.equal(runner(x), model(x))
+    reasons = [r.getMessage() for r in caplog.records if "no CUDA graph" in r.getMessage()]
+    assert len(reasons) == 1 and "runs eager" in reasons[0], reasons
+    st = runner.stats()
+    assert st["graphs"] == [] and len(st["refused"]) == 1 and st["eager_calls"] == 3, st
+
+
+_SLOW_CONSUMER = r"""
+import json, random, sys, torch
+from blockflow.tensormq.cuda_ipc import CudaMapper
+from blockflow.tensormq.wire import TensorDesc
+random.seed(int(sys.argv[2]))
+torch.cuda.set_device(0)
+mapper = CudaMapper(sys.argv[1])
+print(json.dumps({"ready": True}), flush=True)
+bad, n = [], 0
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("end"):
+        break
+    t, lease = mapper.open(TensorDesc.parse(m["x"]))
+    if random.random() < 0.5:  # the consumer's GPU is late: the read is queued behind a spin
+        torch.cuda._sleep(random.randrange(1, 200_000))
+    ok = bool((t == m["v"]).all().item())
+    lease.release()  # waits for the stream: the producer may overwrite the slot after this
+    n += 1
+    if not ok:
+        bad.append(m["seq"])
+print(json.dumps({"n": n, "bad": bad[:10]}), flush=True)
+mapper.close()
+"""
+
+
+@CUDA
+@needs_gpu
+@pytest.mark.parametrize("mode", ["event", "sync"])
+def test_stream_ordered_hand_overs_under_random_gpu_delays_are_exact(tmp_path, monkeypatch, mode):
+    """The producer sends each handle before its (delayed) copy ran on the GPU; the consumer's
+    read is delayed at random too; a window of 2 slots makes every slot come back many times.
+    Every one of 3000 requests must read exactly its own value."""
+    import random
+    from blockflow.tensormq.cuda_ipc import CudaSlotPool
+    monkeypatch.setenv("BLOCKFLOW_CUDA_HANDOVER", mode)
+    shm = str(tmp_path)
+    torch.cuda.set_device(0)
+    pool = CudaSlotPool(shm, "prod", window=2, device="cuda:0")
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_CONSUMER, shm, "7"], cwd=ROOT, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(p.stdout.readline()) == {"ready": True}
+        rnd, n = random.Random(3), 3000
+        src = torch.empty(1, 64, 56, 56, device="cuda:0")
+        for i in range(n):
+            v = float(i % 1000)
+            if rnd.random() < 0.5:  # the producer's GPU is late: the copy runs after a spin
+                torch.cuda._sleep(rnd.randrange(1, 200_000))
+            src.fill_(v)
+            desc = pool.put("e", src, timeout=60)
+            p.stdin.write(json.dumps({"seq": i, "v": v, "x": desc.to_json()}) + "\n")
+            p.stdin.flush()
+        p.stdin.write(json.dumps({"end": True}) + "\n")
+        p.stdin.flush()
+        line = p.stdout.readline()
+        assert line, p.stderr.read()[-2000:]
+        assert json.loads(line) == {"n": n, "bad": []}
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        pool.close()
+
+
+@CUDA
+@needs_gpu
+def test_a_consumer_block_killed_in_a_stream_of_requests_never_yields_garbage(server_factory, model_repo):
+    """kill -9 of b3 (holding b2's slots, its stream waiting on b2's events) while 64 requests
+    stream: every reply is exact or an error, b3 comes back, and the pipeline is exact again."""
+    from blockflow.client import Client
+    srv = server_factory(model_repo, env={"NVIDIA_TF32_OVERRIDE": "0"})
+    body = {"blocks": [{"name": n, "model": f"resnet18/{m}.pt", "device": "cuda"} for n, m in
+                       (("b1", "block1"), ("b2", "block2"), ("b3", "block3"), ("b4", "block4"), ("h", "head"))],
+            "tasks": [{"id": "classify", "path": ["b1", "b2", "b3", "b4", "h"]}]}
+    srv.call("POST", "/system/update", body, timeout=180)
+    from blockflow.blocks.repository import load_block
+    full = load_block(model_repo, "resnet18/full.pt", "cpu")
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = full(x)
+    victim = srv.call("GET", "/blocks/b3")
+    outcomes = {"exact": 0, "error": 0, "wrong": 0}
+    with Client(srv.dispatcher, timeout=60) as c:
+        futures = [c.submit("classify", x) for _ in range(32)]
+        os.kill(victim["pid"], signal.SIGKILL)
+        futures += [c.submit("classify", x) for _ in range(32)]
+        for f in futures:
+            try:
+                y = f.result(120)
+            except Exception:
+                outcomes["error"] += 1
+                continue
+            outcomes["exact" if torch.allclose(y, want, atol=1e-3, rtol=1e-3) else "wrong"] += 1
+        assert outcomes["wrong"] == 0, outcomes
+        deadline = time.monotonic() + 90
+        ok = 0
+        while ok < 5 and time.monotonic() < deadline:
+            try:
+                y = c.infer("classify", x)
+            except Exception:
+                time.sleep(0.2)
+                continue
+            assert torch.allclose(y, want, atol=1e-3, rtol=1e-3)
+            ok += 1
+        assert ok == 5, f"the pipeline did not serve again after b3 was killed: {outcomes}"
+    assert srv.call("GET", "/blocks/b3")["pid"] != victim["pid"]
