@@ -61,13 +61,16 @@ class GraphCache:
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         #: (dtype, shape) -> why it runs eager (its capture failed)
         self.refused: dict[tuple, str] = {}
+        #: shapes whose output is a view of the input: eager, so the output keeps travelling by the
+        #: input's handle (a graph would make it a copy out of the graph's static input)
+        self.views: set[tuple] = set()
         self.replays = self.eager_calls = 0
 
     def __call__(self, x: torch.Tensor):
         key = (x.dtype, tuple(x.shape))
         entry = self.graphs.get(key)
         if entry is None:
-            if key in self.refused or len(self.graphs) >= self.max_graphs:
+            if key in self.refused or key in self.views or len(self.graphs) >= self.max_graphs:
                 self.eager_calls += 1
                 return self.model(x)
             entry = self.capture(x, key)
@@ -97,6 +100,11 @@ class GraphCache:
                 static_out = self.model(static_in)
             if not isinstance(static_out, torch.Tensor):
                 raise TypeError(f"the model returned {type(static_out).__name__}, not a tensor")
+            if static_out.untyped_storage().data_ptr() == static_in.untyped_storage().data_ptr():
+                self.views.add(key)
+                log.info("block %s: its output is a view of its input %s %s: no graph, the output travels by "
+                         "the input's handle", self.name, str(key[0]).replace("torch.", ""), list(key[1]))
+                return None
         except Exception as exc:  # the capture's reason, once per shape; the shape runs eager
             reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
             self.refused[key] = reason
@@ -115,6 +123,7 @@ class GraphCache:
     def stats(self) -> dict:
         return {"graphs": [[str(k[0]).replace("torch.", ""), list(k[1])] for k in self.graphs],
                 "refused": {f"{str(k[0]).replace('torch.', '')}{list(k[1])}": r for k, r in self.refused.items()},
+                "views": [[str(k[0]).replace("torch.", ""), list(k[1])] for k in self.views],
                 "replays": self.replays, "eager_calls": self.eager_calls}
 
 

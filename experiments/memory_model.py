@@ -15,7 +15,9 @@ thesis's per-process figure corresponds to) and USS (the pages only that process
 blocks are forked from a forkserver that has torch imported, so the libraries are shared and the
 marginal cost of a process is much smaller than its RSS). On a GPU the same is done with the
 per-process device memory from NVML (the thesis's VRAM tables); on a CPU-only machine the model
-runs on RAM, which is what the blocks occupy here.
+runs on RAM, which is what the blocks occupy here. What one GPU process's memory is made of
+(CUDA context, lazily loaded kernels, cuDNN/cuBLAS workspaces, the allocator's cache, CUDA graphs),
+which settings cut it, and a group's VRAM against five processes: experiments/vram.py (vram.json).
 
 Deployments for N = 100 tasks split into classes by the 8 scenarios of Table 4.4 (class counts by
 largest remainder, so that they add up to N):
@@ -333,6 +335,8 @@ def main(argv=None) -> int:
         print(f"\nTable 4.5/4.6 with {label}: C = {res['context_mb']:.1f} MB, o = "
               + ", ".join(f"{k} {v:.1f}" for k, v in res["o_mb"].items()))
         _print_rows(res["rows"], THESIS_TABLES.get(label.split("/")[0]))
+    if device.startswith("cuda"):
+        print("\nWhat a GPU process's memory is made of, stage by stage: python -m experiments.vram (vram.json)")
     print("\nThe thesis's inputs through the same formulas (C = 370 MB), thesis Table 4.5 in brackets:")
     _print_rows(thesis_model, THESIS_TABLES["resnet50"])
     return 0

@@ -54,6 +54,17 @@ and KPI threads, OpenMP's wait policy, CPU pinning) and gets a server of its own
 alternate over rounds, each request again followed by full.pt in this process, and the blocks'
 minor page faults per request are counted from /proc. Beside them each block runs alone in this
 process back to back, after an idle gap and after a cache flush (``alone_phase``).
+
+On a GPU (issue 27) the run ends with ``experiments/gpu_floor.py`` in this process, after the
+servers are gone: full.pt eager and as one CUDA graph, the five blocks as CUDA graphs back to back,
+and the floor of the architecture, five torch-only processes (one block each, a CUDA graph each,
+inter-process CUDA events between them), batch 1, fp32, --floor-n requests each (default: the
+series' N, else 300). ``summary["gpu_floor"]`` has its figures and ``ratio_pipeline_vs_gpu_floor``
+each transport's median round trip against them; the script prints
+
+    pipeline p50 / monolithic eager p50   (goal <= 1.0x)   and   pipeline p50 / floor p50   (stretch <= 1.5x)
+
+--no-floor leaves it out. On a CPU nothing of it runs.
 """
 from __future__ import annotations
 
@@ -67,7 +78,7 @@ import time
 
 import torch
 
-from experiments import common
+from experiments import common, gpu_floor
 
 log = logging.getLogger("experiments.pipeline_latency")
 
@@ -96,6 +107,10 @@ THESIS = {"http_full_ms": 200.0, "zeromq_ms": 44.9, "offline_ms": 11.703,
 #: and HTTP split as "up to ~40x" TensorMQ): computed here, not quoted.
 THESIS_DERIVED = {"tensormq_ms": 44.9 / 2.8, "http_split_ms": 40.0 * 44.9 / 2.8}
 RATIO_GOAL = 1.20  # issue 11: the unfused 5-process pipeline <= 1.20x the monolithic model
+#: issue 27 on a GPU: the pipeline's p50 <= 1.0x the monolithic model's eager p50 (gpu_floor's
+#: mono_eager), and, the stretch goal, <= 1.5x the floor (gpu_floor's five torch-only processes).
+FLOOR_GOAL = 1.0
+FLOOR_STRETCH = 1.5
 QUICK_N = 12
 
 
@@ -399,6 +414,16 @@ def http_phase(repo: str, threads: int, full, x: torch.Tensor, device: str, seri
             client.close()
 
 
+def floor_phase(repo: str, device: str, n: int) -> dict:
+    """experiments/gpu_floor.py's rows on ``device`` (each row guards itself); what goes wrong
+    around them is recorded as ``error``, not raised: the series before it are not lost."""
+    try:
+        return gpu_floor.measure(repo, device, n)
+    except Exception as exc:
+        log.warning("gpu_floor failed: %s", exc)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 # -- --variants: why a block is slower inside the pipeline than alone (issue 11) -------------
 #: One knob each against the pipeline as served: name -> (server environment, block fields, what
 #: it tests). Every variant gets a server of its own: libgomp and glibc read their environment
@@ -595,6 +620,51 @@ def summarise_transport(recs: list[dict], kpi: list[dict], quick: bool) -> dict:
             "ratio_mean": rtt["mean"] / mono["mean"], "blocks": block_components(kept_kpi)}
 
 
+def floor_ratios(summary: dict) -> dict:
+    """Per transport, its median round trip against the rows of ``summary["gpu_floor"]``
+    (experiments/gpu_floor.py): the ratios to the monolithic model eager (goal ``FLOOR_GOAL``),
+    as one CUDA graph, and to the floor (stretch goal ``FLOOR_STRETCH``); None where a row is
+    missing (it failed). Empty without the floor's figures."""
+    fl = summary.get("gpu_floor") or {}
+    if "skipped" in fl or not fl:
+        return {}
+    out = {}
+    for t, ts in summary.get("transports", {}).items():
+        p50 = ts["rtt_ms"]["p50"]
+        r = {"pipeline_p50_ms": p50}
+        for row in ("mono_eager", "mono_graph", "chain_graph", "floor"):
+            ref = fl.get(f"{row}_p50_ms")
+            r[f"{row}_p50_ms"] = ref
+            r[f"ratio_vs_{row}"] = p50 / ref if ref else None
+        r.update({"goal_vs_mono_eager": FLOOR_GOAL, "stretch_vs_floor": FLOOR_STRETCH,
+                  "meets_goal": None if r["ratio_vs_mono_eager"] is None else r["ratio_vs_mono_eager"] <= FLOOR_GOAL,
+                  "meets_stretch": None if r["ratio_vs_floor"] is None else r["ratio_vs_floor"] <= FLOOR_STRETCH})
+        out[t] = r
+    return out
+
+
+def floor_lines(summary: dict) -> list[str]:
+    """What :func:`report` prints about ``summary["gpu_floor"]``: its rows, then per transport the
+    pipeline's p50 beside the monolithic model eager, as a CUDA graph and the floor, with the
+    ratios to the goal (monolithic eager) and the stretch goal (the floor). Empty on a CPU."""
+    fl = summary.get("gpu_floor")
+    if not fl:
+        return []
+    lines = gpu_floor.format_rows(fl)
+    ms = lambda v: "n/a" if v is None else f"{v:.2f} ms"
+    for t, r in floor_ratios(summary).items():
+        eager, floor = r["ratio_vs_mono_eager"], r["ratio_vs_floor"]
+        goal = ("n/a" if eager is None else
+                f"{eager:.3f}x monolithic eager (goal <= {FLOOR_GOAL:.2f}x: {'met' if r['meets_goal'] else 'NOT met'})")
+        stretch = ("n/a" if floor is None else
+                   f"{floor:.3f}x the floor (stretch <= {FLOOR_STRETCH:.2f}x: "
+                   f"{'met' if r['meets_stretch'] else 'NOT met'})")
+        lines.append(f"FLOOR {t}: median pipeline {ms(r['pipeline_p50_ms'])}; monolithic eager "
+                     f"{ms(r['mono_eager_p50_ms'])}, monolithic CUDA graph {ms(r['mono_graph_p50_ms'])}, "
+                     f"floor (5 processes) {ms(r['floor_p50_ms'])}: {goal}, {stretch}")
+    return lines
+
+
 COLORS = {"zeromq": "tab:blue", "tensormq": "tab:orange"}
 
 
@@ -730,6 +800,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variant-n", type=int, help=f"requests per variant and round (default {VARIANT_N}, --quick 4)")
     ap.add_argument("--variant-rounds", type=int, help=f"rounds over the variants (default {VARIANT_ROUNDS}, "
                                                        "--quick 1)")
+    ap.add_argument("--no-floor", action="store_true", help="on a GPU, leave out the monolithic model as a CUDA "
+                    "graph and the floor of five torch-only processes (experiments/gpu_floor.py, issue 27)")
+    ap.add_argument("--floor-n", type=int, help=f"requests per gpu_floor row on a GPU (default: the series' --n, "
+                                                f"else {gpu_floor.DEFAULT_N})")
     args = ap.parse_args(argv)
     variants = list(VARIANTS) if args.variants == "all" else [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
@@ -749,6 +823,10 @@ def main(argv=None) -> int:
                 "quick": args.quick}
     if variants:
         settings["variants"] = variants
+    floor_n = args.floor_n or series.n or gpu_floor.DEFAULT_N
+    if device.startswith("cuda"):
+        settings["gpu_floor"] = ("off (--no-floor)" if args.no_floor else
+                                 {"n": floor_n, "warmup": gpu_floor.WARMUP, "when": "after every series, the servers gone"})
     env = common.env_info(settings)
     x = common.input_tensor(1)
     blocks, full = load_models(repo, device, args.threads)
@@ -789,6 +867,8 @@ def main(argv=None) -> int:
         alone = alone_phase(blocks, xd, device, max(4, vn // 2))
         runs = variant_phase(repo, variants, vt, args.threads, device, full, x, vn, vr)
         summary["variants"] = summarise_variants(runs, alone, summary["offline"]["blocks_ms"], vt, vn, vr)
+    if device.startswith("cuda"):  # issue 27: the monolithic model and the floor in the same run
+        summary["gpu_floor"] = {"skipped": "--no-floor"} if args.no_floor else floor_phase(repo, device, floor_n)
     mono_alone = summary["offline"]["monolithic_ms"]["p50"]
     ratios = {t: {"pipeline_p50_ms": s["rtt_ms"]["p50"], "monolithic_p50_ms": s["monolithic_interleaved_ms"]["p50"],
                   "ratio": s["ratio_p50"], "monolithic_alone_p50_ms": mono_alone,
@@ -797,6 +877,8 @@ def main(argv=None) -> int:
               for t, s in summary["transports"].items()}
     data = {"env": env, "settings": settings, "summary": summary, "ratio_pipeline_vs_monolithic": ratios,
             "thesis_gv100": THESIS, "thesis_gv100_derived": THESIS_DERIVED}
+    if floor_ratios(summary):
+        data["ratio_pipeline_vs_gpu_floor"] = floor_ratios(summary)
     common.write_json(args.out, NAME, data)
     # client samples (rtt) and, in rows of their own, the blocks' KPI records (eq. 4.1 per block)
     header = ["series", "i", "kept", "rtt_ms", "server_ms", "inference_ms", "overhead_ms", "wait_ms", "monolithic_ms"]
@@ -853,6 +935,10 @@ def report(summary: dict, ratios: dict, env: dict, settings: dict) -> None:
               f"{r['monolithic_p50_ms']:.2f} ms (interleaved) = {r['ratio']:.3f}x "
               f"(goal <= {RATIO_GOAL:.2f}x: {'met' if r['meets_goal'] else 'NOT met'}; "
               f"vs monolithic alone {r['ratio_vs_alone']:.3f}x)")
+    lines = floor_lines(summary)
+    if lines:
+        print()
+        print("\n".join(lines))
     var = summary.get("variants")
     if var:
         print(f"\nvariants ({var['transport']}, {var['n_per_round']} requests x {var['rounds']} round(s) each): "

@@ -281,3 +281,22 @@ def test_a_consumer_block_killed_in_a_stream_of_requests_never_yields_garbage(se
             ok += 1
         assert ok == 5, f"the pipeline did not serve again after b3 was killed: {outcomes}"
     assert srv.call("GET", "/blocks/b3")["pid"] != victim["pid"]
+
+
+@CUDA
+@needs_gpu
+def test_a_model_returning_a_view_of_its_input_keeps_it_and_gets_no_graph():
+    """An identity or reshaping block forwards its input's handle; a graph would turn that
+    into a copy out of its static input, so such a shape runs eager, its output a view."""
+    class Flat(torch.nn.Module):
+        def forward(self, x):
+            return x.flatten(1)
+
+    runner = BlockRunner(torch.jit.script(Flat()).eval(), "cuda:0", "flat")
+    with torch.inference_mode():
+        x = torch.randn(2, 3, 4, device="cuda:0")
+        for _ in range(2):
+            y = runner(x)
+            assert y.data_ptr() == x.data_ptr() and y.shape == (2, 12)
+    st = runner.stats()
+    assert st["graphs"] == [] and st["views"] == [["float32", [2, 3, 4]]] and not st["refused"], st
