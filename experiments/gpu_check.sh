@@ -131,7 +131,7 @@ for step in $STEPS; do
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
         --junitxml="$LOGS/$step.xml" tests/test_dataplane.py ;;
     pipeline_latency)  # 4-block ResNet50 vs monolithic; eq. 4.1 components per transport
-      run_step "$step" "$PY" -m experiments.pipeline_latency --device cuda --n 300 "${OUTARG[@]}" ;;
+      run_step "$step" "$PY" -m experiments.pipeline_latency --device cuda --n 300 --no-http "${OUTARG[@]}" ;;
     hop_overhead)  # goal: a handle-forwarding hop <= 0.10 ms median
       run_step "$step" "$PY" -m experiments.hop_overhead --device cuda:0 --stages block1,block4 --budget 1 \
         --batches 1,32 "${OUTARG[@]}" ;;
