@@ -198,13 +198,17 @@ class Block(ChildProcess):
                 raise BootError(f"block {self.name}: device {spec.device} requested but only "
                                 f"{torch.cuda.device_count()} GPU(s) are visible")
             torch.cuda.set_device(self.device)
+        if self.device.type == "cuda":
+            from .runner import trim_cuda_context
+            log.info("block %s: CUDA context on %s: %s", self.name, self.device, trim_cuda_context(self.device))
         from .repository import BlockFileError, open_block
         try:
             self.model, entry = open_block(spec.repo, spec.model, str(self.device), spec.verified)
         except BlockFileError as exc:
             raise BootError(f"block {self.name}: {exc}") from None
         #: what runs a request: the model, its CUDA graphs and the GPU clock (blocks/runner.py)
-        self.runner = BlockRunner(self.model, self.device, self.name, cuda_graphs=spec.cuda_graphs)
+        self.runner = BlockRunner(self.model, self.device, self.name, cuda_graphs=spec.cuda_graphs,
+                                  shared_process=spec.hosted)
         if spec.warmup:  # before ready: no request pays a first call or a graph capture
             entry = entry or {}
             # a batch size is a shape: a GPU block captures one graph per size it may run

@@ -55,8 +55,15 @@ WARM_ALL_BATCHES_UP_TO = 16
 class GraphCache:
     """The model as one CUDA graph per (dtype, shape) of its input, eager where none fits."""
 
-    def __init__(self, model, device: torch.device, name: str, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, model, device: torch.device, name: str, max_graphs: int = MAX_GRAPHS,
+                 probe_syncs: bool = True):
         self.model, self.device, self.name, self.max_graphs = model, device, name, max_graphs
+        #: run the eager calls before a capture with torch's sync debug mode set to "error", so a
+        #: model that synchronises (data-dependent control flow, .item()) is refused before a
+        #: capture begins: a capture that fails half-way leaves the device's default RNG marked
+        #: as capturing. The mode is process-wide, so a block sharing its process with others
+        #: (whose threads synchronise) does not probe; its failed captures are still caught.
+        self.probe_syncs = probe_syncs
         #: (dtype, shape) -> (graph, static input, static output)
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         #: (dtype, shape) -> why it runs eager (its capture failed)
@@ -91,12 +98,19 @@ class GraphCache:
             static_in.copy_(x)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(stream)
-            with torch.cuda.stream(side):
-                for _ in range(CAPTURE_WARM_CALLS):
-                    self.model(static_in)
+            before = torch.cuda.get_sync_debug_mode()
+            try:
+                if self.probe_syncs:
+                    torch.cuda.set_sync_debug_mode("error")
+                with torch.cuda.stream(side):
+                    for _ in range(CAPTURE_WARM_CALLS):
+                        self.model(static_in)
+            finally:
+                torch.cuda.set_sync_debug_mode(before)
             stream.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread-local: another block's thread in this process may use CUDA meanwhile
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 static_out = self.model(static_in)
             if not isinstance(static_out, torch.Tensor):
                 raise TypeError(f"the model returned {type(static_out).__name__}, not a tensor")
@@ -143,8 +157,8 @@ class GpuClock:
         self.device = device
         self.marked: set[str] = set()
 
-    def mark(self, name: str) -> None:
-        self.events[name].record(torch.cuda.current_stream(self.device))
+    def mark(self, name: str, stream=None) -> None:
+        self.events[name].record(stream if stream is not None else torch.cuda.current_stream(self.device))
         self.marked.add(name)
 
     def between(self, a: str, b: str) -> float:
@@ -164,11 +178,12 @@ class BlockRunner:
     is True on a GPU: the block sends before it waits for the GPU (Note [GPU hand-over order])."""
 
     def __init__(self, model, device: torch.device | str, name: str = "block", cuda_graphs: bool = True,
-                 max_graphs: int = MAX_GRAPHS):
+                 max_graphs: int = MAX_GRAPHS, shared_process: bool = False):
         self.model, self.name = model, name
         self.device = torch.device(device)
         self.on_gpu = self.device.type == "cuda"
-        self.graphs = GraphCache(model, self.device, name, max_graphs) if self.on_gpu and cuda_graphs else None
+        self.graphs = (GraphCache(model, self.device, name, max_graphs, probe_syncs=not shared_process)
+                       if self.on_gpu and cuda_graphs else None)
         self.clock = GpuClock(self.device) if self.on_gpu else None
         self.stream_ordered = self.on_gpu
         #: the block's own CUDA stream: blocks sharing a process (blocks/host.py) queue their
@@ -191,8 +206,9 @@ class BlockRunner:
         return x.to(self.device, non_blocking=self.on_gpu and x.device.type == "cpu")
 
     def mark(self, name: str) -> None:
+        """A GPU clock mark on the block's stream (the current one inside ``on_stream``)."""
         if self.clock is not None:
-            self.clock.mark(name)
+            self.clock.mark(name, self.stream)
 
     def finish(self) -> None:
         """Wait for everything this request queued on the GPU (after its output was sent on)."""
@@ -214,6 +230,39 @@ class BlockRunner:
         if self.graphs is None:
             return {"cuda_graphs": False}
         return {"cuda_graphs": True, **self.graphs.stats()}
+
+
+#: Bytes of stack per GPU thread a block's CUDA context reserves (BLOCKFLOW_CUDA_STACK_BYTES;
+#: 0 leaves the driver's default). The driver reserves stack x resident threads of every SM
+#: (1 KiB x 132 SMs x 2048 threads = 264 MB on an H200) and raises the limit by itself for a
+#: kernel that needs more; experiments/vram.py measured 964 -> 766 MB per process with no
+#: slower inference.
+CUDA_STACK_BYTES = 256
+
+
+def trim_cuda_context(device: torch.device) -> dict:
+    """Lower the CUDA context's per-thread stack reservation (``CUDA_STACK_BYTES``) once CUDA
+    is initialised on ``device``; returns what was done, for the block's log."""
+    import ctypes
+    import os
+    try:
+        want = int(os.environ.get("BLOCKFLOW_CUDA_STACK_BYTES", CUDA_STACK_BYTES))
+    except ValueError:
+        raise ValueError(f"BLOCKFLOW_CUDA_STACK_BYTES={os.environ['BLOCKFLOW_CUDA_STACK_BYTES']!r} is not a "
+                         f"number of bytes (0 keeps the driver's default)") from None
+    if want <= 0 or device.type != "cuda":
+        return {"stack_bytes": "driver default"}
+    try:
+        with torch.cuda.device(device):
+            torch.cuda.init()
+            torch.zeros(1, device=device)  # the primary context is current on this thread
+            cuda = ctypes.CDLL("libcuda.so.1")
+            before = ctypes.c_size_t(0)
+            cuda.cuCtxGetLimit(ctypes.byref(before), ctypes.c_int(0))  # CU_LIMIT_STACK_SIZE
+            rc = cuda.cuCtxSetLimit(ctypes.c_int(0), ctypes.c_size_t(want))
+        return {"stack_bytes": want, "was": int(before.value)} if rc == 0 else {"stack_bytes_error": f"CUresult {rc}"}
+    except OSError as exc:  # no libcuda (cannot happen where torch found a GPU): nothing to trim
+        return {"stack_bytes_error": str(exc)}
 
 
 def warmup_shapes(input_shape: list | None, declared: list | None, batching) -> list[list[int]]:

@@ -132,9 +132,9 @@ for step in $STEPS; do
         --junitxml="$LOGS/$step.xml" tests/test_dataplane.py ;;
     pipeline_latency)  # 4-block ResNet50 vs monolithic; eq. 4.1 components per transport
       run_step "$step" "$PY" -m experiments.pipeline_latency --device cuda --n 300 --no-http "${OUTARG[@]}" ;;
-    hop_overhead)  # goal: a handle-forwarding hop <= 0.10 ms median
+    hop_overhead)  # goal: a handle-forwarding hop <= 0.10 ms median (HOP_BATCHES=1: half the time)
       run_step "$step" "$PY" -m experiments.hop_overhead --device cuda:0 --stages block1,block4 --budget 1 \
-        --batches 1,32 "${OUTARG[@]}" ;;
+        --batches "${HOP_BATCHES:-1,32}" "${OUTARG[@]}" ;;
     batching)  # issue 27 item 5: saturation unbatched vs dynamic batching (goal >= 3x)
       run_step "$step" "$PY" -m experiments.batching --device cuda --rates 400,800,1600,3200 --duration 4 \
         --rounds 2 --window 4 "${OUTARG[@]}" ;;

@@ -277,8 +277,10 @@ class CudaSlot(Slot):
         stream = torch.cuda.current_stream(self.device)
         if peer:  # the peer copy runs on the slot device's stream: it waits for the producer's kernels
             stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(stream):
-            dst.copy_(tensor)  # device to device; a peer copy when the tensor is on another GPU
+            with torch.cuda.stream(stream):
+                dst.copy_(tensor)
+        else:
+            dst.copy_(tensor)  # device to device, on the current stream (the slot's device's)
         if self.event is not None:
             self.event.record(stream)  # Note [GPU hand-over order]: the consumer's stream waits on it
             if peer:  # the source GPU must not reuse the tensor's memory before the copy read it

@@ -31,6 +31,27 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 # -- everywhere ------------------------------------------------------------------------------------
 
+def test_the_cuda_context_is_left_alone_on_a_cpu_and_a_bad_setting_is_named(monkeypatch):
+    from blockflow.blocks.runner import trim_cuda_context
+    assert trim_cuda_context(torch.device("cpu")) == {"stack_bytes": "driver default"}
+    monkeypatch.setenv("BLOCKFLOW_CUDA_STACK_BYTES", "small")
+    with pytest.raises(ValueError, match="BLOCKFLOW_CUDA_STACK_BYTES='small'"):
+        trim_cuda_context(torch.device("cpu"))
+
+
+@CUDA
+@needs_gpu
+def test_a_trimmed_cuda_context_runs_a_graph_exactly(model_repo):
+    from blockflow.blocks.runner import trim_cuda_context
+    assert trim_cuda_context(torch.device("cuda:0"))["stack_bytes"] == 256
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    model = _blocks(model_repo, ["block3"])
+    runner = BlockRunner(model, "cuda:0", "t")
+    with torch.inference_mode():
+        x = torch.randn(1, 128, 28, 28, device="cuda:0")
+        _assert_same(runner(x).clone(), model(x), "block3 with a 256-byte stack limit")
+
+
 def test_a_cpu_runner_calls_the_model_and_warms_up_each_shape():
     calls = []
 
@@ -171,6 +192,7 @@ def test_a_model_that_cannot_be_captured_runs_eager_with_one_logged_reason(caplo
     assert len(reasons) == 1 and "runs eager" in reasons[0], reasons
     st = runner.stats()
     assert st["graphs"] == [] and len(st["refused"]) == 1 and st["eager_calls"] == 3, st
+    assert torch.randn(4, device="cuda:0").isfinite().all()  # the device's RNG was never left capturing
 
 
 _SLOW_CONSUMER = r"""
