@@ -69,6 +69,15 @@ def _flag(raw: str) -> bool:
 
 _flag.__name__ = "flag (1 or 0)"
 
+
+def _hand_over(raw: str) -> str:
+    if raw.strip().lower() not in ("event", "sync"):
+        raise ValueError(raw)
+    return raw.strip().lower()
+
+
+_hand_over.__name__ = "hand-over mode ('event' or 'sync')"
+
 # -- data plane ---------------------------------------------------------------------------------
 MAX_TENSOR_BYTES: int = _read("BLOCKFLOW_MAX_TENSOR_BYTES", 1 << 30, _non_negative_int,
                               "largest tensor accepted on any socket, in bytes", "1 GiB")
@@ -122,6 +131,14 @@ OUTPUT_IN_SLOT: bool = _read("BLOCKFLOW_OUTPUT_IN_SLOT", True, _flag,
                              "a CPU block's model allocates its output in a TensorMQ slot of the next hop instead of "
                              "copying it there (Note [Outputs made in a slot]; needs the extension that `make install` "
                              "builds); 0 copies", "1")
+CUDA_HANDOVER: str = _read("BLOCKFLOW_CUDA_HANDOVER", "event", _hand_over,
+                           "how a GPU-to-GPU hop is ordered (Note [GPU hand-over order] in blocks/runner.py): "
+                           "`event`, the producer records the slot's inter-process CUDA event and sends at once, the "
+                           "consumer's stream waits on it; `sync`, the producer synchronises before it sends")
+CUDA_STACK_BYTES: int = _read("BLOCKFLOW_CUDA_STACK_BYTES", 256, _non_negative_int,
+                              "per-thread stack a GPU block's CUDA context reserves, in bytes (the driver raises it "
+                              "for a kernel that needs more); 0 keeps the driver's 1 KiB, which reserves 264 MB per "
+                              "process on an H200 (experiments/vram.py)", "256")
 EXT_DIR: str = _read("BLOCKFLOW_EXT_DIR", os.path.join(sys.prefix, "lib", "blockflow-ext"), str,
                      "where `blockflow build-ext` compiles that extension (one "
                      "subdirectory per PyTorch version and source)", "`<python prefix>/lib/blockflow-ext`")

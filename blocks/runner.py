@@ -232,24 +232,16 @@ class BlockRunner:
         return {"cuda_graphs": True, **self.graphs.stats()}
 
 
-#: Bytes of stack per GPU thread a block's CUDA context reserves (BLOCKFLOW_CUDA_STACK_BYTES;
-#: 0 leaves the driver's default). The driver reserves stack x resident threads of every SM
-#: (1 KiB x 132 SMs x 2048 threads = 264 MB on an H200) and raises the limit by itself for a
-#: kernel that needs more; experiments/vram.py measured 964 -> 766 MB per process with no
-#: slower inference.
-CUDA_STACK_BYTES = 256
-
-
-def trim_cuda_context(device: torch.device) -> dict:
-    """Lower the CUDA context's per-thread stack reservation (``CUDA_STACK_BYTES``) once CUDA
-    is initialised on ``device``; returns what was done, for the block's log."""
+def trim_cuda_context(device: torch.device, stack_bytes: int | None = None) -> dict:
+    """Lower the CUDA context's per-thread stack reservation once CUDA is initialised on
+    ``device`` (``stack_bytes``, default ``BLOCKFLOW_CUDA_STACK_BYTES``, 256; 0 leaves the
+    driver's 1 KiB). The driver reserves stack x resident threads of every SM (1 KiB x 132 SMs
+    x 2048 threads = 264 MB on an H200) and raises the limit by itself for a kernel that needs
+    more; experiments/vram.py measured 964 -> 766 MB per process with no slower inference.
+    Returns what was done, for the block's log."""
     import ctypes
-    import os
-    try:
-        want = int(os.environ.get("BLOCKFLOW_CUDA_STACK_BYTES", CUDA_STACK_BYTES))
-    except ValueError:
-        raise ValueError(f"BLOCKFLOW_CUDA_STACK_BYTES={os.environ['BLOCKFLOW_CUDA_STACK_BYTES']!r} is not a "
-                         f"number of bytes (0 keeps the driver's default)") from None
+    from blockflow import settings
+    want = settings.CUDA_STACK_BYTES if stack_bytes is None else stack_bytes
     if want <= 0 or device.type != "cuda":
         return {"stack_bytes": "driver default"}
     try:

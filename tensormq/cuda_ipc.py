@@ -98,11 +98,9 @@ CUDA_IPC_EVENT_SIZE = 64
 
 def handover_mode() -> str:
     """How a GPU-to-GPU hop is ordered (Note [GPU hand-over order]): ``event`` (default) or
-    ``sync``, from ``BLOCKFLOW_CUDA_HANDOVER``; anything else is refused by name."""
-    mode = os.environ.get("BLOCKFLOW_CUDA_HANDOVER", "event").strip().lower() or "event"
-    if mode not in ("event", "sync"):
-        raise ValueError(f"BLOCKFLOW_CUDA_HANDOVER={mode!r}: use 'event' (stream-ordered, the default) or 'sync'")
-    return mode
+    ``sync``: ``BLOCKFLOW_CUDA_HANDOVER``, read by blockflow/settings.py."""
+    from blockflow import settings
+    return settings.CUDA_HANDOVER
 #: A versioned torch handle: version byte, type byte, then cudaIpcMemHandle_t (64 bytes).
 CUDA_IPC_HANDLE_SIZE = 64
 #: Type byte of a plain cudaMalloc block (c10's SHAREABLE_CUDA_MALLOC). The other type, 'e'

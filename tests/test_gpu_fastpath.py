@@ -31,19 +31,17 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 # -- everywhere ------------------------------------------------------------------------------------
 
-def test_the_cuda_context_is_left_alone_on_a_cpu_and_a_bad_setting_is_named(monkeypatch):
+def test_the_cuda_context_is_left_alone_on_a_cpu():
     from blockflow.blocks.runner import trim_cuda_context
     assert trim_cuda_context(torch.device("cpu")) == {"stack_bytes": "driver default"}
-    monkeypatch.setenv("BLOCKFLOW_CUDA_STACK_BYTES", "small")
-    with pytest.raises(ValueError, match="BLOCKFLOW_CUDA_STACK_BYTES='small'"):
-        trim_cuda_context(torch.device("cpu"))
+    assert trim_cuda_context(torch.device("cpu"), 256) == {"stack_bytes": "driver default"}
 
 
 @CUDA
 @needs_gpu
 def test_a_trimmed_cuda_context_runs_a_graph_exactly(model_repo):
     from blockflow.blocks.runner import trim_cuda_context
-    assert trim_cuda_context(torch.device("cuda:0"))["stack_bytes"] == 256
+    assert trim_cuda_context(torch.device("cuda:0"), 256)["stack_bytes"] == 256
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     model = _blocks(model_repo, ["block3"])
     runner = BlockRunner(model, "cuda:0", "t")
@@ -113,13 +111,18 @@ def test_the_share_record_carries_the_slots_event_and_refuses_a_forged_one():
         ShareRecord.unpack(bytes(forged), "s")
 
 
-def test_an_unknown_hand_over_mode_is_refused_by_name(monkeypatch):
-    from blockflow.tensormq.cuda_ipc import handover_mode
-    monkeypatch.setenv("BLOCKFLOW_CUDA_HANDOVER", "sync")
-    assert handover_mode() == "sync"
-    monkeypatch.setenv("BLOCKFLOW_CUDA_HANDOVER", "lazy")
-    with pytest.raises(ValueError, match="BLOCKFLOW_CUDA_HANDOVER='lazy'"):
-        handover_mode()
+def _settings_in_a_fresh_process(**env):
+    return subprocess.run([sys.executable, "-c", "from blockflow import settings; "
+                           "print(settings.CUDA_HANDOVER, settings.CUDA_STACK_BYTES)"],
+                          cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+
+
+def test_the_hand_over_mode_and_the_stack_limit_are_settings_and_bad_values_are_named():
+    ok = _settings_in_a_fresh_process(BLOCKFLOW_CUDA_HANDOVER="Sync", BLOCKFLOW_CUDA_STACK_BYTES="0")
+    assert ok.returncode == 0 and ok.stdout.split() == ["sync", "0"], ok.stderr
+    for var, bad in (("BLOCKFLOW_CUDA_HANDOVER", "lazy"), ("BLOCKFLOW_CUDA_STACK_BYTES", "small")):
+        res = _settings_in_a_fresh_process(**{var: bad})
+        assert res.returncode != 0 and f"{var}={bad!r}" in res.stderr, res.stderr
 
 
 # -- on a GPU ------------------------------------------------------------------------------------
@@ -230,7 +233,8 @@ def test_stream_ordered_hand_overs_under_random_gpu_delays_are_exact(tmp_path, m
     Every one of 3000 requests must read exactly its own value."""
     import random
     from blockflow.tensormq.cuda_ipc import CudaSlotPool
-    monkeypatch.setenv("BLOCKFLOW_CUDA_HANDOVER", mode)
+    from blockflow import settings
+    monkeypatch.setattr(settings, "CUDA_HANDOVER", mode)
     shm = str(tmp_path)
     torch.cuda.set_device(0)
     pool = CudaSlotPool(shm, "prod", window=2, device="cuda:0")
