@@ -193,10 +193,27 @@ def pipeline_sample(client, x: torch.Tensor, timeout: float = 120.0) -> dict:
     :func:`kpi_requests` has it). ``rtt_minus_inf`` is everything that is not model compute."""
     t0 = time.perf_counter()
     r = client.infer_details(common.TASK, x, timeout=timeout)
-    rtt = (time.perf_counter() - t0) * 1e3
+    t_end = time.perf_counter()
+    rtt = (t_end - t0) * 1e3
     hops = {h["b"]: {k: float(h.get(k, 0.0)) for k in COMPONENTS} for h in r.hops or []}
     inf = sum(h["inf"] for h in hops.values())
-    return {"rtt": rtt, "server": float(r.server_ms or 0.0), "inf": inf, "rtt_minus_inf": rtt - inf, "hops": hops}
+    return {"rtt": rtt, "server": float(r.server_ms or 0.0), "inf": inf, "rtt_minus_inf": rtt - inf, "hops": hops,
+            **way_in_and_out(t0, t_end, r.hops)}
+
+
+def way_in_and_out(t0: float, t_end: float, hops) -> dict:
+    """The way in (the client's call until the first block has the message: the client library,
+    the dispatcher, its copy into a slot, two socket hops) and the way out (the last block's send
+    until the client has the tensor: the dispatcher, its copy into the reply, two socket hops),
+    apart, in ms. Every process stamps perf_counter, CLOCK_MONOTONIC on Linux: one clock for
+    all of them on one machine (Note [Hop timestamps] in blocks/kpilog.py)."""
+    try:
+        t_in, t_out = float(hops[0]["t_in"]), float(hops[-1]["t_out"])
+    except (TypeError, KeyError, IndexError, ValueError):
+        return {}
+    if not t0 <= t_in <= t_out <= t_end:
+        return {}  # not one clock (another machine) or a hop without stamps: say nothing
+    return {"way_in": (t_in - t0) * 1e3, "way_out": (t_end - t_out) * 1e3}
 
 
 def kpi_requests(server, since: float, until: float | None = None, blocks=BLOCK_NAMES) -> list[dict]:
@@ -615,6 +632,10 @@ def summarise_transport(recs: list[dict], kpi: list[dict], quick: bool) -> dict:
             "wait_ms": common.describe([s["wait"] for s in sums]),
             "in_blocks_ms": in_blocks,
             "outside_blocks_ms": (rtt["mean"] - in_blocks["mean"]) if in_blocks.get("mean") is not None else None,
+            "way_in_ms": common.describe([r["way_in"] for r in kept if "way_in" in r]),
+            "way_out_ms": common.describe([r["way_out"] for r in kept if "way_out" in r]),
+            "way_definition": "way in: client call -> first block's arrival; way out: last block's send -> the "
+                              "client has the tensor (client library, dispatcher, socket hops)",
             "rtt_minus_inference_ms": common.describe([r["rtt_minus_inf"] for r in kept]),
             "monolithic_interleaved_ms": mono, "ratio_p50": rtt["p50"] / mono["p50"],
             "ratio_mean": rtt["mean"] / mono["mean"], "blocks": block_components(kept_kpi)}
@@ -923,6 +944,9 @@ def report(summary: dict, ratios: dict, env: dict, settings: dict) -> None:
         print(f"{'  inference sum m_b':30s} {f(s['inference_ms'])}")
         print(f"{'  overhead sum o_b (eq. 4.1)':30s} {f(s['overhead_ms'])}   {THESIS[t + '_overhead_ms']:.2f}")
         print(f"{'  queue wait sum w_b':30s} {f(s['wait_ms'])}")
+        if s.get("way_in_ms", {}).get("n"):
+            print(f"{'  way in (client->1st block)':30s} {f(s['way_in_ms'])}")
+            print(f"{'  way out (last block->client)':30s} {f(s['way_out_ms'])}")
     print(f"{'offline sum of blocks':30s} {f(summary['offline']['sum_ms'])}   {THESIS['offline_ms']:.3f}")
     print(f"{'monolithic full.pt':30s} {f(summary['offline']['monolithic_ms'])}")
     print("\nper-block mean inference / overhead (ms):")
