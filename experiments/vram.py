@@ -318,25 +318,13 @@ def format_group(group: dict) -> list[str]:
 
 
 # -- the child -----------------------------------------------------------------------------
-def _my_pids() -> set[int]:
-    """This process's pid in every PID namespace /proc shows (NSpid), or getpid()."""
-    pids = {os.getpid()}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    pids.update(int(p) for p in line.split()[1:])
-    except (OSError, ValueError):
-        pass
-    return pids
-
-
 class _Nvml:
     """The child's view of its NVML device: per-process memory and the device's used memory."""
 
     def __init__(self, index):
         self.error, self.handle, self.nv = None, None, None
-        self.pids = _my_pids()
+        from blockflow.blocks.monitor import my_pids  # this process in every PID namespace
+        self.pids = my_pids()
         self.own_pid = None
         try:
             import pynvml

@@ -660,9 +660,11 @@ def test_manager_path_with_gpu_blocks_equals_the_monolithic_model(server_factory
 
 
 @CUDA
-def test_a_producer_killed_under_a_consumer_never_yields_garbage(server_factory, model_repo):
-    """kill -9 of b2 while b3 holds handles into b2's slots: replies are exact or errors, the
-    manager respawns b2, and the pipeline serves exact results again."""
+@pytest.mark.parametrize("victim", ["b2", "b3"], ids=["producer", "consumer"])
+def test_a_block_killed_under_load_never_yields_garbage(server_factory, model_repo, victim):
+    """kill -9 of b2 while b3 holds handles into b2's slots (the producer), or of b3 while its
+    stream waits on b2's events (the consumer): replies are exact or errors, the manager
+    respawns the block, and the pipeline serves exact results again."""
     from blockflow.client import Client
     srv = server_factory(model_repo, env={"NVIDIA_TF32_OVERRIDE": "0"})
     body = {"blocks": [b for b in BRANCHY["blocks"] if b["name"] in ("b1", "b2", "b3", "b4", "h")],
@@ -671,11 +673,11 @@ def test_a_producer_killed_under_a_consumer_never_yields_garbage(server_factory,
     full = _reference(model_repo, ["full"], "cpu")
     x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(5))
     want = full(x)
-    victim = srv.call("GET", "/blocks/b2")
+    killed = srv.call("GET", f"/blocks/{victim}")
     outcomes = {"exact": 0, "error": 0, "wrong": 0}
     with Client(srv.dispatcher, timeout=60) as c:
         futures = [c.submit("classify", x) for _ in range(32)]
-        os.kill(victim["pid"], signal.SIGKILL)
+        os.kill(killed["pid"], signal.SIGKILL)
         futures += [c.submit("classify", x) for _ in range(32)]
         for f in futures:
             try:
@@ -687,12 +689,12 @@ def test_a_producer_killed_under_a_consumer_never_yields_garbage(server_factory,
         assert outcomes["wrong"] == 0, outcomes
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            b = srv.call("GET", "/blocks/b2")
-            if b["status"] == "ready" and b["pid"] != victim["pid"]:
+            b = srv.call("GET", f"/blocks/{victim}")
+            if b["status"] == "ready" and b["pid"] != killed["pid"]:
                 break
             time.sleep(0.2)
         else:
-            raise AssertionError("b2 was not respawned within 60 s")
+            raise AssertionError(f"{victim} was not respawned within 60 s")
         ok = 0
         deadline = time.monotonic() + 60
         while ok < 5 and time.monotonic() < deadline:
