@@ -24,8 +24,9 @@ import zmq
 
 from blockflow.protocol import ErrorCode
 from blockflow.sockthread import QueueFull, SocketThread
-from blockflow.tensormq.transport import decode_bytes, encode_bytes
-from blockflow.tensormq.wire import TensorDesc, WireError, dumps, loads_header
+from blockflow.tensormq import bundle
+from blockflow.tensormq.transport import bytes_fields, read_bytes_value
+from blockflow.tensormq.wire import WireError, dumps, loads_header
 from blockflow import settings
 
 log = logging.getLogger(__name__)
@@ -87,19 +88,23 @@ class Client:
         self._io.start()
 
     # -- public ------------------------------------------------------------------------------
-    def submit(self, task: str, tensor: torch.Tensor, timeout: float | None = None, details: bool = False) -> Future:
+    def submit(self, task: str, tensor, timeout: float | None = None, details: bool = False) -> Future:
         """Send one request; the future gives the result tensor (or a ``Result`` with details).
+
+        ``tensor`` is a tensor, or a tuple (list) or flat dict of tensors for a task whose first
+        block takes several; the result is a tensor, a tuple or a dict, as the task's last block
+        returns it.
 
         The future is resolved by its deadline whatever the server does. Raises BlockFlowError
         (code ``overloaded``) at once when ``max_queued`` requests are still waiting to be sent."""
         if self._closed:
             raise RuntimeError("client is closed")
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if not isinstance(tensor, torch.Tensor) and not bundle.is_bundle(tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, or a tuple or dict of them, got {type(tensor).__name__}")
         timeout = self.timeout if timeout is None else timeout
-        desc, payload = encode_bytes(tensor)
-        return self._request({"op": "infer", "task": task, "x": desc.to_json(), "timeout": timeout},
-                             [payload], timeout, details)
+        fields, payloads = bytes_fields(tensor)  # a bad member: TypeError/ValueError naming it
+        return self._request({"op": "infer", "task": task, **fields, "timeout": timeout},
+                             payloads, timeout, details)
 
     def _request(self, fields: dict, payload: list, timeout: float, details: bool) -> Future:
         rid = next(self._ids)
@@ -119,8 +124,8 @@ class Client:
             raise BlockFlowError(f"client for {self.address}: {exc}", ErrorCode.OVERLOADED.value) from None
         return fut
 
-    def infer(self, task: str, tensor: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
-        """The result tensor for ``task``; raises BlockFlowError with the server's message or TimeoutError."""
+    def infer(self, task: str, tensor, timeout: float | None = None):
+        """The result (a tensor, or a tuple/dict of them) for ``task``; raises BlockFlowError with the server's message or TimeoutError."""
         return self.submit(task, tensor, timeout).result()
 
     def infer_details(self, task: str, tensor: torch.Tensor, timeout: float | None = None) -> Result:
@@ -187,11 +192,11 @@ class Client:
             fut.set_exception(BlockFlowError(str(header.get("error", "unknown error")),
                                              str(header.get("code", "error")), header.get("hops")))
             return
-        if "x" not in header:
+        if "x" not in header and "xs" not in header:
             fut.set_result(None)
             return
         try:
-            tensor = decode_bytes(TensorDesc.parse(header["x"]), frames[1])
+            tensor = read_bytes_value(header, frames)
         except (WireError, IndexError) as exc:
             fut.set_exception(BlockFlowError(f"unreadable result tensor: {exc}", ErrorCode.BAD_RESULT.value))
             return

@@ -3,7 +3,9 @@
 A block with a ``batching`` policy takes up to ``max_batch`` waiting requests whose tensors agree
 in everything but the batch dimension (dtype, device, trailing shape), from any task, waits at
 most the current delay for more, runs them as one batch and splits the output back to each
-request's own remaining path.
+request's own remaining path. A request that carries several tensors (a bundle,
+tensormq/bundle.py) batches with others of the same members: each member is concatenated
+along dimension 0, and each member of the output split back.
 
 How a batch is built and split, and where the bytes move (TensorMQ, shared memory)::
 
@@ -68,6 +70,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from blockflow.tensormq import bundle
 
 #: Longest wait ``auto`` ever chooses (seconds).
 AUTO_MAX_DELAY = 0.005
@@ -202,14 +206,25 @@ class DelayController:
         return min(expected * self.gap_s, self.service_s / 2, AUTO_MAX_DELAY) * self.scale
 
 
-def batch_key(t: torch.Tensor) -> tuple:
-    """Tensors with equal keys can be concatenated along dimension 0."""
+def batch_key(t) -> tuple:
+    """Inputs with equal keys can be concatenated along dimension 0: a tensor's dtype, device
+    and trailing shape; a bundle's, member by member, with its keys (tensormq/bundle.py)."""
+    if not isinstance(t, torch.Tensor):
+        members, keys = bundle.flatten(t)
+        if any(m.dim() == 0 for m in members) or len({m.shape[0] for m in members}) != 1:
+            return ("alone", id(t))  # members that disagree on rows cannot be batched by rows
+        return ("bundle", tuple(keys or ()), *(batch_key(m) for m in members))
     if t.dim() == 0:
         return ("scalar", id(t))    # a 0-d tensor has no batch dimension: it always runs alone
     return (t.dtype, t.device, tuple(t.shape[1:]))
 
 
-def plan_batches(tensors: list[torch.Tensor], policy: BatchPolicy) -> list[list[int]]:
+def rows(t) -> int:
+    """Rows of a request's input along dimension 0 (a bundle's: its members agree, batch_key)."""
+    return bundle.first(t).shape[0]
+
+
+def plan_batches(tensors: list, policy: BatchPolicy) -> list[list[int]]:
     """Group indexes of ``tensors`` into batches, oldest first, each at most ``max_batch`` and, where
     ``preferred`` sizes are given, cut to the largest preferred size that fits."""
     groups: dict[tuple, list[int]] = {}
@@ -228,14 +243,27 @@ def plan_batches(tensors: list[torch.Tensor], policy: BatchPolicy) -> list[list[
     return batches
 
 
-def concat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+def concat(tensors: list):
+    """One batch of the requests' inputs: a tensor, or a bundle whose members are each
+    concatenated along dimension 0."""
+    if len(tensors) == 1:
+        return tensors[0]
+    if isinstance(tensors[0], torch.Tensor):
+        return torch.cat(tensors, dim=0)
+    flat = [bundle.flatten(t) for t in tensors]
+    keys = flat[0][1]
+    return bundle.assemble([torch.cat([f[0][i] for f in flat], dim=0) for i in range(len(flat[0][0]))], keys)
 
 
-def split(output: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """Views of ``output`` along dimension 0, one per request."""
+def split(output, sizes: list[int]) -> list:
+    """Views of ``output`` along dimension 0, one per request (a bundle: every member is split
+    and each request gets a bundle of its rows)."""
     if len(sizes) == 1:
         return [output]
+    if not isinstance(output, torch.Tensor):
+        members, keys = bundle.flatten(output, "the model's output")
+        parts = [split(m, sizes) for m in members]
+        return [bundle.assemble([p[i] for p in parts], keys) for i in range(len(sizes))]
     if output.dim() == 0 or output.shape[0] != sum(sizes):
         raise ValueError(f"the model returned batch dimension {tuple(output.shape)[:1]} for {sum(sizes)} rows: "
                          "a block with batching must keep dimension 0 as the batch")
@@ -243,7 +271,7 @@ def split(output: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
 
 
 def run_batch(model, tensors: list[torch.Tensor], inputs_copied=None) -> list[torch.Tensor | Exception]:
-    """Run ``tensors`` as one batch; if that fails, run each alone so one bad request fails only itself.
+    """Run ``tensors`` (each a tensor or a bundle) as one batch; if that fails, run each alone so one bad request fails only itself.
 
     With more than one tensor the batch is a copy (``torch.cat``): ``inputs_copied()`` is called
     right after it, before the inference, so the caller can give the requests' input slots back
@@ -257,15 +285,24 @@ def run_batch(model, tensors: list[torch.Tensor], inputs_copied=None) -> list[to
     batch = concat(tensors)
     if inputs_copied is not None:
         inputs_copied()
-    sizes = [t.shape[0] for t in tensors]
+    sizes = [rows(t) for t in tensors]
     try:
         return split(model(batch), sizes)
     except Exception:
         pass
     out: list[torch.Tensor | Exception] = []
-    for part in batch.split(sizes, dim=0):
+    for part in _row_parts(batch, sizes):
         try:
             out.append(model(part))
         except Exception as exc:
             out.append(exc)
     return out
+
+
+def _row_parts(batch, sizes: list[int]) -> list:
+    """Each request's rows of a batch (tensor or bundle), as views."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(sizes, dim=0))
+    members, keys = bundle.flatten(batch)
+    parts = [m.split(sizes, dim=0) for m in members]
+    return [bundle.assemble([p[i] for p in parts], keys) for i in range(len(sizes))]

@@ -63,6 +63,7 @@ from blockflow.childproc import BootError, ChildProcess, Later, ChildSpec, exit_
 from blockflow.protocol import RETURN_HOP, ErrorCode
 from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, RESULT_KEYS, Transport, receive_limit, recv_message
+from blockflow.tensormq.bundle import first
 from blockflow.tensormq.wire import WireError, check_path, dumps, loads_header
 
 from .batching import BatchPolicy, DelayController, plan_batches, run_batch
@@ -212,7 +213,7 @@ class Block(ChildProcess):
         if spec.warmup:  # before ready: no request pays a first call or a graph capture
             entry = entry or {}
             # a batch size is a shape: a GPU block captures one graph per size it may run
-            shapes = warmup_shapes(entry.get("input_shape"), spec.warmup_shapes,
+            shapes = warmup_shapes(entry.get("input_shapes") or entry.get("input_shape"), spec.warmup_shapes,
                                    self.batching if self.runner.on_gpu else None)
             try:
                 self.runner.warm_up(shapes, getattr(torch, entry.get("dtype", "float32")))
@@ -525,7 +526,9 @@ class Block(ChildProcess):
         """A refused request still holds a slot (shared memory or CUDA): release it through
         the slot's header, without mapping the tensor."""
         try:
-            self.transport.release_handle(header.get("x"))
+            xs = header.get("xs")
+            for x in (xs if type(xs) is list else [header.get("x")]):
+                self.transport.release_handle(x)
         except WireError as exc:
             log.info("block %s: could not release the slot of refused request %s: %s",
                      self.name, header.get("rid"), exc)
@@ -654,7 +657,10 @@ class Block(ChildProcess):
         req.t0 = time.perf_counter()
         runner = self.runner
         try:
-            req.x_in, req.lease = self.transport.decode(header.get("x"), frames)
+            if "xs" in header:  # several tensors (tensormq/bundle.py): the slower, general way
+                req.x_in, req.lease = self.transport.decode_value(header, frames)
+            else:
+                req.x_in, req.lease = self.transport.decode(header.get("x"), frames)
             runner.mark("ready")  # on a GPU: once the stream waited for the input's producer
             req.t1 = time.perf_counter()
             req.x = runner.to_device(req.x_in)
@@ -675,15 +681,16 @@ class Block(ChildProcess):
         path = header["path"]
         x_desc = None  # the handle of a message not sent yet: its slot is ours to give back
         try:
-            if not isinstance(y, torch.Tensor):
-                raise TypeError(f"model returned {type(y).__name__}, not a tensor")
+            # one tensor in and out: the fast path (a bundle goes the general way, tensormq/bundle.py)
+            single = isinstance(y, torch.Tensor) and "xs" not in header
             t3 = time.perf_counter()
             next_name, next_addr = path[0]
-            new = y is not x_in and (lease is None or not lease.contains(y))
+            # a bundle's members may forward the input's slots: it is released after the encode
+            new = single and y is not x_in and (lease is None or not lease.contains(y))
             if lease is not None and new and not ordered:
                 lease.release()  # done with the input: free its slot before we wait for ours
             made_in = self.made_in(req, y, lent, takes) if lent and new else None
-            if self.lender is not None and (new or req.key is not None):
+            if self.lender is not None and single and (new or req.key is not None):
                 self.learn_output(req, y, new)
             inf = (t_done - t_inf) * 1e3
             hop = {"b": self.name, "wait": (req.t0 - req.arrival) * 1e3, "deser": (req.t1 - req.t0) * 1e3,
@@ -695,16 +702,24 @@ class Block(ChildProcess):
                 header["t"] = "result"
             else:
                 header["path"] = path[1:]
-            # an output that is the input itself keeps the input's handle as it came
-            x_desc, payload = self.transport.encode(y, next_addr, lease,
-                                                    same_as=header["x"] if y is x_in else None, made_in=made_in)
+            if single:
+                # an output that is the input itself keeps the input's handle as it came
+                x_desc, payload = self.transport.encode(y, next_addr, lease,
+                                                        same_as=header["x"] if y is x_in else None, made_in=made_in)
+            else:  # a bundle in or out (tensormq/bundle.py): one descriptor per member
+                fields, payload = self.transport.encode_value(y, next_addr, lease)
+                x_desc = fields.get("x") or fields["xs"]
+                for key in ("x", "xs", "keys"):
+                    header.pop(key, None)
+                header.update(fields)
             if lease is not None and not ordered:
                 lease.release()  # no-op when the handle was forwarded: the duty went with it
             self.runner.mark("shared")
             t4 = time.perf_counter()
             hop["share"] = (t4 - t3) * 1e3 + req.lend_ms
             hop["t_out"] = round(t4, 6)  # Note [Hop timestamps] in blocks/kpilog.py
-            header["x"] = x_desc
+            if single:
+                header["x"] = x_desc
             self.transport.send(next_addr, header, payload)
             x_desc = None
             t5 = time.perf_counter()
@@ -718,13 +733,13 @@ class Block(ChildProcess):
         if self.batching is None:  # the common case, in LATENCY_ROW's order (see KpiLog.add_row)
             self.kpi.add_row((req.arrival_wall, header["rid"], header.get("task"), hop["wait"], hop["deser"],
                               hop["dev"], inf, hop["share"], (t5 - t4) * 1e3, total, hop["t_in"], hop["t_out"],
-                              len(self.backlog), y.shape[0] if y.dim() else 1))
+                              len(self.backlog), _rows(y)))
             return
         rec = {"ts": req.arrival_wall, "rid": header["rid"], "task": header.get("task"),
                "wait": hop["wait"], "deser": hop["deser"], "dev": hop["dev"], "inf": inf, "share": hop["share"],
                "fwd": (t5 - t4) * 1e3, "total": total, "t_in": hop["t_in"], "t_out": hop["t_out"],
                "queue": len(self.backlog),
-               "batch": int(y.shape[0]) if y.dim() else 1}
+               "batch": _rows(y)}
         # in a batch the request also waited for its batch-mates' inputs (and earlier groups)
         # before the model ran, and for their sends after it: measured here, both are part of
         # "wait", so the stages add up to "total" where nothing is lost or counted twice (the
@@ -750,7 +765,7 @@ class Block(ChildProcess):
         share, fwd = clock.between("inferred", "shared"), (t5 - t4) * 1e3
         self.kpi.add_row((req.arrival_wall, header["rid"], header.get("task"), wait, hop["deser"], dev, inf, share,
                           fwd, wait + hop["deser"] + dev + inf + share + fwd, hop["t_in"], hop["t_out"],
-                          len(self.backlog), y.shape[0] if y.dim() else 1))
+                          len(self.backlog), _rows(y)))
 
     def fail(self, req: "_Request", exc: Exception, x_desc: dict | None = None) -> None:
         """Answer the request with the error, give back what it holds, count it."""
@@ -791,6 +806,12 @@ class Block(ChildProcess):
 
     def files_to_remove(self) -> list[str]:
         return [self.endpoint[len("ipc://"):]] if self.endpoint and self.endpoint.startswith("ipc://") else []
+
+
+def _rows(y) -> int:
+    """Rows of an output (its first member's, for a bundle): a KPI row's batch column."""
+    t = first(y)
+    return int(t.shape[0]) if t.dim() else 1
 
 
 def _return_address(raw) -> tuple[int, str] | None:

@@ -41,6 +41,8 @@ from collections import OrderedDict
 
 import torch
 
+from blockflow.tensormq import bundle
+
 log = logging.getLogger("blockflow.block")
 
 #: CUDA graphs a block keeps at most (one per input shape); further shapes run eager.
@@ -194,13 +196,20 @@ class BlockRunner:
         """Context in which the block's thread queues its GPU work (nothing to do on a CPU)."""
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def __call__(self, x: torch.Tensor):
+    def __call__(self, x):
+        if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
+            # a bundle (tensormq/bundle.py): its members as the model's arguments, eager (a
+            # graph is kept per input shape of one tensor)
+            return bundle.call(self.model, x)
         return self.graphs(x) if self.graphs is not None else self.model(x)
 
-    def to_device(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` on this block's device. From host memory the copy is queued without waiting:
-        CUDA copies pageable memory to its staging buffer before the call returns, so the host
-        slot may be released as soon as this returns (nothing later reads it)."""
+    def to_device(self, x):
+        """``x`` (a tensor or a bundle) on this block's device. From host memory the copy is
+        queued without waiting: CUDA copies pageable memory to its staging buffer before the
+        call returns, so the host slot may be released as soon as this returns (nothing later
+        reads it)."""
+        if not isinstance(x, torch.Tensor):
+            return bundle.apply(self.to_device, x)
         if x.device == self.device:
             return x
         return x.to(self.device, non_blocking=self.on_gpu and x.device.type == "cpu")
@@ -221,7 +230,7 @@ class BlockRunner:
         n = 0
         with torch.inference_mode(), self.on_stream():
             for shape in shapes:
-                self(torch.zeros(shape, dtype=dtype, device=self.device))
+                self(zeros_like_shape(shape, dtype, self.device))
                 n += 1
             self.finish()
         return n
@@ -257,19 +266,36 @@ def trim_cuda_context(device: torch.device, stack_bytes: int | None = None) -> d
         return {"stack_bytes_error": str(exc)}
 
 
-def warmup_shapes(input_shape: list | None, declared: list | None, batching) -> list[list[int]]:
+def zeros_like_shape(shape: list, dtype: torch.dtype, device):
+    """A zero input of ``shape``: one tensor for a list of ints, a tuple of tensors for a list
+    of shapes (a block that takes several tensors: its manifest's ``input_shapes``)."""
+    if shape and all(isinstance(s, (list, tuple)) for s in shape):
+        return tuple(torch.zeros(s, dtype=dtype, device=device) for s in shape)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def warmup_shapes(input_shape: list | None, declared: list | None, batching) -> list[list]:
     """The input shapes a block runs before it reports ready: those its update declares
-    (``warmup_shapes``), else the manifest's input shape; a batching block adds its batch sizes
-    (every size up to ``WARM_ALL_BATCHES_UP_TO``, else 1, its preferred sizes and max_batch)."""
+    (``warmup_shapes``), else the manifest's input shape -- a list of shapes where the block
+    takes several tensors (``input_shapes``); a batching block adds its batch sizes (every
+    size up to ``WARM_ALL_BATCHES_UP_TO``, else 1, its preferred sizes and max_batch), to
+    every member of a bundle alike."""
     shapes = [list(s) for s in declared] if declared else ([list(input_shape)] if input_shape else [])
-    if batching is not None and shapes:
+
+    def batched(shape: list, b: int) -> list:
+        if shape and all(isinstance(m, (list, tuple)) for m in shape):
+            return [batched(list(m), b) for m in shape]
+        return [b, *shape[1:]] if shape else shape
+
+    if batching is not None and shapes and all(len(s) >= 1 for s in shapes):
         mb = batching.max_batch
         sizes = (range(1, mb + 1) if mb <= WARM_ALL_BATCHES_UP_TO
                  else sorted({1, mb, *getattr(batching, "preferred", ())}))
-        shapes = [[b, *s[1:]] for s in shapes for b in sizes] if all(len(s) >= 1 for s in shapes) else shapes
+        shapes = [batched(s, b) for s in shapes for b in sizes]
     seen, out = set(), []
     for s in shapes:
-        if tuple(s) not in seen:
-            seen.add(tuple(s))
+        key = repr(s)
+        if key not in seen:
+            seen.add(key)
             out.append(s)
     return out

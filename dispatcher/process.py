@@ -44,7 +44,8 @@ from blockflow.childproc import BootError, ChildProcess, ChildSpec, exit_with, s
 from blockflow.protocol import DISPATCHER, ErrorCode, RETURN_HOP
 from blockflow.dispatcher.requestlog import RequestLog
 from blockflow.tensormq.shm import ShmExhausted
-from blockflow.tensormq.transport import RESULT_KEYS, Transport, decode_bytes, read_result_keys, receive_limit
+from blockflow.tensormq.transport import (RESULT_KEYS, Transport, bytes_fields, read_bytes_value, read_result_keys,
+                                          receive_limit)
 from blockflow.tensormq.wire import MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, loads_header
 from blockflow import settings
 
@@ -241,11 +242,10 @@ class Dispatcher(ChildProcess):
         if started is not None:
             header["ms"] = (time.monotonic() - started) * 1e3
         frames = [client, dumps(header)]
-        if tensor is not None:
-            from blockflow.tensormq.transport import encode_bytes
-            desc, payload = encode_bytes(tensor)
-            header["x"] = desc.to_json()
-            frames = [client, dumps(header), payload]
+        if tensor is not None:  # a tensor or a bundle (tensormq/bundle.py), as bytes
+            fields, payloads = bytes_fields(tensor)
+            header.update(fields)
+            frames = [client, dumps(header), *payloads]
         try:
             # copy=True: the result may live in a slot that is released right after this call
             self.front.send_multipart(frames, copy=True)
@@ -302,11 +302,7 @@ class Dispatcher(ChildProcess):
                 self.reply(client, cid, "error", code="unavailable", task=task,
                            error=f"task {task} cannot be served now: {entry['unavailable']}")
                 return
-            desc = TensorDesc.parse(header.get("x"), self.spec.max_tensor_bytes)
-            if desc.loc != "bytes" or len(frames) != 2:
-                raise WireError("clients send x.loc 'bytes' with the tensor in the second frame")
-            self.check_input(task, entry, desc)
-            tensor = decode_bytes(desc, frames[1])
+            tensor = self.read_input(task, entry, header, frames)
         except WireError as exc:
             self.reply(client, cid, "error", error=f"bad request: {exc}", code="bad_request", task=RequestLog.UNKNOWN_TASK)
             return
@@ -329,18 +325,39 @@ class Dispatcher(ChildProcess):
         if self.pending or not self.forward(rid, req):
             self.pending.append((rid, req))
 
+    def read_input(self, task: str, entry: dict, header: dict, frames: list):
+        """A client's tensor, or its bundle (``xs``: tensormq/bundle.py), every member sent as
+        bytes and checked against what the task's first block takes before it is read."""
+        spec = entry.get("input") or {}
+        shapes = spec.get("shapes")
+
+        def check(descs, keys) -> None:
+            if isinstance(descs, TensorDesc):
+                if shapes:
+                    raise ValueError(f"task {task} takes {len(shapes)} tensors (a tuple or dict), got one")
+                self.check_input(task, spec, descs)
+                return
+            if spec and not shapes:
+                raise ValueError(f"task {task} takes one tensor, got {len(descs)}")
+            if shapes and len(shapes) != len(descs):
+                raise ValueError(f"task {task} takes {len(shapes)} tensors, got {len(descs)}")
+            for i, desc in enumerate(descs):
+                self.check_input(task, {"dtype": spec.get("dtype"), "shape": shapes[i]} if shapes else {}, desc,
+                                 f"[{i}]")
+
+        return read_bytes_value(header, frames, self.spec.max_tensor_bytes, check)
+
     @staticmethod
-    def check_input(task: str, entry: dict, desc: TensorDesc) -> None:
-        spec = entry.get("input")
+    def check_input(task: str, spec: dict, desc: TensorDesc, member: str = "") -> None:
         if not spec:
             return
         if spec.get("dtype") and desc.fields["dtype"] != spec["dtype"]:
-            raise ValueError(f"task {task} takes {spec['dtype']} tensors, got {desc.fields['dtype']}")
+            raise ValueError(f"task {task} takes {spec['dtype']} tensors, got {desc.fields['dtype']}{member}")
         shape = spec.get("shape")
         if shape and (len(desc.shape) != len(shape) or any(
                 want is not None and want != got for want, got in zip(shape[1:], desc.shape[1:]))):
             want = ["N"] + list(shape[1:])
-            raise ValueError(f"task {task} takes tensors of shape {want}, got {list(desc.shape)}")
+            raise ValueError(f"task {task} takes tensors of shape {want}{member}, got {list(desc.shape)}")
 
     def route(self, replicas: list) -> tuple[list, tuple]:
         """A path through replicated blocks: per hop, the replica with the fewest of our
@@ -374,7 +391,7 @@ class Dispatcher(ChildProcess):
         # the last block reaches us the way it is reached itself
         ret = self.result_tcp if path[-1][1].startswith("tcp://") else self.result_ipc
         try:
-            x, payload = self.transport.encode(req.tensor, first, timeout=0)
+            fields, payload = self.transport.encode_value(req.tensor, first, timeout=0)
         except TimeoutError:
             return False
         except ShmExhausted as exc:  # this request fails; the others (and the dispatcher) go on
@@ -388,11 +405,11 @@ class Dispatcher(ChildProcess):
                               "restart `blockflow serve`")
             return True
         header = {"v": 1, "t": "data", "rid": rid, "task": req.task,
-                  "path": [list(h) for h in path[1:]] + [[RETURN_HOP, ret]], "x": x, "hops": []}
+                  "path": [list(h) for h in path[1:]] + [[RETURN_HOP, ret]], **fields, "hops": []}
         try:
             self.transport.send(first, header, payload, timeout=1.0)
         except TimeoutError as exc:
-            self.transport.discard(x)
+            self.transport.discard(fields.get("x") or fields["xs"])
             self.answer(req, "error", code="unavailable", error=f"task {req.task}: {exc}")
             return True
         req.tensor = req.frames = None
@@ -435,9 +452,9 @@ class Dispatcher(ChildProcess):
         kind = header.get("t")
         if req is None:
             self.stats["late"] += 1
-            if kind == "result" and isinstance(header.get("x"), dict):
+            if kind == "result" and (isinstance(header.get("x"), dict) or "xs" in header):
                 try:
-                    _t, lease = self.transport.decode(header["x"], frames)
+                    _t, lease = self.transport.decode_value(header, frames)
                     if lease is not None:
                         lease.release()
                 except WireError:
@@ -452,7 +469,7 @@ class Dispatcher(ChildProcess):
             return
         lease = None
         try:
-            tensor, lease = self.transport.decode(header.get("x"), frames)
+            tensor, lease = self.transport.decode_value(header, frames)
             self.answer(req, "ok", tensor=tensor, hops=header.get("hops"), started=req.started)
         except Exception as exc:  # the request is ours to answer now: never drop it silently
             self.answer(req, "error", code="bad_result", error=f"the last block sent an unreadable result: {exc}")

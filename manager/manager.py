@@ -512,7 +512,7 @@ class Manager:
             down = [c for c in hops if c.status != "ready"]
             entry = self.manifests.get(hops[0].decl.files[0])
             table[tid] = {"path": [[c.name, c.endpoint] for c in hops], "blocks": [c.instance for c in hops],
-                          "input": {"dtype": entry.get("dtype"), "shape": entry.get("input_shape")} if entry else None}
+                          "input": _input_spec(entry)}
             if any(len(cs) > 1 for cs in choices):  # the dispatcher picks a replica per hop and request
                 table[tid]["replicas"] = [[[c.name, c.endpoint, c.instance] for c in cs] for cs in choices]
             if down:
@@ -944,3 +944,14 @@ def stop_forkserver() -> None:
             stop()
         except (OSError, ChildProcessError) as exc:
             log.debug("stopping %s: %s", type(server).__name__, exc)
+
+
+def _input_spec(entry: dict | None) -> dict | None:
+    """What a task's first block takes, for the dispatcher's check of a request (its manifest
+    entry): dtype and shape, and ``shapes`` where it takes several tensors (``input_shapes``)."""
+    if not entry:
+        return None
+    spec = {"dtype": entry.get("dtype"), "shape": entry.get("input_shape")}
+    if entry.get("input_shapes"):
+        spec["shapes"] = entry["input_shapes"]
+    return spec

@@ -383,7 +383,9 @@ def slot_budget(upd, window: int, shm_dir: str | None) -> dict:
             if isinstance(model, list):  # a fused block: its last file makes the output, its first takes the input
                 model = model[-1] if decl else model[0]
             entry = upd.manifests.get(model) or {}
-            edges[(producer, consumer)] = nbytes(entry.get("output_shape" if decl else "input_shape"))
+            shapes = entry.get("output_shapes" if decl else "input_shapes")  # several tensors per message
+            sizes = [nbytes(s) for s in shapes] if shapes else [nbytes(entry.get("output_shape" if decl else "input_shape"))]
+            edges[(producer, consumer)] = None if None in sizes else sum(sizes)
     known = [n for n in edges.values() if n is not None]
     needed = sum(window * (HEADER + round_capacity(n)) for n in known)
     out = {"dir": shm_dir, "window": window, "edges": len(edges), "edges_unknown_size": len(edges) - len(known),

@@ -24,7 +24,9 @@ import zmq
 
 from .shm import DEFAULT_WINDOW, HopGone, SlotMapper, SlotPool
 from blockflow.schema import canonical_device
-from .wire import MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, contiguous_stride, dumps, is_local
+from .bundle import assemble, flatten
+from .wire import (MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, contiguous_stride, dumps, is_local,
+                   member_descs)
 from blockflow import settings
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,64 @@ def encode_bytes(tensor: torch.Tensor):
     return desc, payload
 
 
+def bytes_fields(value) -> tuple[dict, list]:
+    """(header fields, payload frames) of a tensor or a bundle whose bytes travel: ``{"x": ...}``
+    and one frame, or ``{"xs": [...], "keys": [...]}`` and a frame per member (what clients
+    send to the dispatcher and get back)."""
+    if isinstance(value, torch.Tensor):
+        desc, payload = encode_bytes(value)
+        return {"x": desc.to_json()}, [payload]
+    members, keys = flatten(value)
+    encoded = [encode_bytes(t) for t in members]
+    fields = {"xs": [d.to_json() for d, _ in encoded]}
+    if keys is not None:
+        fields["keys"] = keys
+    return fields, [p for _, p in encoded]
+
+
+def read_bytes_value(header: dict, frames: list, max_bytes: int = MAX_TENSOR_BYTES, check=None):
+    """The tensor or bundle of a message whose every member travelled as bytes (the inverse of
+    ``bytes_fields``), over the frames' memory; WireError names what does not fit.
+    ``check(descs, keys)``, when given, sees the checked descriptors before any is read
+    (keys None: one tensor, or a tuple)."""
+    bundled = "xs" in header
+    xs, keys = member_descs(header) if bundled else ([header.get("x")], None)
+    descs = [TensorDesc.parse(x, max_bytes) for x in xs]
+    if any(d.loc != "bytes" for d in descs) or len(frames) != 1 + len(descs):
+        raise WireError(f"{'xs' if bundled else 'x'} must have loc 'bytes', each tensor in its own frame after "
+                        "the header")
+    if bundled and sum(d.numel * d.itemsize for d in descs) > max_bytes:
+        raise WireError(f"the tensors of xs are larger than the limit of {max_bytes} bytes together")
+    if check is not None:
+        check(descs if bundled else descs[0], keys)
+    tensors = [decode_bytes(d, f) for d, f in zip(descs, frames[1:])]
+    return assemble(tensors, keys) if bundled else tensors[0]
+
+
+class LeaseSet:
+    """The slots a bundle's members came in, held and released together (a block keeps its
+    input's lease until its output is sent: see ``Transport.encode_value``)."""
+
+    __slots__ = ("leases",)
+
+    def __init__(self):
+        self.leases: list = []
+
+    def add(self, lease) -> None:
+        self.leases.append(lease)
+
+    @property
+    def released(self) -> bool:
+        return all(le.released for le in self.leases)
+
+    def contains(self, tensor: torch.Tensor) -> bool:
+        return any(le.contains(tensor) for le in self.leases)
+
+    def release(self) -> None:
+        for le in self.leases:
+            le.release()
+
+
 class Transport:
     """Sockets, slot pools and mappers of one process, for one thread."""
 
@@ -149,11 +209,41 @@ class Transport:
             return decode_bytes(desc, frames[1]), None
         if len(frames) != 1:
             raise WireError(f"x.loc is {desc.loc} but the message has {len(frames)} frames, not 1")
+        return self._open_handle(desc)
+
+    def _open_handle(self, desc: TensorDesc):
         if desc.loc == "shm":
             if self.mapper is None:
                 raise WireError("this process has no shared-memory directory; handles are refused")
             return self.mapper.open(desc)
         return self.cuda_mapper().open(desc)
+
+    def decode_value(self, header: dict, frames: list):
+        """(value, lease) for a message's tensor or bundle (``xs``: tensormq/bundle.py). For a
+        bundle the lease is a ``LeaseSet`` of its members' slots (None when all came as bytes);
+        a member that cannot be opened gives back the slots opened before it."""
+        if "xs" not in header:
+            return self.decode(header.get("x"), frames)
+        xs, keys = member_descs(header)
+        members, leases, frame = [], LeaseSet(), 1
+        try:
+            for i, x in enumerate(xs):
+                desc = TensorDesc.parse(x, self.max_tensor_bytes)
+                if desc.loc == "bytes":
+                    if frame >= len(frames):
+                        raise WireError(f"xs[{i}].loc is bytes but the message has no frame left for it")
+                    members.append(decode_bytes(desc, frames[frame]))
+                    frame += 1
+                else:
+                    tensor, lease = self._open_handle(desc)
+                    members.append(tensor)
+                    leases.add(lease)
+            if frame != len(frames):
+                raise WireError(f"xs has {frame - 1} bytes members but the message has {len(frames) - 1} payload frames")
+        except BaseException:
+            leases.release()
+            raise
+        return assemble(members, keys), (leases if leases.leases else None)
 
     def cuda_mapper(self):
         if self._cuda_mapper is None:
@@ -209,6 +299,42 @@ class Transport:
         # a CPU tensor to any hop (a GPU consumer moves it), or a GPU tensor to a CPU hop (copied to the host)
         return self.pool.put(address, tensor.detach(), timeout, give_up).to_json(), None
 
+    def encode_value(self, value, address: str, lease=None, same_as: dict | None = None,
+                     timeout: float | None = None):
+        """(header fields, payload frames) to send a tensor or a bundle to ``address``: for a
+        tensor ``{"x": ...}`` (``encode``; ``same_as`` is the input's header when the tensor is
+        the input itself), for a bundle ``{"xs": [...], "keys": [...]}`` with one payload frame
+        per member that travels as bytes.
+
+        ``lease`` is what the input came in (a lease, or a ``LeaseSet`` for a bundle): a member
+        that is an input member itself, or a view of one's slot, travels by that slot's handle,
+        and the slot's release duty goes with it (once: a second member in the same slot is
+        copied). If a member cannot be placed (no free slot before ``timeout``), the slots of
+        the members placed before it are given back and the error is raised."""
+        inputs = lease.leases if isinstance(lease, LeaseSet) else ([lease] if lease is not None else [])
+        if isinstance(value, torch.Tensor):
+            if isinstance(lease, LeaseSet):
+                lease, same_as = next((le for le in inputs if not le.released and le.contains(value)), None), None
+            x, payload = self.encode(value, address, lease, timeout=timeout, same_as=same_as)
+            return {"x": x}, ([] if payload is None else [payload])
+        members, keys = flatten(value, "the block's output")
+        descs, payloads = [], []
+        try:
+            for t in members:
+                owner = next((le for le in inputs if not le.released and le.contains(t)), None)
+                x, payload = self.encode(t, address, owner, timeout=timeout)
+                descs.append(x)
+                if payload is not None:
+                    payloads.append(payload)
+        except BaseException:
+            for x in descs:
+                self.discard(x)
+            raise
+        fields = {"xs": descs}
+        if keys is not None:
+            fields["keys"] = keys
+        return fields, payloads
+
     def hop_device(self, address: str) -> str:
         """The device the next hop runs on, from the device map; a hop the map does not name
         (the dispatcher's return address, any hop before the first update) is a CPU hop:
@@ -246,9 +372,14 @@ class Transport:
         return sock
 
     def send(self, address: str, header: dict, payload=None, timeout: float | None = None) -> None:
-        """Send one message; raises TimeoutError instead of blocking forever on a dead peer."""
+        """Send one message; raises TimeoutError instead of blocking forever on a dead peer.
+        ``payload``: None, one buffer, or a list of buffers (a bundle's bytes members)."""
         sock = self.socket(address)
-        if payload is None:  # a handle or an error: one frame, and a socket with room takes it at once
+        if type(payload) is list:  # a bundle's bytes members, or none
+            payloads = payload
+        else:
+            payloads = [] if payload is None else [payload]
+        if not payloads:  # a handle or an error: one frame, and a socket with room takes it at once
             data = dumps(header)
             try:
                 sock.send(data, zmq.NOBLOCK)
@@ -256,8 +387,9 @@ class Transport:
             except zmq.Again:
                 frames, copy = [data], True
         else:
-            frames = [dumps(header), payload]
-            copy = len(memoryview(payload).cast("B")) < ZERO_COPY_THRESHOLD
+            frames = [dumps(header), *payloads]
+            # zero-copy unless every payload is small (a small one is cheaper copied than tracked)
+            copy = max(len(memoryview(p).cast("B")) for p in payloads) < ZERO_COPY_THRESHOLD
         deadline = time.monotonic() + (self.send_timeout if timeout is None else timeout)
         while True:
             try:
@@ -276,9 +408,14 @@ class Transport:
         header["x"] = x
         self.send(address, header, payload)
 
-    def discard(self, x: dict) -> None:
+    def discard(self, x) -> None:
         """Give back the slot that the descriptor of a message never sent names: one of ours,
-        or the input's when its handle was being forwarded. Nobody else holds it."""
+        or the input's when its handle was being forwarded. Nobody else holds it. A list is
+        a bundle's descriptors: each is given back."""
+        if type(x) is list:
+            for member in x:
+                self.discard(member)
+            return
         try:
             self.release_handle(x)
         except WireError as exc:

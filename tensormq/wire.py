@@ -11,6 +11,11 @@ A data message between BlockFlow processes is::
                       "x": tensor descriptor (see below), "err": str (errors only)}
     frame 1  payload the tensor's raw bytes, only when x["loc"] == "bytes"
 
+A message that carries several tensors (a bundle: tensormq/bundle.py) has ``"xs"``, a list
+of 1 to 16 descriptors, instead of ``"x"``, and ``"keys"`` (as many names) when the bundle
+is a dict; one payload frame follows the header for each member whose ``loc`` is ``bytes``,
+in member order. A header has ``x`` or ``xs``, never both.
+
 A tensor descriptor always carries ``dtype``, ``shape`` and ``stride`` (in elements) and
 says where the memory is (``loc``):
 
@@ -237,6 +242,22 @@ class TensorDesc:
         if desc._span > max_bytes:
             raise WireError(f"tensor of shape {shape} {name} is larger than the limit of {max_bytes} bytes")
         return desc
+
+
+def member_descs(header: dict) -> tuple[list, list[str] | None]:
+    """The raw descriptors of a bundle's members and its keys (None: a tuple), the list and
+    the names checked here; each descriptor is checked by ``TensorDesc.parse`` where it is used."""
+    from .bundle import MAX_MEMBERS, KEY_RE
+    xs, keys = header.get("xs"), header.get("keys")
+    if "x" in header:
+        raise WireError("a header has x (one tensor) or xs (several), not both")
+    if type(xs) is not list or not 1 <= len(xs) <= MAX_MEMBERS:
+        raise WireError(f"xs must be a list of 1 to {MAX_MEMBERS} tensor descriptors")
+    if keys is not None:
+        if (type(keys) is not list or len(keys) != len(xs) or len(set(map(str, keys))) != len(keys)
+                or not all(type(k) is str and KEY_RE.fullmatch(k) for k in keys)):
+            raise WireError(f"keys must be {len(xs)} distinct names (letters, digits, _ . -), one per member of xs")
+    return xs, keys
 
 
 def contiguous_stride(shape) -> tuple[int, ...]:

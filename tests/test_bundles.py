@@ -1,0 +1,186 @@
+"""Several tensors per hop (tensormq/bundle.py): a tuple or a dict of tensors crosses every
+hop in one message, as handles (TensorMQ) or bytes frames (ZeroMQ), through plain, batching
+and passing-through blocks, from a client's tuple to a client's dict."""
+from __future__ import annotations
+
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, Tuple
+
+import pytest
+import torch
+import zmq
+
+from blockflow.tensormq import bundle
+from blockflow.tensormq.transport import LeaseSet, Transport, bytes_fields, read_bytes_value
+from blockflow.tensormq.wire import WireError, member_descs
+
+
+class Fork(torch.nn.Module):
+    """One tensor in, two out: what a cut crossed by a skip connection hands on."""
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x + 1
+
+
+class Carry(torch.nn.Module):
+    """Two in, two out: the first is worked on, the second passes through untouched (a skip
+    connection jumping over this block), so its handle is forwarded."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(a), b
+
+
+class Join(torch.nn.Module):
+    """Two in, a dict of two out: a model with two outputs."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {"sum": a + b, "diff": a - b}
+
+
+def whole(x: torch.Tensor) -> dict:
+    a, b = Fork()(x)
+    return Join()(*Carry()(a, b))
+
+
+@pytest.fixture(scope="module")
+def bundle_repo(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("bundle_repo")
+    os.makedirs(repo / "toy")
+    for name, mod in (("fork", Fork()), ("carry", Carry()), ("join", Join())):
+        torch.jit.save(torch.jit.script(mod), str(repo / "toy" / f"{name}.pt"))
+    return str(repo)
+
+
+# -- the value and the wire --------------------------------------------------------------------
+
+def test_flatten_names_what_cannot_travel():
+    with pytest.raises(TypeError, match=r"\[1\] is a int"):
+        bundle.flatten((torch.ones(1), 3))
+    with pytest.raises(ValueError, match="1 to 16"):
+        bundle.flatten(tuple(torch.ones(1) for _ in range(17)))
+    with pytest.raises(ValueError, match="dict key"):
+        bundle.flatten({"not a name": torch.ones(1)})
+    members, keys = bundle.flatten({"a": torch.ones(1), "b": torch.zeros(2)})
+    assert keys == ["a", "b"] and [m.shape[0] for m in members] == [1, 2]
+
+
+def test_bytes_fields_round_trip_a_dict_and_refuse_forged_headers():
+    value = {"logits": torch.randn(2, 5), "mask": torch.arange(6).reshape(2, 3)}
+    fields, payloads = bytes_fields(value)
+    frames = [b"header", *[bytes(p) for p in payloads]]
+    back = read_bytes_value(fields, frames)
+    assert list(back) == ["logits", "mask"] and all(torch.equal(back[k], value[k]) for k in value)
+    with pytest.raises(WireError, match="frame"):
+        read_bytes_value(fields, frames[:-1])  # a member's frame is missing
+    with pytest.raises(WireError, match="not both"):
+        member_descs({**fields, "x": fields["xs"][0]})
+    with pytest.raises(WireError, match="keys"):
+        member_descs({**fields, "keys": ["logits", "logits"]})
+    with pytest.raises(WireError, match="1 to 16"):
+        member_descs({"xs": []})
+
+
+@pytest.fixture
+def shm_pair(leak_check):
+    """A producer's and a consumer's Transport over one real shared-memory directory."""
+    shm_dir = tempfile.mkdtemp(prefix="bftest-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    ctx = zmq.Context()
+    producer = Transport(ctx, "producer", "tensormq", shm_dir)
+    consumer = Transport(ctx, "consumer", "tensormq", shm_dir)
+    yield producer, consumer
+    producer.close()
+    consumer.close()
+    ctx.term()
+    import shutil
+    shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def test_a_bundle_travels_by_handles_and_a_passed_member_keeps_its_slot(shm_pair):
+    producer, consumer = shm_pair
+    hop = "ipc:///tmp/bf-next.sock"
+    a, b = torch.randn(1, 8), torch.randn(1, 4)
+    fields, payloads = producer.encode_value((a, b), hop)
+    assert payloads == [] and [x["loc"] for x in fields["xs"]] == ["shm", "shm"]
+    (ra, rb), leases = consumer.decode_value(fields, [b"h"])
+    assert torch.equal(ra, a) and torch.equal(rb, b) and isinstance(leases, LeaseSet)
+    assert producer.in_flight() == 2
+    # the consumer sends the second member on untouched: its handle travels, the slot stays taken
+    out, _ = consumer.encode_value((torch.tanh(ra), rb), "ipc:///tmp/bf-after.sock", leases)
+    assert out["xs"][1]["seg"] == fields["xs"][1]["seg"] and out["xs"][1]["gen"] == fields["xs"][1]["gen"]
+    leases.release()  # the first member's slot only: the second's duty went with its handle
+    assert producer.in_flight() == 1
+    consumer.discard(out["xs"])  # never sent: every slot it names is given back
+    assert producer.in_flight() == 0
+
+
+def test_a_member_that_finds_no_slot_gives_back_the_ones_taken_before(shm_pair):
+    producer, _ = shm_pair
+    hop = "ipc:///tmp/bf-full.sock"
+    held = [producer.encode_value(torch.ones(1, 4), hop, timeout=0)[0] for _ in range(producer.window - 1)]
+    with pytest.raises(TimeoutError):
+        producer.encode_value((torch.ones(1, 4), torch.ones(1, 4)), hop, timeout=0)
+    assert producer.in_flight() == producer.window - 1  # the first member's slot was given back
+    for fields in held:
+        producer.discard(fields["x"])
+    assert producer.in_flight() == 0
+
+
+# -- served: both transports, plain and batching ----------------------------------------------
+
+@pytest.mark.parametrize("transport", ["tensormq", "zeromq"])
+def test_served_bundles_equal_the_whole_model_for_two_concurrent_tasks(server_factory, bundle_repo, transport):
+    from blockflow import Client
+
+    srv = server_factory(bundle_repo)
+    srv.call("POST", "/system/update", {
+        "transport": transport,
+        "blocks": [{"name": "fork", "model": "toy/fork.pt", "threads": 1},
+                   {"name": "carry", "model": "toy/carry.pt", "threads": 1},
+                   {"name": "join", "model": "toy/join.pt", "threads": 1},
+                   {"name": "bjoin", "model": "toy/join.pt", "threads": 1,
+                    "batching": {"max_batch": 4, "max_queue_delay_us": 20_000}}],
+        "tasks": [{"id": "three", "path": ["fork", "carry", "join"]},
+                  {"id": "batched", "path": ["fork", "carry", "bjoin"]},
+                  {"id": "pair_in", "path": ["carry", "join"]}]}, timeout=120)
+    xs = [torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(12)]
+
+    def run(i):
+        with Client(srv.dispatcher, timeout=60) as c:
+            return c.infer("three" if i % 2 else "batched", xs[i])
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, range(len(xs))))
+    for x, y in zip(xs, results):
+        want = whole(x)
+        assert isinstance(y, dict) and list(y) == ["sum", "diff"], y
+        assert all((y[k] - want[k]).abs().max().item() <= 1e-6 for k in want)
+    with Client(srv.dispatcher, timeout=60) as c:
+        a, b = torch.randn(2, 4), torch.randn(2, 4)
+        y = c.infer("pair_in", (a, b))  # a client sends a tuple to a block that takes two tensors
+        assert torch.allclose(y["sum"], torch.tanh(a) + b) and torch.allclose(y["diff"], torch.tanh(a) - b)
+        from blockflow import BlockFlowError
+        with pytest.raises(BlockFlowError):
+            c.infer("pair_in", torch.randn(2, 4))  # one tensor for a block that takes two: its error comes back
+        assert c.infer("three", xs[0])["sum"].shape == (1, 3, 8, 8)
+
+
+def test_a_batch_of_bundles_concatenates_each_member_and_splits_each_output():
+    from blockflow.blocks.batching import BatchPolicy, plan_batches, run_batch
+    from blockflow.blocks.runner import BlockRunner, warmup_shapes
+
+    runner = BlockRunner(torch.jit.script(Join()), torch.device("cpu"))
+    pairs = [(torch.randn(1, 4), torch.randn(1, 4)) for _ in range(3)] + [(torch.randn(2, 4), torch.randn(1, 4))]
+    policy = BatchPolicy.parse({"max_batch": 8})
+    # members that disagree on rows run alone; the others form one batch
+    assert plan_batches(pairs, policy) == [[0, 1, 2], [3]]
+    copied = []
+    outs = run_batch(runner, pairs[:3], inputs_copied=lambda: copied.append(True))
+    assert copied == [True]
+    for (a, b), y in zip(pairs, outs):
+        assert torch.equal(y["sum"], a + b) and torch.equal(y["diff"], a - b)
+    # a block taking two tensors warms up on both, at every batch size
+    shapes = warmup_shapes([[1, 4], [1, 4]], None, BatchPolicy.parse({"max_batch": 2}))
+    assert shapes == [[[1, 4], [1, 4]], [[2, 4], [2, 4]]]
+    assert runner.warm_up(shapes) == 2
