@@ -5,9 +5,11 @@
     GET  /v2/health/ready                     200 when the dispatcher and every block are ready
     GET  /v2/models/{task}[/versions/1]       inputs and outputs: name, datatype, shape (-1: any)
     GET  /v2/models/{task}[/versions/1]/ready 200 when the task can be served now
-    POST /v2/models/{task}[/versions/1]/infer one input tensor in, one output tensor out
+    POST /v2/models/{task}[/versions/1]/infer input tensors in, output tensors out
 
-A model is a task; its one version is "1". Tensors travel as JSON (``data``: the flattened
+A model is a task; its one version is "1". A task whose first block takes several tensors has
+inputs ``input_0``, ``input_1``, ... (its manifest's ``input_shapes``); one whose last block
+returns several has outputs ``output_0``, ... for a tuple, or the dict's keys (tensormq/bundle.py). Tensors travel as JSON (``data``: the flattened
 values) or with the binary-data extension (``Inference-Header-Content-Length``: the JSON header,
 then the raw little-endian row-major bytes of each input whose ``parameters.binary_data_size``
 says how many). The REST process forwards each request to the dispatcher with BlockFlow's own
@@ -26,6 +28,8 @@ import numpy as np
 import torch
 
 from blockflow.protocol import ErrorCode
+from blockflow.tensormq import bundle
+from blockflow.tensormq.bundle import MAX_MEMBERS
 from blockflow.tensormq.wire import MAX_TENSOR_BYTES
 
 log = logging.getLogger("blockflow.openinference")
@@ -75,70 +79,108 @@ class _Infer:
         return body, binary
 
     @staticmethod
-    def tensor(body: dict, binary: bytes) -> torch.Tensor:
+    def inputs(body: dict, binary: bytes):
+        """The request's value: one tensor for one input, else a tuple in input order (inputs
+        named ``input_0``, ``input_1``, ... as the metadata names them are put in that order);
+        binary inputs take their bytes from the binary section one after another."""
         inputs = body.get("inputs")
-        if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
-            fail(400, "inputs: a BlockFlow task takes exactly one input tensor; send one entry in 'inputs'")
-        spec = inputs[0]
+        if not isinstance(inputs, list) or not 1 <= len(inputs) <= MAX_MEMBERS or not all(
+                isinstance(i, dict) for i in inputs):
+            fail(400, f"inputs: send 1 to {MAX_MEMBERS} input tensor objects in 'inputs'")
+        tensors, offset = [], 0
+        for i, spec in enumerate(inputs):
+            t, offset = _Infer.tensor(spec, binary, offset, f"inputs[{i}]")
+            tensors.append(t)
+        if offset != len(binary):
+            fail(400, f"the binary section has {len(binary)} bytes but the inputs' binary_data_size add up to {offset}")
+        if len(tensors) == 1:
+            return tensors[0]
+        names = [spec.get("name") for spec in inputs]
+        positional = [f"input_{i}" for i in range(len(names))]
+        if sorted(map(str, names)) == positional:
+            tensors = [t for _, t in sorted(zip(names, tensors), key=lambda p: int(p[0].rsplit("_", 1)[1]))]
+        return tuple(tensors)
+
+    @staticmethod
+    def tensor(spec: dict, binary: bytes, offset: int, where: str) -> tuple[torch.Tensor, int]:
+        """One input tensor and where the next binary input starts."""
         datatype = spec.get("datatype")
         if datatype not in DATATYPES:
-            fail(400, f"inputs[0].datatype: {str(datatype)[:20]!r} is not one of {', '.join(DATATYPES)}")
+            fail(400, f"{where}.datatype: {str(datatype)[:20]!r} is not one of {', '.join(DATATYPES)}")
         shape = spec.get("shape")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
-            fail(400, "inputs[0].shape: must be a list of non-negative integers")
+            fail(400, f"{where}.shape: must be a list of non-negative integers")
         dtype = DATATYPES[datatype]
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         size = count * torch.empty((), dtype=dtype).element_size()
         if size > MAX_TENSOR_BYTES:
-            fail(413, f"inputs[0]: {size} bytes is larger than the {MAX_TENSOR_BYTES} a tensor may have")
+            fail(413, f"{where}: {size} bytes is larger than the {MAX_TENSOR_BYTES} a tensor may have")
         params = spec.get("parameters") or {}
         if "binary_data_size" in params:
-            if params["binary_data_size"] != size or len(binary) != size:
-                fail(400, f"inputs[0].parameters.binary_data_size: shape {shape} of {datatype} is {size} bytes; "
-                          f"the request carries {len(binary)}")
+            raw = binary[offset:offset + size]
+            if params["binary_data_size"] != size or len(raw) != size:
+                fail(400, f"{where}.parameters.binary_data_size: shape {shape} of {datatype} is {size} bytes; "
+                          f"the request carries {len(raw)} for it")
             if dtype == torch.bfloat16:
-                return torch.frombuffer(bytearray(binary), dtype=torch.int16).view(torch.bfloat16).reshape(shape)
-            return torch.frombuffer(bytearray(binary), dtype=dtype).reshape(shape) if size else torch.empty(shape, dtype=dtype)
+                t = torch.frombuffer(bytearray(raw), dtype=torch.int16).view(torch.bfloat16).reshape(shape)
+            else:
+                t = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape) if size else torch.empty(shape, dtype=dtype)
+            return t, offset + size
         data = spec.get("data")
         if not isinstance(data, list):
-            fail(400, "inputs[0].data: missing; send the values (flattened or nested) or use the binary-data extension")
+            fail(400, f"{where}.data: missing; send the values (flattened or nested) or use the binary-data extension")
         try:
             t = torch.tensor(data, dtype=dtype)
         except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-            fail(400, f"inputs[0].data: not {datatype} values ({str(exc)[:200]})")
+            fail(400, f"{where}.data: not {datatype} values ({str(exc)[:200]})")
         if t.numel() != count:
-            fail(400, f"inputs[0].data: {t.numel()} values, but shape {shape} needs {count}")
-        return t.reshape(shape)
+            fail(400, f"{where}.data: {t.numel()} values, but shape {shape} needs {count}")
+        return t.reshape(shape), offset
 
     @staticmethod
-    def binary_output(body: dict) -> bool:
+    def binary_output(body: dict, name: str) -> bool:
         outputs = body.get("outputs")
         if isinstance(outputs, list) and outputs:
-            params = outputs[0].get("parameters") if isinstance(outputs[0], dict) else None
+            asked = [o for o in outputs if isinstance(o, dict) and o.get("name") in (name, None)] or outputs[:1]
+            params = asked[0].get("parameters") if isinstance(asked[0], dict) else None
             return bool((params or {}).get("binary_data", False))
         return bool((body.get("parameters") or {}).get("binary_data_output", False))
 
     @staticmethod
-    def answer(task: str, body: dict, y: torch.Tensor) -> bytes:
-        datatype = TORCH_TO_DATATYPE.get(y.dtype)
-        if datatype is None:
-            fail(502, f"task {task} produced a {y.dtype} tensor, which the Open Inference Protocol cannot carry")
-        y = y.detach().cpu().contiguous()
-        out = {"name": "output", "datatype": datatype, "shape": list(y.shape)}
-        reply = {"model_name": task, "model_version": "1", "outputs": [out]}
+    def answer(task: str, body: dict, y) -> bytes:
+        """The reply: one output ``output`` for a tensor, ``output_0``, ``output_1``, ... for a
+        tuple, the dict's keys for a dict; each in JSON or binary, as the request asks."""
+        if isinstance(y, torch.Tensor):
+            named = [("output", y)]
+        else:
+            members, keys = bundle.flatten(y, f"task {task}'s result")
+            named = list(zip(keys or [f"output_{i}" for i in range(len(members))], members))
+        outs, raws = [], []
+        for name, t in named:
+            datatype = TORCH_TO_DATATYPE.get(t.dtype)
+            if datatype is None:
+                fail(502, f"task {task} produced a {t.dtype} tensor ({name}), which the Open Inference Protocol "
+                          "cannot carry")
+            t = t.detach().cpu().contiguous()
+            out = {"name": name, "datatype": datatype, "shape": list(t.shape)}
+            if _Infer.binary_output(body, name):
+                raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+                out["parameters"] = {"binary_data_size": len(raw)}
+                raws.append(raw)
+            else:
+                out["data"] = (t.float() if t.dtype == torch.bfloat16 else t).flatten().tolist()
+            outs.append(out)
+        reply = {"model_name": task, "model_version": "1", "outputs": outs}
         if isinstance(body.get("id"), str):
             reply["id"] = body["id"]
-        if _Infer.binary_output(body):
-            raw = (y.view(torch.int16) if y.dtype == torch.bfloat16 else y).numpy().tobytes()
-            out["parameters"] = {"binary_data_size": len(raw)}
-            head = json.dumps(reply).encode()
+        head = json.dumps(reply).encode()
+        if raws:
             cherrypy.response.headers["Content-Type"] = "application/octet-stream"
             cherrypy.response.headers["Inference-Header-Content-Length"] = str(len(head))
-            return head + raw
-        out["data"] = (y.float() if y.dtype == torch.bfloat16 else y).flatten().tolist()
+            return head + b"".join(raws)
         cherrypy.response.headers["Content-Type"] = "application/json"
-        return json.dumps(reply).encode()
+        return head
 
 
 @cherrypy.expose
@@ -207,16 +249,25 @@ class V2:
         first = self._manifest_entry(blocks.get(path[0], {}).get("model"))
         last = self._manifest_entry(blocks.get(path[-1], {}).get("model"))
 
-        def shape(entry, key):
-            dims = (entry or {}).get(key)
-            return [-1, *dims[1:]] if isinstance(dims, list) and dims else [-1]
+        def dims(d):
+            return [-1, *d[1:]] if isinstance(d, list) and d else [-1]
+
+        def tensors(entry, what):
+            """(name, shape) of each input or output: several where the manifest lists them."""
+            entry = entry or {}
+            shapes = entry.get(f"{what}_shapes")
+            if not shapes:
+                return [(what, dims(entry.get(f"{what}_shape")))]
+            names = entry.get("output_keys") if what == "output" else None
+            names = names or [f"{what}_{i}" for i in range(len(shapes))]
+            return [(n, dims(d)) for n, d in zip(names, shapes)]
 
         def dtype(entry):
             return MANIFEST_DTYPES.get((entry or {}).get("dtype"), "FP32")
 
         return {"name": task, "versions": ["1"], "platform": "blockflow",
-                "inputs": [{"name": "input", "datatype": dtype(first), "shape": shape(first, "input_shape")}],
-                "outputs": [{"name": "output", "datatype": dtype(last), "shape": shape(last, "output_shape")}],
+                "inputs": [{"name": n, "datatype": dtype(first), "shape": d} for n, d in tensors(first, "input")],
+                "outputs": [{"name": n, "datatype": dtype(last), "shape": d} for n, d in tensors(last, "output")],
                 "parameters": {"path": list(path)}}
 
     def _manifest_entry(self, model: str | None) -> dict | None:
@@ -240,7 +291,7 @@ class V2:
         if len(raw) > MAX_BODY:
             fail(413, f"body is larger than {MAX_BODY} bytes")
         body, binary = _Infer.parse(raw, cherrypy.request.headers.get("Inference-Header-Content-Length"))
-        x = _Infer.tensor(body, binary)
+        x = _Infer.inputs(body, binary)
         from blockflow.client import BlockFlowError
         try:
             y = self.client().infer(task, x)

@@ -184,3 +184,26 @@ def test_a_batch_of_bundles_concatenates_each_member_and_splits_each_output():
     shapes = warmup_shapes([[1, 4], [1, 4]], None, BatchPolicy.parse({"max_batch": 2}))
     assert shapes == [[[1, 4], [1, 4]], [[2, 4], [2, 4]]]
     assert runner.warm_up(shapes) == 2
+
+
+def test_open_inference_protocol_takes_several_inputs_and_returns_several_outputs(server_factory, bundle_repo):
+    """Through tritonclient: two inputs (one JSON, one binary) to a block taking two tensors,
+    and a dict result as two named outputs (one asked for in binary)."""
+    import numpy as np
+    http = pytest.importorskip("tritonclient.http")
+    srv = server_factory(bundle_repo)
+    srv.call("POST", "/system/update", {
+        "blocks": [{"name": "carry", "model": "toy/carry.pt", "threads": 1},
+                   {"name": "join", "model": "toy/join.pt", "threads": 1}],
+        "tasks": [{"id": "pair_in", "path": ["carry", "join"]}]}, timeout=60)
+    c = http.InferenceServerClient(srv.url.removeprefix("http://"), network_timeout=30)
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((2, 3)).astype(np.float32) for _ in range(2))
+    # given out of order: input_N names say where each goes
+    inputs = [http.InferInput("input_1", [2, 3], "FP32"), http.InferInput("input_0", [2, 3], "FP32")]
+    inputs[0].set_data_from_numpy(b, binary_data=True)
+    inputs[1].set_data_from_numpy(a, binary_data=False)
+    outputs = [http.InferRequestedOutput("sum", binary_data=True), http.InferRequestedOutput("diff", binary_data=False)]
+    res = c.infer("pair_in", inputs, outputs=outputs)
+    np.testing.assert_allclose(res.as_numpy("sum"), np.tanh(a) + b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(res.as_numpy("diff"), np.tanh(a) - b, rtol=1e-6, atol=1e-6)

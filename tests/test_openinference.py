@@ -84,7 +84,7 @@ def test_v2_rejects_malformed_requests_with_json_errors(server_factory, identity
     assert status == 200 and json.loads(body)["outputs"][0]["data"] == [2.0, 4.0]
     cases = [
         (b"{", {}, 400, "not valid JSON"),
-        (json.dumps({"inputs": []}).encode(), {}, 400, "exactly one input"),
+        (json.dumps({"inputs": []}).encode(), {}, 400, "1 to 16 input"),
         (json.dumps({"inputs": [dict(good["inputs"][0], datatype="BYTES")]}).encode(), {}, 400, "datatype"),
         (json.dumps({"inputs": [dict(good["inputs"][0], shape=[3])]}).encode(), {}, 400, "needs 3"),
         (json.dumps({"inputs": [dict(good["inputs"][0], shape=[-1])]}).encode(), {}, 400, "shape"),
