@@ -12,8 +12,13 @@ With ``input_shape`` the files are run in turn on a seeded float32 input of that
 the chain, in the order given or else every file in natural name order (block2 before
 block10) except those named ``full*``, which take ``input_shape`` themselves -- and each
 file gets the shape it was given and the shape it returned (batch dimension 1, as exports
-write them).  Without ``input_shape`` no file is run and the entries carry no shapes: they
-are served the same, with no warm-up and unknown shapes where those are shown.
+write them).  A file may return a tuple of tensors, handed to the next as positional
+arguments (as ``blockflow export`` writes the blocks of a cut several tensors cross), and the
+last a dict of tensors: such a file's entry lists every member's shape, with the fields an
+export writes (``input_shapes``, ``output_shapes``, ``output_keys``:
+:func:`blockflow.blocks.repository.shape_fields`).  Without ``input_shape`` no file is run
+and the entries carry no shapes: they are served the same, with no warm-up and unknown
+shapes where those are shown.
 
 Rewriting a manifest keeps, for each file whose sha256 has not changed, what the earlier
 entry said beyond the freshly computed fields (an export's seed, cut and method, shapes
@@ -31,6 +36,7 @@ from pathlib import Path
 import torch
 
 from . import repository as repo
+from . import split
 
 log = logging.getLogger("blockflow.blocks.manifest")
 
@@ -99,9 +105,10 @@ def check_manifest(directory: str | os.PathLike) -> list[str]:
 
 
 def probe_shapes(modules: dict[str, torch.nn.Module], input_shape: tuple[int, ...],
-                 chain: list[str] | None = None) -> dict[str, tuple[list[int], list[int]]]:
-    """``{file: (input shape, output shape)}``: the chain run in turn from a seeded input of
-    ``input_shape``, and each ``full*`` file not in it run on that input alone."""
+                 chain: list[str] | None = None) -> dict[str, dict]:
+    """``{file: its shape fields}`` (``input_shape``, ``output_shape`` and, for tuples and
+    dicts, the fields :func:`repository.shape_fields` adds): the chain run in turn from a
+    seeded input of ``input_shape``, and each ``full*`` file not in it run on that input alone."""
     if chain is None:
         chain = [n for n in modules if not n.startswith(repo.FULL)]
     unknown = [n for n in chain if n not in modules]
@@ -113,26 +120,29 @@ def probe_shapes(modules: dict[str, torch.nn.Module], input_shape: tuple[int, ..
     x, previous = x0, None
     for name in chain:
         y = _run(modules[name], x, name, previous)
-        shapes[name] = (repo.batch1(x.shape), repo.batch1(y.shape))
+        shapes[name] = repo.shape_fields(x, y)
         x, previous = y, name
     for name in modules:
         if name.startswith(repo.FULL) and name not in shapes:
-            shapes[name] = (repo.batch1(x0.shape), repo.batch1(_run(modules[name], x0, name, None).shape))
+            shapes[name] = repo.shape_fields(x0, _run(modules[name], x0, name, None))
     return shapes
 
 
-def _run(module: torch.nn.Module, x: torch.Tensor, name: str, previous: str | None) -> torch.Tensor:
-    """``module(x)``, or a ValueError saying which file did not take what."""
+def _run(module: torch.nn.Module, x, name: str, previous: str | None):
+    """``module`` on ``x`` (a tuple's members as positional arguments, a dict's as keyword
+    arguments), or a ValueError saying which file did not take what or returned what cannot
+    be handed on."""
     try:
         with torch.inference_mode():
-            y = module(x)
+            y = split.call(module, x)
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         given = f"the output of {previous}" if previous else "--input-shape"
-        raise ValueError(f"{name} does not take {given} (shape {list(x.shape)}): {reason}; "
+        shapes = [list(t.shape) for t in repo.members(x)]
+        shown = f"shape {shapes[0]}" if isinstance(x, torch.Tensor) else f"shapes {shapes}"
+        raise ValueError(f"{name} does not take {given} ({shown}): {reason}; "
                          "give the files' order with --chain, or fix --input-shape") from None
-    if not isinstance(y, torch.Tensor):
-        raise ValueError(f"{name} returns {type(y).__name__}, not one tensor; a block hands on one tensor")
+    split.check_tensors(y, name)
     return y
 
 
@@ -142,8 +152,7 @@ def _load(path: Path) -> tuple[torch.nn.Module, str]:
     return repo.load_bytes(path, data, torch.device("cpu")), hashlib.sha256(data).hexdigest()
 
 
-def _entry(path: Path, module: torch.nn.Module, digest: str,
-           shapes: tuple[list[int], list[int]] | None) -> dict:
+def _entry(path: Path, module: torch.nn.Module, digest: str, shapes: dict | None) -> dict:
     """A manifest entry with the fields an export writes (shapes only when probed)."""
     fmt = "export" if path.suffix == repo.SUFFIX["export"] else "torchscript"
     tensors = list(module.parameters()) + list(module.buffers())
@@ -151,7 +160,7 @@ def _entry(path: Path, module: torch.nn.Module, digest: str,
              "params": sum(p.numel() for p in module.parameters()),
              "param_bytes": sum(t.numel() * t.element_size() for t in tensors)}
     if shapes:
-        entry["input_shape"], entry["output_shape"] = shapes
+        entry.update(shapes)
     return entry
 
 

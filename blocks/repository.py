@@ -465,9 +465,41 @@ def batch1(shape: torch.Size) -> list[int]:
     return [1, *shape[1:]]
 
 
-def compile_to_bytes(mod: nn.Module, method: str, example: torch.Tensor) -> bytes:
+def members(value) -> list:
+    """The tensors of a block's input or output: a tensor alone, a tuple's (or list's) members
+    in order, or a dict's values in key order (callers check that each is a tensor)."""
+    if isinstance(value, dict):
+        return list(value.values())
+    if isinstance(value, (tuple, list)):
+        return list(value)
+    return [value]
+
+
+def shape_fields(x, y) -> dict:
+    """The shape fields of the manifest entry of a block that takes ``x`` and returns ``y``.
+
+    ``input_shape``/``output_shape`` are the batch-1 shapes of the first tensor, so a reader
+    that knows one tensor per hop still finds them.  A block that takes several tensors (a
+    tuple, passed positionally) also gets ``input_shapes``; one that returns a tuple or dict
+    gets ``output_shapes`` (every member's batch-1 shape, in order) and, for a dict,
+    ``output_keys``.  A block taking and returning one tensor gets none of these."""
+    xs, ys = members(x), members(y)
+    fields = {"input_shape": batch1(xs[0].shape), "output_shape": batch1(ys[0].shape)}
+    if isinstance(x, (tuple, list, dict)):
+        fields["input_shapes"] = [batch1(t.shape) for t in xs]
+    if isinstance(y, (tuple, list, dict)):
+        fields["output_shapes"] = [batch1(t.shape) for t in ys]
+    if isinstance(y, dict):
+        fields["output_keys"] = [str(k) for k in y]
+    return fields
+
+
+def compile_to_bytes(mod: nn.Module, method: str, example: torch.Tensor | tuple[torch.Tensor, ...],
+                     strict: bool = True) -> bytes:
     """TorchScript-compile ``mod`` and serialise it in memory (the bytes are
-    hashed and then written in one go)."""
+    hashed and then written in one go).  ``example`` is the input, or a tuple of
+    the positional inputs of a block that takes several tensors; ``strict=False``
+    lets ``trace`` record a module that returns a dict or a list."""
     mod.eval()
     if method == "script":
         compiled = torch.jit.script(mod)
@@ -475,21 +507,24 @@ def compile_to_bytes(mod: nn.Module, method: str, example: torch.Tensor) -> byte
         # check_trace re-runs the model only to detect data-dependent control
         # flow, which ResNets do not have; the equivalence tests cover it.
         with torch.no_grad():
-            compiled = torch.jit.trace(mod, example, check_trace=False)
+            compiled = torch.jit.trace(mod, example, check_trace=False, strict=strict)
     buf = io.BytesIO()
     torch.jit.save(compiled, buf)
     return buf.getvalue()
 
 
-def export_program_bytes(mod: nn.Module, example: torch.Tensor) -> bytes:
+def export_program_bytes(mod: nn.Module, example: torch.Tensor | tuple[torch.Tensor, ...]) -> bytes:
     """``torch.export`` ``mod`` (eval mode, dynamic batch dimension) and serialise
-    the program in memory.  The example is widened to batch 2: torch.export
-    specialises a dimension of size 1, which would fix the batch to 1."""
+    the program in memory.  ``example`` is the input, or a tuple of the positional
+    inputs of a block that takes several tensors (all share the batch dimension).
+    The example is widened to batch 2: torch.export specialises a dimension of
+    size 1, which would fix the batch to 1."""
     mod.eval()
-    example = torch.cat([example[:1], example[:1]]) if example.shape[0] < 2 else example
+    args = example if isinstance(example, tuple) else (example,)
+    args = tuple(torch.cat([a[:1], a[:1]]) if a.shape[0] < 2 else a for a in args)
     batch = torch.export.Dim("batch", min=1, max=4096)
     with torch.no_grad():
-        program = torch.export.export(mod, (example,), dynamic_shapes=({0: batch},))
+        program = torch.export.export(mod, args, dynamic_shapes=tuple({0: batch} for _ in args))
     buf = io.BytesIO()
     torch.export.save(program, buf)
     return buf.getvalue()
@@ -671,7 +706,20 @@ def open_block(repo: str | os.PathLike, model: str | list[str], device: str = "c
     loaded = [_open_one(repo, f, device, (verified or {}).get(f)) for f in files]
     if len(loaded) == 1:
         return loaded[0]
-    return torch.nn.Sequential(*[m for m, _ in loaded]).eval(), loaded[0][1]
+    return Chain(*[m for m, _ in loaded]).eval(), loaded[0][1]
+
+
+class Chain(torch.nn.Sequential):
+    """The files of a fused block run in turn, where one file's output may be several tensors
+    (a tuple or dict: tensormq/bundle.py) that the next takes as its arguments."""
+
+    def forward(self, *args, **kwargs):
+        from blockflow.tensormq import bundle
+        modules = iter(self)
+        x = next(modules)(*args, **kwargs)
+        for module in modules:
+            x = bundle.call(module, x)
+        return x
 
 
 def _open_one(repo, relpath: str, device: str, verified: dict | None):

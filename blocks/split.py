@@ -14,9 +14,19 @@ What crosses a cut::
                                  a value made before the cut and used after it
 
 Every value made at or before the cut and used after it crosses the cut (parameters and
-buffers do not: each block reads its own copy of the attribute).  A hop carries one tensor
-today, so a cut crossed by exactly one tensor is accepted; a cut crossed by more (a skip
-connection that jumps over it) is refused, naming the cut and the values that cross it.
+buffers do not: each block reads its own copy of the attribute).  A cut crossed by one tensor
+hands that tensor on, as a ResNet block does.  A cut crossed by k > 1 tensors (a skip
+connection that jumps over it, a U-Net's encoder outputs) hands on a tuple of the k tensors
+in program order (the order of :func:`crossing`): the block before it returns that tuple,
+the block after it takes them as k positional arguments.  A value that jumps over a whole
+block is one of that block's inputs and, unchanged, one of its outputs.  The last block and
+``full`` return what the model returns: a tensor, a tuple of tensors or a dict of tensors.
+
+Only tensors travel, at most :data:`MAX_HOP_TENSORS` per hop, so the model is first run on an
+example input (``torch.fx``'s ``ShapeProp``) to learn what each node computes; a cut crossed
+by anything else (an int from ``x.size(0)``, a tuple, None) is refused, naming the cut and
+the value.  A graph traced without an example knows nothing of its values: only cuts one
+value crosses are valid there (and the value is checked when the blocks are run).
 
 The blocks are ``torch.fx.GraphModule`` copies of their slice of the graph, sharing the
 model's parameters; chaining them is, node for node, the traced model.  ``full`` is the
@@ -26,9 +36,11 @@ that the same request gives the same bytes.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import importlib
+import io
 import logging
 import os
 import re
@@ -38,6 +50,7 @@ from pathlib import Path
 
 import torch
 from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
 from . import repository as repo
 
@@ -47,6 +60,9 @@ log = logging.getLogger("blockflow.blocks.split")
 TIMING_REPEATS = 5
 #: Largest difference the export accepts between the chained blocks and the whole model (fp32).
 CHAIN_TOLERANCE = 1e-4
+#: Most tensors that may cross one cut: the wire's limit on tensors per message (tensormq carries
+#: a bundle of 1 to 16 tensors in one message).
+MAX_HOP_TENSORS = 16
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _BLOCK_RE = re.compile(r"^block\d+$")
 
@@ -111,8 +127,13 @@ def _from_callable(spec: str, seed: int) -> nn.Module:
     return net.eval()
 
 
-def trace(net: nn.Module) -> fx.GraphModule:
-    """The model as one flat ``torch.fx`` graph (program order), taking one tensor."""
+def trace(net: nn.Module, example: torch.Tensor | None = None) -> fx.GraphModule:
+    """The model as one flat ``torch.fx`` graph (program order), taking one tensor.
+
+    With ``example`` (an input of the shape the model will be served at) the graph is run once
+    by ``ShapeProp``, so each node that computes a tensor carries ``node.meta["tensor_meta"]``:
+    that is what lets a cut where several tensors cross be made, and one where an int or a
+    tuple crosses be refused.  Without it only cuts one value crosses are valid."""
     try:
         gm = fx.symbolic_trace(net)
     except Exception as exc:
@@ -123,7 +144,36 @@ def trace(net: nn.Module) -> fx.GraphModule:
     if len(inputs) != 1:
         raise ValueError(f"{type(net).__name__}.forward takes {len(inputs)} inputs; only models "
                          "that take one tensor can be split")
-    return gm.eval()
+    gm.eval()
+    if example is not None:
+        _propagate_shapes(gm, example, type(net).__name__)
+    return gm
+
+
+def _propagate_shapes(gm: fx.GraphModule, example: torch.Tensor, what: str) -> None:
+    """Run ``gm`` on ``example`` with ``ShapeProp``: every node records its result's type
+    (``meta["type"]``) and, for a tensor, its shape and dtype (``meta["tensor_meta"]``)."""
+    printed = io.StringIO()
+    try:
+        # ShapeProp prints a traceback before it raises; the one line below says it instead
+        with torch.no_grad(), contextlib.redirect_stderr(printed):
+            ShapeProp(gm).propagate(example)
+    except Exception as exc:
+        cause = exc.__cause__ or exc
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ValueError(f"{what} does not run on an input of shape {list(example.shape)} ({first}); "
+                         "give the shape it takes with --input-shape") from None
+
+
+def _shaped(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` was traced with an example, so its nodes know what they compute."""
+    return any(n.op == "placeholder" and "tensor_meta" in n.meta for n in gm.graph.nodes)
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    """Whether ``node`` computed one tensor when the graph ran on the example (a tuple of
+    tensors records a tuple of metadata, not one)."""
+    return isinstance(node.meta.get("tensor_meta"), TensorMetadata)
 
 
 # --------------------------------------------------------------------------
@@ -162,11 +212,42 @@ def _last_op(gm: fx.GraphModule) -> int:
 
 
 def valid_cuts(gm: fx.GraphModule) -> dict[str, int]:
-    """Every submodule after which the model can be cut (one tensor crosses, something is
-    left after it) -> its position."""
+    """Every submodule after which the model can be cut (only tensors cross it, at most
+    :data:`MAX_HOP_TENSORS` of them, and something is left after it) -> its position."""
     end = _last_op(gm)
+    shaped = _shaped(gm)
     return {name: pos for name, pos in cut_positions(gm).items()
-            if pos < end and len(crossing(gm, pos)) == 1}
+            if pos < end and _crossing_problem(crossing(gm, pos), shaped) is None}
+
+
+def _crossing_problem(values: list[fx.Node], shaped: bool) -> str | None:
+    """Why a cut crossed by ``values`` cannot be made (a phrase), or None when it can."""
+    if not values:
+        return "nothing crosses it (what follows does not use what comes before)"
+    if not shaped:
+        if len(values) == 1:
+            return None
+        return (f"{len(values)} values cross it ({', '.join(_describe(n) for n in values)}) and, "
+                "traced without an example input, the splitter cannot tell whether they are all "
+                "tensors; trace with one (split.trace(net, example)) to cut here")
+    others = [n for n in values if not _is_tensor(n)]
+    if others:
+        return (f"{', '.join(f'{_describe(n)} ({_kind(n)})' for n in others)} "
+                f"{'crosses' if len(others) == 1 else 'cross'} it, and a hop carries only tensors")
+    if len(values) > MAX_HOP_TENSORS:
+        return (f"{len(values)} tensors cross it ({', '.join(_describe(n) for n in values)}), more "
+                f"than the {MAX_HOP_TENSORS} one hop carries")
+    return None
+
+
+def _kind(node: fx.Node) -> str:
+    """What a non-tensor value is, as the example run found it: ``an int``, ``a tuple``, ``None``."""
+    t = node.meta.get("type")
+    if t is None:
+        return "not known"
+    if t is type(None):
+        return "None"
+    return f"{'an' if t.__name__[:1] in 'aeiouAEIOU' else 'a'} {t.__name__}"
 
 
 def outermost(cuts: dict[str, int]) -> list[str]:
@@ -183,6 +264,7 @@ def resolve_cuts(gm: fx.GraphModule, cuts: list[str], model: str) -> list[int]:
     """Positions of ``cuts`` in program order; :class:`CutError` names the first bad one."""
     positions = cut_positions(gm)
     valid = valid_cuts(gm)
+    shaped = _shaped(gm)
     seen: dict[int, str] = {}
     for cut in cuts:
         if cut not in positions:
@@ -192,11 +274,9 @@ def resolve_cuts(gm: fx.GraphModule, cuts: list[str], model: str) -> list[int]:
         if pos >= _last_op(gm):
             raise CutError(f"cut {cut!r}: it ends {model}, so no block would be left after it; "
                            f"cut earlier, nearby: {_nearby_positions(pos, valid)}")
-        values = crossing(gm, pos)
-        if len(values) != 1:
-            raise CutError(f"cut {cut!r}: {len(values)} tensors cross it "
-                           f"({', '.join(_describe(n) for n in values)}); multi-tensor hops are not "
-                           f"supported yet; nearby single-tensor cuts: {_nearby_positions(pos, valid)}")
+        problem = _crossing_problem(crossing(gm, pos), shaped)
+        if problem:
+            raise CutError(f"cut {cut!r}: {problem}; nearby valid cuts: {_nearby_positions(pos, valid)}")
         if pos in seen:
             raise CutError(f"cut {cut!r} is the same place as cut {seen[pos]!r}; give each place once")
         seen[pos] = cut
@@ -238,23 +318,30 @@ def _nearby_positions(pos: int, valid: dict[str, int]) -> str:
 
 def split(gm: fx.GraphModule, positions: list[int]) -> list[fx.GraphModule]:
     """The blocks between ``positions`` (from :func:`resolve_cuts`): ``len(positions) + 1``
-    graph modules that share ``gm``'s parameters and, chained, compute ``gm``."""
+    graph modules that share ``gm``'s parameters and, chained, compute ``gm``.  A block ending
+    at a cut that several tensors cross returns their tuple, and the next one takes them as
+    positional arguments, both in program order (see the module docstring)."""
     nodes = list(gm.graph.nodes)
     bounds = [-1, *positions, len(nodes) - 1]
     blocks = []
     for start, stop in zip(bounds, bounds[1:]):
-        inp = nodes[0] if start < 0 else crossing(gm, start)[0]
+        inputs = [nodes[0]] if start < 0 else crossing(gm, start)
         body = nodes[start + 1:stop + 1]
-        out = nodes[-1].args[0] if stop == len(nodes) - 1 else crossing(gm, stop)[0]
-        blocks.append(_block(gm, inp, body, out))
+        if stop == len(nodes) - 1:
+            out = nodes[-1].args[0]
+        else:
+            values = crossing(gm, stop)
+            out = values[0] if len(values) == 1 else tuple(values)
+        blocks.append(_block(gm, inputs, body, out))
     return blocks
 
 
-def _block(gm: fx.GraphModule, inp: fx.Node, body: list[fx.Node], out) -> fx.GraphModule:
-    """A graph module taking ``inp`` that runs ``body`` and returns ``out``.  Attributes
-    (``get_attr``) are copied where they are first used, so no block needs another's."""
+def _block(gm: fx.GraphModule, inputs: list[fx.Node], body: list[fx.Node], out) -> fx.GraphModule:
+    """A graph module taking ``inputs`` (positionally, in that order) that runs ``body`` and
+    returns ``out``.  Attributes (``get_attr``) are copied where they are first used, so no
+    block needs another's."""
     g = fx.Graph()
-    env = {inp: g.placeholder(inp.name)}
+    env = {inp: g.placeholder(inp.name) for inp in inputs}
 
     def lookup(node: fx.Node) -> fx.Node:
         if node not in env:
@@ -272,18 +359,60 @@ def _block(gm: fx.GraphModule, inp: fx.Node, body: list[fx.Node], out) -> fx.Gra
     return block.eval()
 
 
-def chain(blocks: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
-    """Run ``x`` through ``blocks`` in turn: every block's output, each checked to be one
-    tensor (a block handing on anything else cannot be served by a one-tensor hop)."""
+def chain(blocks: list[nn.Module], x: torch.Tensor) -> list:
+    """Run ``x`` through ``blocks`` in turn: every block's output.  A tuple is handed on as
+    positional arguments (``block(*x)``), a dict as keyword arguments (``block(**x)``).  Each
+    output is checked to be a tensor, a tuple of tensors or a flat dict of them: a hop carries
+    nothing else."""
     outs = []
     with torch.no_grad():
         for i, block in enumerate(blocks, 1):
-            x = block(x)
-            if not isinstance(x, torch.Tensor):
-                raise ValueError(f"block{i} returns {type(x).__name__}, not one tensor; models "
-                                 "with several outputs are not supported yet")
+            x = call(block, x)
+            check_tensors(x, f"block{i}")
             outs.append(x)
     return outs
+
+
+def call(block: nn.Module, x):
+    """``block`` on a tensor, on a tuple's (or list's) members as positional arguments, or on
+    a dict's as keyword arguments: how one block takes what the one before it returned."""
+    if isinstance(x, dict):
+        return block(**x)
+    if isinstance(x, (tuple, list)):
+        return block(*x)
+    return block(x)
+
+
+def check_tensors(value, what: str) -> None:
+    """A ``ValueError`` naming ``what`` unless ``value`` is a tensor, or a tuple, list or dict
+    (str keys) of 1 to :data:`MAX_HOP_TENSORS` tensors."""
+    if isinstance(value, torch.Tensor):
+        return
+    if not isinstance(value, (tuple, list, dict)):
+        raise ValueError(f"{what} returns {type(value).__name__}, not a tensor, a tuple of tensors or "
+                         "a dict of tensors; only tensors travel between blocks")
+    keys = list(value) if isinstance(value, dict) else list(range(len(value)))
+    if not 1 <= len(keys) <= MAX_HOP_TENSORS:
+        raise ValueError(f"{what} returns {len(keys)} tensors; one hop carries 1 to {MAX_HOP_TENSORS}")
+    for k in keys:
+        if isinstance(value, dict) and not isinstance(k, str):
+            raise ValueError(f"{what} returns a dict with key {k!r}; only str keys can be named on the wire")
+        if not isinstance(value[k], torch.Tensor):
+            raise ValueError(f"{what}[{k!r}] is {type(value[k]).__name__}, not a tensor; only tensors "
+                             "travel between blocks (nested values cannot)")
+
+
+def max_diff(got, want) -> float:
+    """Largest absolute difference, member by member, between two outputs of the same
+    structure (a tensor, a tuple of tensors, a dict of tensors); ``inf`` when the structures
+    (tensor or tuple, tuple length, dict keys, shapes) differ."""
+    def layout(v):
+        return list(v) if isinstance(v, dict) else len(v) if isinstance(v, (tuple, list)) else None
+
+    gs, ws = repo.members(got), repo.members(want)
+    if layout(got) != layout(want) or [t.shape for t in gs] != [t.shape for t in ws]:
+        return float("inf")
+    return max((a.double() - b.double()).abs().max().item() if a.numel() else 0.0 for a, b in zip(gs, ws))
 
 
 # --------------------------------------------------------------------------
@@ -334,8 +463,8 @@ def balance(gm: fx.GraphModule, blocks: int, example: torch.Tensor) -> list[str]
     valid = valid_cuts(gm)
     names = outermost(valid)
     if blocks - 1 > len(names):
-        raise ValueError(f"--blocks {blocks}: this model has only {len(names)} single-tensor cut "
-                         f"places, so at most {len(names) + 1} blocks")
+        raise ValueError(f"--blocks {blocks}: this model has only {len(names)} places where it can be "
+                         f"cut, so at most {len(names) + 1} blocks")
     times = node_times(gm, example)
     cum = [0.0]
     for t in times:
@@ -408,8 +537,8 @@ def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None
     current directory, so a callable is imported from there as it would be in the caller)."""
     net, default_name = build_model(model, seed)
     name = name or default_name
-    gm = trace(net)
     example = torch.randn(*input_shape, generator=torch.Generator().manual_seed(seed))
+    gm = trace(net, example)
     if not cuts:
         cuts = balance(gm, blocks, example)
         log.info("balanced cuts for %d blocks of %s: %s", blocks, name, " ".join(cuts) or "(none)")
@@ -419,7 +548,7 @@ def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None
     outs = chain(parts, example)
     with torch.no_grad():
         want = gm(example)
-    diff = (outs[-1] - want).abs().max().item()
+    diff = max_diff(outs[-1], want)
     if diff > CHAIN_TOLERANCE:
         raise RuntimeError(f"the chained blocks of {name} differ from the whole model by {diff:g}")
     log.info("chained blocks of %s equal the whole model (max abs diff %.2g)", name, diff)
@@ -438,16 +567,17 @@ def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None
     return {"manifest": str(manifest_path), "name": name, "cuts": ordered}
 
 
-def _write_block(model_dir: Path, bname: str, mod: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                 fmt: str, method: str, seed: int) -> tuple[str, dict]:
+def _write_block(model_dir: Path, bname: str, mod: nn.Module, x, y, fmt: str, method: str,
+                 seed: int) -> tuple[str, dict]:
     """Compile ``mod`` to ``model_dir/bname.pt[2]``: its file name and manifest entry (the
-    same fields as a ResNet block's)."""
+    same fields as a ResNet block's, plus ``input_shapes``/``output_shapes``/``output_keys``
+    where ``x`` is a tuple of tensors or ``y`` a tuple or dict: :func:`repository.shape_fields`)."""
     fname = bname + repo.SUFFIX[fmt]
     try:
         if fmt == "export":
             data = repo.export_program_bytes(mod, x)
         else:
-            data = repo.compile_to_bytes(mod, method, x)
+            data = repo.compile_to_bytes(mod, method, x, strict=isinstance(y, (torch.Tensor, tuple)))
     except Exception as exc:  # torch.jit/torch.export raise many kinds; say which block and what to try
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         other = "--method trace or --format export" if fmt == "torchscript" else "--format torchscript"
@@ -461,7 +591,7 @@ def _write_block(model_dir: Path, bname: str, mod: nn.Module, x: torch.Tensor, y
     log.info("wrote %s (%.1f MB, sha256 %s)", model_dir / fname, len(data) / 1e6, digest[:12])
     return fname, {
         "name": bname, "file": fname, "sha256": digest,
-        "input_shape": repo.batch1(x.shape), "output_shape": repo.batch1(y.shape),
+        **repo.shape_fields(x, y),
         "dtype": "float32", "params": sum(p.numel() for p in mod.parameters()),
         "param_bytes": sum(t.numel() * t.element_size() for t in tensors),
         "method": method if fmt == "torchscript" else "export", "format": fmt,

@@ -139,16 +139,18 @@ def test_served_bundles_equal_the_whole_model_for_two_concurrent_tasks(server_fa
         "blocks": [{"name": "fork", "model": "toy/fork.pt", "threads": 1},
                    {"name": "carry", "model": "toy/carry.pt", "threads": 1},
                    {"name": "join", "model": "toy/join.pt", "threads": 1},
+                   {"name": "forkcarry", "model": ["toy/fork.pt", "toy/carry.pt"], "threads": 1},
                    {"name": "bjoin", "model": "toy/join.pt", "threads": 1,
                     "batching": {"max_batch": 4, "max_queue_delay_us": 20_000}}],
         "tasks": [{"id": "three", "path": ["fork", "carry", "join"]},
                   {"id": "batched", "path": ["fork", "carry", "bjoin"]},
+                  {"id": "fused", "path": ["forkcarry", "join"]},
                   {"id": "pair_in", "path": ["carry", "join"]}]}, timeout=120)
     xs = [torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(12)]
 
     def run(i):
         with Client(srv.dispatcher, timeout=60) as c:
-            return c.infer("three" if i % 2 else "batched", xs[i])
+            return c.infer(("three", "batched", "fused")[i % 3], xs[i])
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(run, range(len(xs))))

@@ -18,8 +18,11 @@ from blockflow.blocks.repository import load_block, load_manifest
 from blockflow.cli import Exit
 from blockflow.client import Client
 
-#: The user's own model: written to a module file for the CLI (`usermodels:skipnet`) and run
-#: from that same source in process. ``body`` holds a skip connection inside one block.
+#: The user's own models: written to a module file for the CLI (`usermodels:skipnet`) and run
+#: from that same source in process. SkipNet's ``body`` holds a skip connection (a cut inside it
+#: is crossed by two tensors); UNet's decoder concatenates the encoder's outputs (cuts crossed by
+#: two and three tensors); TwoHeads returns a tuple of two; torchvision's ViT, small, reads
+#: ``x.shape`` (ints cross the cut after ``conv_proj``).
 USER_MODELS = '''
 import torch
 from torch import nn
@@ -48,8 +51,63 @@ class SkipNet(nn.Module):
         return self.head(self.down(self.body(self.stem(x))))
 
 
+def _conv(cin, cout):
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU())
+
+
+class UNet(nn.Module):
+    """Two encoder stages, a bottleneck and a decoder that concatenates the encoder's outputs:
+    ``enc2`` is crossed by e1 and e2, ``mid`` by e1, e2 and m, ``dec2`` by e1 and d2."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc1 = _conv(3, 8)
+        self.enc2 = nn.Sequential(nn.MaxPool2d(2), _conv(8, 16))
+        self.mid = nn.Sequential(nn.MaxPool2d(2), _conv(16, 16), nn.Upsample(scale_factor=2.0))
+        self.dec2 = nn.Sequential(_conv(32, 8), nn.Upsample(scale_factor=2.0))
+        self.dec1 = _conv(16, 8)
+        self.out = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(e1)
+        m = self.mid(e2)
+        d2 = self.dec2(torch.cat([m, e2], 1))
+        return self.out(self.dec1(torch.cat([d2, e1], 1)))
+
+
+class TwoHeads(nn.Module):
+    """A shared trunk and two heads (class scores and a box), returned as a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(),
+                                   nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
+                                   nn.AdaptiveAvgPool2d(1), nn.Flatten(1))
+        self.classify = nn.Linear(16, 10)
+        self.regress = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        f = self.trunk(x)
+        return self.classify(f), self.regress(f)
+
+
 def skipnet():
     return SkipNet().eval()
+
+
+def unet():
+    return UNet().eval()
+
+
+def twoheads():
+    return TwoHeads().eval()
+
+
+def tinyvit():
+    from torchvision.models import VisionTransformer
+    return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16,
+                             mlp_dim=32).eval()
 
 
 def not_a_module():
@@ -102,14 +160,29 @@ def seeded_input(batch: int = 2, seed: int = 3) -> torch.Tensor:
 
 
 def chained(blocks, x):
+    """Each block on the one before's output: a tuple's members as positional arguments."""
     with torch.inference_mode():
         for b in blocks:
-            x = b(x)
+            x = b(*x) if isinstance(x, tuple) else b(x)
     return x
 
 
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+def max_diff(a, b) -> float:
+    """Largest difference of two tensors, or of two tuples of tensors member by member."""
+    if isinstance(b, tuple):
+        assert isinstance(a, tuple) and len(a) == len(b), (type(a), type(b))
+        return max(max_diff(p, q) for p, q in zip(a, b))
     return (a - b).abs().max().item()
+
+
+def small_input(batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def user_model(user_models, name: str):
+    _, ns = user_models
+    torch.manual_seed(0)
+    return ns[name]()
 
 
 def test_mobilenet_cut_in_features_equals_whole_model_in_process():
@@ -149,15 +222,40 @@ def test_skip_connection_inside_a_block_equals_whole_model(user_models):
     assert max_diff(chained(scripted, x), want) <= TOL
 
 
-def test_a_cut_crossed_by_the_skip_is_refused_naming_what_crosses(user_models):
-    _, ns = user_models
-    gm = split.trace(ns["skipnet"]())
+def test_a_cut_crossed_by_the_skip_hands_on_both_tensors_once_traced_with_an_example(user_models):
+    net = user_model(user_models, "skipnet")
+    # traced without an example nothing says the two values are tensors: refused, naming them
     with pytest.raises(split.CutError) as exc:
-        split.resolve_cuts(gm, ["body.conv1"], "skipnet")
+        split.resolve_cuts(split.trace(net), ["body.conv1"], "skipnet")
     msg = str(exc.value)
-    assert "'body.conv1'" in msg and "2 tensors" in msg and "multi-tensor hops are not supported" in msg
+    assert "'body.conv1'" in msg and "2 values" in msg and "example" in msg and "not supported" not in msg
     assert "output of stem.2" in msg and "output of body.conv1" in msg
     assert "stem" in msg.split("nearby")[1] and "body" in msg.split("nearby")[1]
+    # with one, the block before returns both in program order and the next takes both
+    x = small_input(3)
+    gm = split.trace(net, x[:1])
+    assert [n.name for n in split.crossing(gm, split.cut_positions(gm)["body.conv1"])] == ["stem_2", "body_conv1"]
+    first, second = split.split(gm, split.resolve_cuts(gm, ["body.conv1"], "skipnet"))
+    with torch.inference_mode():
+        skip, inner = first(x)
+        assert max_diff(second(skip, inner), net(x)) <= TOL
+        assert max_diff(skip, net.stem(x)) == 0
+
+
+def test_unet_cuts_crossed_by_several_tensors_equal_whole_model(user_models):
+    net = user_model(user_models, "unet")
+    x = small_input()
+    gm = split.trace(net, x[:1])
+    valid = split.valid_cuts(gm)
+    assert [len(split.crossing(gm, valid[c])) for c in ("enc1", "enc2", "mid", "dec2", "dec1")] == [1, 2, 3, 2, 1]
+    blocks = split.split(gm, split.resolve_cuts(gm, ["enc2", "mid", "dec2"], "unet"))
+    outs = split.chain(blocks, x)
+    assert [len(o) if isinstance(o, tuple) else 1 for o in outs] == [2, 3, 2, 1]
+    assert outs[1][0] is outs[0][0]  # e1 jumps over block2: its input and, unchanged, its output
+    with torch.inference_mode():
+        want = net(x)
+    assert max_diff(outs[-1], want) <= TOL and max_diff(chained(blocks, x), want) <= TOL
+    assert split.balance(gm, 3, x[:1])  # --blocks N may pick multi-tensor cuts too
 
 
 def test_balanced_cuts_are_valid_and_in_order():
@@ -185,29 +283,75 @@ def test_exported_mobilenet_manifest_and_chain(mobilenet_repo):
     assert max_diff(chained(blocks, x), want) <= TOL
 
 
-def test_served_mobilenet_blocks_equal_whole_model_for_two_tasks(server_factory, mobilenet_repo):
-    """Two tasks share block1; the second runs block2+block3 fused in one process."""
-    srv = server_factory(mobilenet_repo)
+#: The user's models exported beside MobileNet for the served test: (callable, cuts, input shape).
+SERVED_MODELS = {"unet": ("usermodels:unet", ("enc2", "mid", "dec2"), (1, 3, 32, 32)),
+                 "twoheads": ("usermodels:twoheads", ("trunk", "classify"), (1, 3, 32, 32)),
+                 "tinyvit": ("usermodels:tinyvit", ("encoder.layers.encoder_layer_0",), (1, 3, 32, 32))}
+
+
+@pytest.fixture(scope="module")
+def served_repo(mobilenet_repo, user_models):
+    """mobilenet_repo plus the U-Net (cuts crossed by 2 and 3 tensors), the model with two
+    outputs and a torchvision VisionTransformer cut inside its encoder, exported by the CLI."""
+    models_dir, _ = user_models
+    for name, (model, cuts, shape) in SERVED_MODELS.items():
+        res = blockflow("export", "--model", model, *[a for c in cuts for a in ("--cut", c)],
+                        "--input-shape", ",".join(map(str, shape)), "--out", mobilenet_repo, cwd=models_dir)
+        assert res.returncode == 0, (name, res.stderr)
+    return mobilenet_repo
+
+
+def served_update(transport: str) -> dict:
+    """Two tasks per model; the second one of each runs its blocks another way (fused, or batching)."""
     m = MOBILENET
-    update = {"blocks": [{"name": "b1", "model": f"{m}/block1.pt", "threads": 1},
-                         {"name": "b2", "model": f"{m}/block2.pt", "threads": 1},
-                         {"name": "b3", "model": f"{m}/block3.pt", "threads": 1},
-                         {"name": "b23", "model": [f"{m}/block2.pt", f"{m}/block3.pt"], "threads": 1}],
-              "tasks": [{"id": "three", "path": ["b1", "b2", "b3"]},
-                        {"id": "two", "path": ["b1", "b23"]}]}
-    srv.call("POST", "/system/update", update, timeout=180)
-    x = seeded_input()
-    with torch.inference_mode():
-        want = load_block(mobilenet_repo, f"{m}/full.pt")(x)
+
+    def blk(name, model, **kw):
+        return {"name": name, "model": model, "threads": 1, **kw}
+
+    batching = {"max_batch": 4, "max_queue_delay_us": 20_000}
+    blocks = [blk("m1", f"{m}/block1.pt"), blk("m2", f"{m}/block2.pt"), blk("m3", f"{m}/block3.pt"),
+              blk("m23", [f"{m}/block2.pt", f"{m}/block3.pt"]),
+              *[blk(f"u{i}", f"unet/block{i}.pt") for i in (1, 2, 3, 4)],
+              blk("u23", ["unet/block2.pt", "unet/block3.pt"]),
+              *[blk(f"t{i}", f"twoheads/block{i}.pt") for i in (1, 2, 3)],
+              blk("t3b", "twoheads/block3.pt", batching=batching),
+              blk("v1", "tinyvit/block1.pt"), blk("v2", "tinyvit/block2.pt"),
+              blk("v2b", "tinyvit/block2.pt", batching=batching)]
+    tasks = {"mobilenet": ["m1", "m2", "m3"], "mobilenet_fused": ["m1", "m23"],
+             "unet": ["u1", "u2", "u3", "u4"], "unet_fused": ["u1", "u23", "u4"],
+             "twoheads": ["t1", "t2", "t3"], "twoheads_batched": ["t1", "t2", "t3b"],
+             "tinyvit": ["v1", "v2"], "tinyvit_batched": ["v1", "v2b"]}
+    return {"transport": transport, "blocks": blocks, "tasks": [{"id": t, "path": p} for t, p in tasks.items()]}
+
+
+@pytest.mark.parametrize("transport", ["tensormq", "zeromq"])
+def test_served_blocks_of_any_model_equal_the_whole_model_for_two_concurrent_tasks(server_factory, served_repo,
+                                                                                   transport):
+    """Issue 29's acceptance: MobileNet cut in its features, a torchvision ViT cut inside its
+    encoder, a U-Net whose cuts are crossed by two and three tensors, and a model with two
+    outputs, each served as blocks by `blockflow serve` for two tasks at once, equal the whole
+    model (fp32, max abs difference <= 1e-4), over both transports."""
+    srv = server_factory(served_repo)
+    update = served_update(transport)
+    srv.call("POST", "/system/update", update, timeout=240)
+    fulls = {name: load_block(served_repo, f"{name}/full.pt") for name in (MOBILENET, *SERVED_MODELS)}
+    inputs = {MOBILENET: seeded_input(), **{n: small_input(2, seed=i) for i, n in enumerate(SERVED_MODELS)}}
+    model_of = {t["id"]: (MOBILENET if t["id"].startswith("mobilenet") else t["id"].split("_")[0])
+                for t in update["tasks"]}
 
     def infer(task):
         with Client(srv.dispatcher, timeout=120) as c:
-            return c.infer(task, x)
+            return c.infer(task, inputs[model_of[task]])
 
-    with ThreadPoolExecutor(2) as pool:
-        results = dict(zip(("three", "two"), pool.map(infer, ("three", "two"))))
+    with ThreadPoolExecutor(len(model_of)) as pool:
+        results = dict(zip(model_of, pool.map(infer, model_of)))
     for task, y in results.items():
-        assert y.shape == want.shape and max_diff(y, want) <= TOL, task
+        model = model_of[task]
+        with torch.inference_mode():
+            want = fulls[model](inputs[model])
+        assert type(y) is type(want), (task, type(y))
+        assert max_diff(y, want) <= TOL, task
+    assert isinstance(results["twoheads"], tuple) and len(results["twoheads"]) == 2
 
 
 def test_cli_refuses_a_cut_that_does_not_exist_naming_it_and_nearby_names(tmp_path):
@@ -216,12 +360,23 @@ def test_cli_refuses_a_cut_that_does_not_exist_naming_it_and_nearby_names(tmp_pa
     assert "no submodule" in line
 
 
-def test_cli_exports_a_callable_and_refuses_a_multi_tensor_cut(tmp_path, user_models):
+def test_cli_exports_a_callable_at_a_cut_two_tensors_cross(tmp_path, user_models):
     models_dir, _ = user_models
+    conv1 = tmp_path / "conv1"
+    res = blockflow("export", "--model", "usermodels:skipnet", "--input-shape", "1,3,32,32", "--out", str(conv1),
+                    "--cut", "body.conv1", cwd=models_dir)
+    assert res.returncode == 0, res.stderr
+    assert "cut after body.conv1" in res.stdout, res.stdout
+    blocks = load_manifest(conv1, "skipnet")["blocks"]
+    assert blocks["block1.pt"]["output_shapes"] == [[1, 8, 32, 32], [1, 8, 32, 32]]
+    assert blocks["block2.pt"]["input_shapes"] == [[1, 8, 32, 32], [1, 8, 32, 32]]
+    assert "output_shapes" not in blocks["block2.pt"] and "input_shapes" not in blocks["block1.pt"]
+    x = small_input()
+    parts = [load_block(conv1, f"skipnet/block{i}.pt") for i in (1, 2)]
+    assert max_diff(chained(parts, x), chained([load_block(conv1, "skipnet/full.pt")], x)) <= TOL
+
     out = tmp_path / "repo"
     common = ("--model", "usermodels:skipnet", "--input-shape", "1,3,32,32", "--out", str(out))
-    res = blockflow("export", *common, "--cut", "body.conv1", cwd=models_dir)
-    one_line_error(res, Exit.BAD_INPUT, "'body.conv1'", "multi-tensor hops are not supported yet", "stem")
     res = blockflow("export", *common, "--cut", "stem", "--cut", "body", "--cut", "down", "--format", "export",
                     cwd=models_dir)
     assert res.returncode == 0, res.stderr
@@ -232,6 +387,75 @@ def test_cli_exports_a_callable_and_refuses_a_multi_tensor_cut(tmp_path, user_mo
     assert "balanced cuts: --cut " in res.stdout
     assert sorted(load_manifest(out, "skipnet")["blocks"]) == ["block1.pt2", "block2.pt2", "full.pt2"]
     assert not (out / "skipnet" / "block3.pt2").exists()
+
+
+#: The shape fields a multi-tensor block adds, for the U-Net cut after enc2, mid and dec2.
+E1, E2, M = [1, 8, 32, 32], [1, 16, 16, 16], [1, 16, 16, 16]
+UNET_SHAPES = {
+    "block1": {"input_shape": [1, 3, 32, 32], "output_shape": E1, "output_shapes": [E1, E2]},
+    "block2": {"input_shape": E1, "input_shapes": [E1, E2], "output_shape": E1, "output_shapes": [E1, E2, M]},
+    "block3": {"input_shape": E1, "input_shapes": [E1, E2, M], "output_shape": E1, "output_shapes": [E1, E1]},
+    "block4": {"input_shape": E1, "input_shapes": [E1, E1], "output_shape": [1, 2, 32, 32]},
+    "full": {"input_shape": [1, 3, 32, 32], "output_shape": [1, 2, 32, 32]},
+}
+SHAPE_FIELDS = ("input_shape", "output_shape", "input_shapes", "output_shapes", "output_keys")
+
+
+def shape_fields(entry: dict) -> dict:
+    return {k: entry[k] for k in SHAPE_FIELDS if k in entry}
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "export"])
+def test_cli_exports_unet_blocks_that_take_and_return_tuples(tmp_path, user_models, fmt):
+    models_dir, _ = user_models
+    res = blockflow("export", "--model", "usermodels:unet", "--cut", "enc2", "--cut", "mid", "--cut", "dec2",
+                    "--input-shape", "1,3,32,32", "--format", fmt, "--out", str(tmp_path), cwd=models_dir)
+    assert res.returncode == 0, res.stderr
+    assert "4 blocks, cut after enc2, mid, dec2" in res.stdout, res.stdout
+    suffix = ".pt" if fmt == "torchscript" else ".pt2"
+    manifest = load_manifest(tmp_path, "unet")
+    assert {f: shape_fields(e) for f, e in manifest["blocks"].items()} == {
+        n + suffix: shapes for n, shapes in UNET_SHAPES.items()}
+    x = small_input(3)
+    blocks = [load_block(tmp_path, f"unet/block{i}{suffix}") for i in range(1, 5)]
+    want = chained([load_block(tmp_path, f"unet/full{suffix}")], x)
+    assert max_diff(chained(blocks, x), want) <= TOL
+
+
+@pytest.mark.parametrize("how", [("--method", "trace"), ("--format", "export")], ids=["trace", "export"])
+def test_cli_exports_a_model_with_two_outputs(tmp_path, user_models, how):
+    models_dir, ns = user_models
+    res = blockflow("export", "--model", "usermodels:twoheads", "--cut", "trunk", "--cut", "classify",
+                    "--input-shape", "1,3,32,32", *how, "--out", str(tmp_path), cwd=models_dir)
+    assert res.returncode == 0, res.stderr
+    suffix = ".pt2" if "export" in how else ".pt"
+    blocks = load_manifest(tmp_path, "twoheads")["blocks"]
+    assert shape_fields(blocks[f"block3{suffix}"]) == {"input_shape": [1, 16], "input_shapes": [[1, 16], [1, 10]],
+                                                       "output_shape": [1, 10], "output_shapes": [[1, 10], [1, 4]]}
+    assert blocks[f"full{suffix}"]["output_shapes"] == [[1, 10], [1, 4]]
+    x = small_input(3)
+    got = chained([load_block(tmp_path, f"twoheads/block{i}{suffix}") for i in (1, 2, 3)], x)
+    want = chained([load_block(tmp_path, f"twoheads/full{suffix}")], x)
+    assert isinstance(got, tuple) and [t.shape for t in got] == [(3, 10), (3, 4)]
+    assert max_diff(got, want) <= TOL
+    with torch.inference_mode():
+        assert max_diff(want, user_model(user_models, "twoheads")(x)) <= TOL
+
+
+def test_a_cut_crossed_by_a_non_tensor_is_refused_naming_it(tmp_path, user_models):
+    models_dir, _ = user_models
+    gm = split.trace(user_model(user_models, "tinyvit"), small_input(1))
+    with pytest.raises(split.CutError) as exc:  # torchvision's ViT: n, c, h, w = x.shape
+        split.resolve_cuts(gm, ["conv_proj"], "tinyvit")
+    msg = str(exc.value)
+    assert "'conv_proj'" in msg and "getitem (an int)" in msg and "only tensors" in msg
+    assert "encoder" in msg.split("nearby")[1]
+    with pytest.raises(split.CutError, match=r"self_attention \(a tuple\) crosses it"):
+        split.resolve_cuts(gm, ["encoder.layers.encoder_layer_0.self_attention"], "tinyvit")
+    assert "conv_proj" not in split.valid_cuts(gm) and "encoder.layers.encoder_layer_0" in split.valid_cuts(gm)
+    res = blockflow("export", "--model", "usermodels:tinyvit", "--cut", "conv_proj", "--input-shape", "1,3,32,32",
+                    "--out", str(tmp_path), cwd=models_dir)
+    one_line_error(res, Exit.BAD_INPUT, "'conv_proj'", "getitem (an int)", "nearby")
 
 
 def test_cli_refuses_a_callable_that_returns_no_module(tmp_path, user_models):
@@ -283,6 +507,22 @@ def test_manifest_of_hand_made_files_is_served_and_check_catches_a_change(server
     res = blockflow("manifest", str(d), "--check")
     line = one_line_error(res, Exit.FAILED, "body.pt has changed", "extra.pt is not listed")
     assert "stem.pt" not in line and "tail.pt" not in line, line
+
+
+def test_manifest_of_hand_made_files_that_take_and_return_tuples(tmp_path, user_models):
+    from blockflow.blocks import manifest
+    net = user_model(user_models, "unet")
+    gm = split.trace(net, small_input(1))
+    d = tmp_path / "unet"
+    d.mkdir()
+    for fname, part in zip(("block1.pt", "block2.pt", "block3.pt", "block4.pt"),
+                           split.split(gm, split.resolve_cuts(gm, ["enc2", "mid", "dec2"], "unet"))):
+        torch.jit.save(torch.jit.script(part), str(d / fname))
+    torch.jit.save(torch.jit.script(gm), str(d / "full.pt"))
+    blocks = json.loads(manifest.write_manifest(d, (1, 3, 32, 32)).read_text())["blocks"]
+    assert {f: shape_fields(e) for f, e in blocks.items()} == {n + ".pt": s for n, s in UNET_SHAPES.items()}
+    with pytest.raises(ValueError, match="block3.pt does not take the output of block1.pt"):
+        manifest.write_manifest(d, (1, 3, 32, 32), ["block1.pt", "block3.pt"])
 
 
 def test_manifest_refuses_files_that_do_not_chain(hand_made_repo):
