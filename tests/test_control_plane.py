@@ -579,13 +579,17 @@ def test_token_guards_mutations_and_clients(server_factory, identity_repo, monke
 
 # -- 8. the ResNet50 shared config ---------------------------------------------------------------
 
-def test_resnet50_shared_config(server_factory, model_repo):
+@pytest.mark.parametrize("transport", ["tensormq", "zeromq"])
+def test_resnet50_shared_config(server_factory, model_repo, transport):
+    """The config as shipped (TensorMQ) and with bytes on every hop: both tasks, in flight at
+    once, equal their whole models."""
     from blockflow.blocks.repository import load_block
 
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                           "resnet50_shared.json")
     with open(config) as f:
         update = json.load(f)
+    update["transport"] = transport
     srv = server_factory(model_repo)
     res = srv.call("POST", "/system/update", update, timeout=120)
     # how long an update takes is a figure for the experiments (soak.json's updates), not a timed
@@ -597,8 +601,8 @@ def test_resnet50_shared_config(server_factory, model_repo):
 
     x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
     with Client(srv.dispatcher, timeout=60) as c:
-        y = c.infer("classify", x)
-        z = c.infer("special", x)
+        fy, fz = c.submit("classify", x), c.submit("special", x)
+        y, z = fy.result(), fz.result()
     with torch.inference_mode():
         expected = load_block(model_repo, "resnet50/full.pt")(x)
         special = x
