@@ -491,8 +491,8 @@ class Block(ChildProcess):
             if header.get("t") != "data":
                 raise WireError(f"t must be 'data', got {header.get('t')!r:.20}")
             rid = header.get("rid")
-            if not isinstance(rid, int) or isinstance(rid, bool):
-                raise WireError("rid must be an integer")
+            if not isinstance(rid, int) or isinstance(rid, bool) or not 0 <= rid < 1 << 64:
+                raise WireError("rid must be an integer in [0, 2**64)")
         except WireError as exc:
             ret = _return_address(frames[0])
             log.warning("block %s: dropped a malformed message (%s)%s", self.name, exc,

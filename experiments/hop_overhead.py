@@ -43,13 +43,27 @@ round trip makes them outside its hops (client to dispatcher, dispatcher into a 
 back): a block in the chains below wakes, like those relays, with its caches emptied by them,
 so its hop is compared with the cold floor at sizes beyond the caches (batch 32).
 
+Several tensors per hop (tensormq/bundle.py): ``bundle-identity`` and ``bundle-copy`` blocks take
+and return a tuple of three tensors that hold the same bytes as the one tensor of their stage,
+split 2:1:1 by channels (a feature map and two skip connections, as a U-Net's cut hands them
+on), in one message: a header with three descriptors (``xs``) and, with ZeroMQ, three payload
+frames. ``bundle-identity`` returns its three inputs (each member's handle is forwarded),
+``bundle-copy`` returns each plus one (three new tensors, each copied into a slot: a bundle's
+outputs are not made in lent slots). Their rows carry the stage's shape (``shape``, the one
+tensor whose bytes they split), the members' shapes (``shapes``) and ``vs_single``: their hop
+median over that of the one-tensor block of the same kind, transport and stage, measured in the
+same deployment. ``floor-bundle`` rows are the relays passing the same parts (the three-descriptor
+header; with ZeroMQ also the three frames). By default the bundle rows are measured at the
+block1 stage only (``--bundle-stages``), the stage the READMEs quote.
+
 Both kinds of block share one deployment per transport (process start-up, mostly importing
 torch, is most of a short run). Each size is sampled until ``--n`` samples or, once
 ``--least`` are in, ``--budget`` seconds, so that 103 MB ZeroMQ hops do not stretch the run.
 Sizes: ResNet50's stage outputs at batch 1 and 32. Run:
 
     python -m experiments.hop_overhead [--quick] [--device cpu|cuda] [--out DIR]
-        [--blocks identity,copy] [--batches 1,32] [--stages block1,block4] [--chain K]
+        [--blocks identity,copy,bundle-identity,bundle-copy] [--batches 1,32]
+        [--stages block1,block4] [--bundle-stages block1|all] [--chain K]
         [--n N] [--least N] [--budget S] [--no-floor]
 """
 from __future__ import annotations
@@ -63,6 +77,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Tuple
 
 import torch
 
@@ -81,7 +96,60 @@ class Copy(torch.nn.Module):
         return x + 1
 
 
-KINDS = {"identity": Identity, "copy": Copy}
+class BundleIdentity(torch.nn.Module):
+    """Three tensors in, the same three out: each member's handle is forwarded."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+        return a, b, c
+
+
+class BundleCopy(torch.nn.Module):
+    """Three tensors in, three new ones out."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+        return a + 1, b + 1, c + 1
+
+
+KINDS = {"identity": Identity, "copy": Copy, "bundle-identity": BundleIdentity, "bundle-copy": BundleCopy}
+#: A bundle kind -> the one-tensor kind its rows are compared with.
+BUNDLE_OF = {"bundle-identity": "identity", "bundle-copy": "copy"}
+#: Block names in a chain: a letter or two per kind, then the position.
+PREFIX = {"identity": "i", "copy": "c", "bundle-identity": "bi", "bundle-copy": "bc"}
+#: How a bundle splits its stage's channels between its members: 1/2, 1/4, 1/4 of the bytes.
+SPLIT = (2, 1, 1)
+
+
+def bundle_shapes(shape) -> list[tuple]:
+    """The members' shapes of a bundle holding the bytes of one tensor of ``shape`` (N, C, H, W):
+    its channels split by SPLIT, so the total is exact at every stage."""
+    b, c, *rest = shape
+    parts = sum(SPLIT)
+    if c % parts:
+        raise ValueError(f"{c} channels do not split {':'.join(map(str, SPLIT))}")
+    return [(b, c * p // parts, *rest) for p in SPLIT]
+
+
+def make_input(kind: str, shape):
+    """What a chain of ``kind`` is sent: one tensor of ``shape``, or a bundle of the same bytes."""
+    if kind in BUNDLE_OF:
+        return tuple(torch.randn(*s) for s in bundle_shapes(shape))
+    return torch.randn(*shape)
+
+
+def expected(kind: str, x, chain: int):
+    """What a chain of ``chain`` blocks of ``kind`` answers for ``x``: one ``+ 1`` per copying
+    block, in turn (float sums round: three of them are not ``+ 3``)."""
+    for _ in range(chain if kind in ("copy", "bundle-copy") else 0):
+        x = tuple(t + 1 for t in x) if isinstance(x, tuple) else x + 1
+    return x
+
+
+def same_value(a, b) -> bool:
+    if isinstance(b, tuple):
+        return isinstance(a, tuple) and len(a) == len(b) and all(torch.equal(p, q) for p, q in zip(a, b))
+    return isinstance(a, torch.Tensor) and torch.equal(a, b)
 
 
 def _toy_repo(kinds) -> str:
@@ -139,10 +207,12 @@ def _in_block(hops_per_request) -> dict:
             "hop_transit_ms": statistics.median(transit) if transit else None, "hops_measured": len(net)}
 
 
-def _row(transport, kind, shape, device, chain, short, long_) -> dict:
+def _row(transport, kind, shape, device, chain, short, long_, shapes=None) -> dict:
+    """``shapes``: a bundle's members (their bytes add up to one tensor of ``shape``)."""
     per_hop = sorted((l - s) / (chain - 1) for s, l in zip(short, long_))
+    extra = {"members": 1} if shapes is None else {"members": len(shapes), "shapes": [list(m) for m in shapes]}
     return {"transport": transport, "block": kind, "batch": shape[0], "device": device, "shape": list(shape),
-            "mbytes": math.prod(shape) * 4 / 1e6, "n": len(short), "chain": chain,
+            "mbytes": math.prod(shape) * 4 / 1e6, **extra, "n": len(short), "chain": chain,
             "rtt1_median_ms": statistics.median(short), "rttK_median_ms": statistics.median(long_),
             "per_hop_median_ms": (statistics.median(long_) - statistics.median(short)) / (chain - 1),
             "per_hop_paired_median_ms": statistics.median(per_hop), "per_hop_p99_ms": _pct(per_hop, 0.99)}
@@ -151,7 +221,10 @@ def _row(transport, kind, shape, device, chain, short, long_) -> dict:
 def _print(row: dict) -> None:
     made = row.get("made_in_slot")
     made = "" if made is None else f", made in slot {made:.0%}"
-    print(f"{row['transport']:8s} {row['block']:8s} {str(row['shape']):22s} {row['mbytes']:8.1f} MB  hop median "
+    if row.get("members", 1) > 1:
+        vs = row.get("vs_single")
+        made += f", {row['members']} tensors" + ("" if vs is None else f": {vs:.2f}x the one-tensor hop")
+    print(f"{row['transport']:8s} {row['block']:15s} {str(row['shape']):22s} {row['mbytes']:8.1f} MB  hop median "
           f"{row['hop_median_ms']:.3f} ms p99 {row['hop_p99_ms']:.3f} (transit {row['hop_transit_ms'] or 0:.3f}, "
           f"share {row.get('hop_share_ms') or 0:.3f}, inf {row.get('hop_inf_ms') or 0:.3f}{made})  round-trip "
           f"difference {row['per_hop_paired_median_ms']:.3f}  rtt1 {row['rtt1_median_ms']:.3f} ms  "
@@ -159,22 +232,25 @@ def _print(row: dict) -> None:
 
 
 def measure(transport: str, sizes: list[tuple], n: int, chain: int, device: str = "cpu",
-            kinds=("identity",), budget: float = 2.0, least: int = 10) -> list[dict]:
-    """Chains of every kind of block in one deployment (one start-up per transport)."""
+            kinds=("identity",), budget: float = 2.0, least: int = 10, bundle_sizes=None) -> list[dict]:
+    """Chains of every kind of block in one deployment (one start-up per transport); the bundle
+    kinds at ``bundle_sizes`` (default: ``sizes``), after the one-tensor kinds they are compared with."""
     kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    kinds.sort(key=lambda k: k in BUNDLE_OF)  # the one-tensor rows first: vs_single needs them
     repo = _toy_repo(kinds)
     blocks, tasks = {}, {}
     for kind in kinds:
-        names = [f"{kind[0]}{k}" for k in range(chain)]
+        names = [f"{PREFIX[kind]}{k}" for k in range(chain)]
         blocks.update({nm: f"toy/{kind}.pt" for nm in names})
         tasks[f"{kind}-short"], tasks[f"{kind}-long"] = names[:1], names
+    per_kind = {k: (sizes if bundle_sizes is None or k not in BUNDLE_OF else bundle_sizes) for k in kinds}
     try:
-        return _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kinds, budget, least)
+        return _measure(repo, blocks, tasks, transport, per_kind, n, chain, device, kinds, budget, least)
     finally:
         shutil.rmtree(repo, ignore_errors=True)
 
 
-def _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kinds, budget, least) -> list[dict]:
+def _measure(repo, blocks, tasks, transport, per_kind, n, chain, device, kinds, budget, least) -> list[dict]:
     from blockflow.client import Client
     from blockflow.standalone import StandalonePipeline
 
@@ -185,11 +261,13 @@ def _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kinds, bud
                             shm_prefix="bfbench-hop") as p:
         with Client(p.address, timeout=120) as c:
             for kind in kinds:
-                for shape in sizes:
-                    x = torch.randn(*shape)
+                for shape in per_kind[kind]:
+                    x = make_input(kind, shape)
                     for _ in range(3):  # warm-up: slots, mappings, sockets
                         c.infer(f"{kind}-short", x)
-                        c.infer(f"{kind}-long", x)
+                        got = c.infer(f"{kind}-long", x)
+                    ok = same_value(got, expected(kind, x, chain))  # what the chain answers, checked once
+                    del got
                     made0, served0 = _slot_counts(p, tasks[f"{kind}-long"])
                     short, long_, results = _sample(lambda: c.infer(f"{kind}-short", x),
                                                     lambda: c.infer_details(f"{kind}-long", x), n, budget, least)
@@ -200,7 +278,8 @@ def _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kinds, bud
                     def comp(key):
                         vals = [h.get(key, 0.0) for hs in comps for h in hs]
                         return statistics.median(vals) if vals else None
-                    row = _row(transport, kind, shape, device, chain, short, long_)
+                    row = _row(transport, kind, shape, device, chain, short, long_,
+                               shapes=bundle_shapes(shape) if kind in BUNDLE_OF else None)
                     row.update({"hop_wait_ms": comp("wait"), "hop_deser_ms": comp("deser"), "hop_inf_ms": comp("inf"),
                                 "hop_share_ms": comp("share")})
                     row.update(_in_block([r.hops for r in results]))
@@ -208,12 +287,26 @@ def _measure(repo, blocks, tasks, transport, sizes, n, chain, device, kinds, bud
                     row["transport_ms"] = row["hop_median_ms"]
                     # Note [Outputs made in a slot]: the share of outputs sent from the slot the model made them in
                     row["made_in_slot"] = made / served if served else None
+                    row["result_ok"] = ok
+                    if kind in BUNDLE_OF:
+                        _compare_with_single(row, rows, BUNDLE_OF[kind])
                     rows.append(row)
                     _print(row)
+                    del results
         left = p.stop()
         if left["left"] != {"slots": [], "sockets": []}:
             log.warning("left behind: %s", left["left"])
     return rows
+
+
+def _compare_with_single(row: dict, rows: list[dict], single: str) -> None:
+    """``vs_single``: a bundle row's hop median over the one-tensor row of ``single`` at the same
+    stage and transport (None when that was not measured)."""
+    one = next((r for r in rows if r["block"] == single and r["transport"] == row["transport"]
+                and r["shape"] == row["shape"] and r.get("device") == row.get("device")), None)
+    base = None if one is None else one.get("hop_median_ms")
+    row["single_hop_median_ms"] = base
+    row["vs_single"] = row["hop_median_ms"] / base if base and row.get("hop_median_ms") is not None else None
 
 
 def _slot_counts(p, names) -> tuple[int, int]:
@@ -240,16 +333,20 @@ while True:
 """
 
 
-def _floor_header(shape, chain: int) -> bytes:
-    """A header as long as the blocks' own at that point of a chain: the floor sends the same parts."""
-    from blockflow.tensormq.wire import dumps
-    desc = {"dtype": "float32", "shape": list(shape), "stride": list(torch.empty(0).new_empty(shape).stride()),
-            "loc": "shm", "seg": "dispatcher-0.123456.1", "gen": 123456, "off": 0, "nbytes": math.prod(shape) * 4}
+def _floor_header(shape, chain: int, shapes=None) -> bytes:
+    """A header as long as the blocks' own at that point of a chain: the floor sends the same parts
+    (``shapes``: a bundle's members, one descriptor each under ``xs``)."""
+    from blockflow.tensormq.wire import contiguous_stride, dumps
+
+    def describe(s):
+        return {"dtype": "float32", "shape": list(s), "stride": list(contiguous_stride(s)), "loc": "shm",
+                "seg": "dispatcher-0.123456.1", "gen": 123456, "off": 0, "nbytes": math.prod(s) * 4}
+    value = {"x": describe(shape)} if shapes is None else {"xs": [describe(m) for m in shapes]}
     hop = {"b": "i0", "wait": 0.123456789, "deser": 0.0123456789, "dev": 0.000123456, "inf": 0.0123456789,
            "share": 0.00123456, "t_in": 123456.123456, "t_out": 123456.123456}
     path = [[f"i{k}", f"ipc:///tmp/bfs-abcdefgh/sock/i{k}-0.sock"] for k in range(1, chain)]
     return dumps({"v": 1, "t": "data", "rid": 1234567890123456789, "task": "identity-long",
-                  "path": path + [["@return", "ipc:///tmp/bfs-abcdefgh/sock/dispatcher-0.sock"]], "x": desc,
+                  "path": path + [["@return", "ipc:///tmp/bfs-abcdefgh/sock/dispatcher-0.sock"]], **value,
                   "hops": [hop] * (chain // 2)})
 
 
@@ -273,9 +370,9 @@ def _floor_after_copies(shape, chain, frames, trip, short_sock, long_sock, n, bu
                       *_sample(lambda: swept(short_sock), lambda: swept(long_sock), n, budget, least))
 
 
-def _floor_row(transport, kind, shape, chain, short, long_, stamps) -> dict:
+def _floor_row(transport, kind, shape, chain, short, long_, stamps, shapes=None) -> dict:
     """A floor row from paired round trips and the relays' stamps (no block components)."""
-    row = _row(transport, kind, shape, "cpu", chain, short, long_)
+    row = _row(transport, kind, shape, "cpu", chain, short, long_, shapes=shapes)
     row.update({"hop_wait_ms": None, "hop_deser_ms": None, "hop_inf_ms": None, "hop_share_ms": None})
     row.update(_in_block(stamps))
     row["transport_ms"] = row["hop_median_ms"]
@@ -284,10 +381,11 @@ def _floor_row(transport, kind, shape, chain, short, long_, stamps) -> dict:
 
 
 def measure_floor(sizes: list[tuple], n: int, chain: int, transports, budget: float = 2.0,
-                  least: int = 10) -> list[dict]:
+                  least: int = 10, bundle_sizes=()) -> list[dict]:
     """The floor of a hop on this machine, in the same run: chains of 1 and K relay processes
     (pyzmq only) passing the parts a BlockFlow hop passes -- the header alone (tensormq), the
-    header and the tensor's bytes (zeromq) -- over ipc:// PUSH/PULL sockets."""
+    header and the tensor's bytes (zeromq) -- over ipc:// PUSH/PULL sockets; at ``bundle_sizes``
+    also a bundle's parts (``floor-bundle``: three descriptors, and with zeromq three frames)."""
     import struct
     import subprocess
     import zmq
@@ -331,6 +429,17 @@ def measure_floor(sizes: list[tuple], n: int, chain: int, transports, budget: fl
                                                 n, budget, least)))
                 if transport == "tensormq":
                     rows.append(_floor_after_copies(shape, chain, frames, trip, short_sock, long_sock, n, budget, least))
+            for shape in bundle_sizes:
+                shapes = bundle_shapes(shape)
+                frames = [_floor_header(shape, chain, shapes)]
+                if transport == "zeromq":
+                    frames += [torch.randn(*m).view(torch.uint8).reshape(-1).numpy() for m in shapes]
+                for _ in range(3):
+                    trip(short_sock, frames)
+                    trip(long_sock, frames)
+                rows.append(_floor_row(transport, "floor-bundle", shape, chain,
+                                       *_sample(lambda: trip(short_sock, frames), lambda: trip(long_sock, frames),
+                                                n, budget, least), shapes=shapes))
         for head in heads:
             head.send_multipart([b"stop"])
     finally:
@@ -374,25 +483,58 @@ def summary(rows: list[dict]) -> str:
             f"{f(get('identity', 'zeromq', shape, 'hop_median_ms'))} ({f(get('identity', 'zeromq', shape, 'hop_p99_ms'))})",
             f(ct), f(cz), "-" if ct is None or not cz else f"{ct / cz:.2f}",
             f(get("identity", "tensormq", shape, "per_hop_paired_median_ms"))]) + " |")
+    bundles = bundle_summary(rows)
+    return "\n".join(lines) + (("\n\n" + bundles) if bundles else "")
+
+
+def bundle_summary(rows: list[dict]) -> str:
+    """Per bundle row: the same bytes as one tensor and as three, hop medians side by side, and
+    the floors of both messages."""
+    def one(kind, r):
+        return next((q for q in rows if q["block"] == kind and q["transport"] == r["transport"]
+                     and q["shape"] == r["shape"]), None)
+
+    def f(v, digits=3):
+        return "-" if v is None else f"{v:.{digits}f}"
+    found = [r for r in rows if r["block"] in BUNDLE_OF]
+    if not found:
+        return ""
+    lines = ["| transport | block | shape (members) | MB | one tensor: hop median | three: hop median (p99) | "
+             "three / one | floor one | floor three | result |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in found:
+        fl1, fl3 = one("floor", r), one("floor-bundle", r)
+        lines.append("| " + " | ".join([
+            r["transport"], r["block"], "x".join(map(str, r["shape"])) + " (" + " + ".join(
+                "x".join(map(str, m)) for m in r["shapes"]) + ")", f"{r['mbytes']:.1f}",
+            f(r.get("single_hop_median_ms")), f"{f(r['hop_median_ms'])} ({f(r['hop_p99_ms'])})",
+            f(r.get("vs_single"), 2), f(fl1 and fl1["hop_median_ms"]), f(fl3 and fl3["hop_median_ms"]),
+            "ok" if r.get("result_ok") else "WRONG"]) + " |")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], out: str) -> None:
-    """One panel per kind of block; in each, one line per transport and batch size."""
+    """One panel per kind of block; in each, one line per transport and batch size, and the
+    bundle rows of that kind as points beside them (same bytes, three tensors)."""
     from experiments.common import pyplot, save_fig
     plt = pyplot()
-    kinds = [k for k in KINDS if any(r.get("block", "identity") == k for r in rows)]
+    kinds = [k for k in KINDS if k not in BUNDLE_OF and any(r.get("block", "identity") in (k, f"bundle-{k}")
+                                                             for r in rows)]
     fig, axes = plt.subplots(1, len(kinds), figsize=(7 * len(kinds), 4), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         for t in sorted({r["transport"] for r in rows}):
             for b in sorted({r["shape"][0] for r in rows}):
                 rs = sorted((r for r in rows if r["transport"] == t and r["shape"][0] == b
                              and r.get("block", "identity") == kind), key=lambda r: r["mbytes"])
+                three = sorted((r for r in rows if r["transport"] == t and r["shape"][0] == b
+                                and r["block"] == f"bundle-{kind}"), key=lambda r: r["mbytes"])
+                if three:  # the same bytes as three tensors in one message
+                    ax.plot([r["mbytes"] for r in three], [max(r["transport_ms"], 1e-3) for r in three], "^",
+                            ms=8, mfc="none", label=f"{t}, batch {b}, 3 tensors")
                 if not rs:
                     continue
                 key = "hop_median_ms" if kind == "identity" else "transport_ms"
                 ax.plot([r["mbytes"] for r in rs], [max(r[key], 1e-3) for r in rs], "o-" if t == "tensormq" else "s--",
-                        label=f"{t}, batch {b}")
+                        color=ax.lines[-1].get_color() if three else None, label=f"{t}, batch {b}")
                 fl = sorted((r for r in rows if r["transport"] == t and r["shape"][0] == b and r["block"] == "floor"),
                             key=lambda r: r["mbytes"])
                 color = ax.lines[-1].get_color()
@@ -427,7 +569,11 @@ def main(argv=None) -> int:
                                               "first and the last block's hops are not counted)")
     ap.add_argument("--transports", default="tensormq,zeromq")
     ap.add_argument("--device", default="cpu", help="where the blocks run: cpu, cuda or cuda:N")
-    ap.add_argument("--blocks", default="identity,copy", help="kinds of block: identity, copy (default both)")
+    ap.add_argument("--blocks", default="identity,copy,bundle-identity,bundle-copy",
+                    help="kinds of block (default all): identity, copy, and bundle-identity, bundle-copy (three "
+                         "tensors per message, the same bytes as one of the stage)")
+    ap.add_argument("--bundle-stages", help="stages of the bundle rows: 'all' (those of --stages) or a list "
+                                            "(default block1, or the first of --stages without it)")
     ap.add_argument("--no-floor", action="store_true", help="skip the floor rows (bare pyzmq relays)")
     ap.add_argument("--batches", help="batch sizes (default 1,32; quick 1)")
     ap.add_argument("--stages", help=f"ResNet50 stage outputs to send (default all; quick block1,block4): "
@@ -444,15 +590,23 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1] if args.quick else [1, 32])
     stages = args.stages.split(",") if args.stages else (["block1", "block4"] if args.quick else list(STAGES))
     kinds = args.blocks.split(",")
-    unknown = [s for s in stages if s not in STAGES] + [k for k in kinds if k not in KINDS]
+    if args.bundle_stages == "all":
+        bundle_stages = stages
+    elif args.bundle_stages:
+        bundle_stages = args.bundle_stages.split(",")
+    else:
+        bundle_stages = ["block1" if "block1" in stages else stages[0]]
+    unknown = [s for s in stages + bundle_stages if s not in STAGES] + [k for k in kinds if k not in KINDS]
     if unknown:
         ap.error(f"unknown stage or block kind: {', '.join(unknown)}")
     sizes = [(b, *STAGES[s]) for b in batches for s in stages]
+    bundled = any(k in BUNDLE_OF for k in kinds)
+    bundle_sizes = [(b, *STAGES[s]) for b in batches for s in bundle_stages] if bundled else []
     transports = args.transports.split(",")
     started = time.monotonic()
-    rows = [] if args.no_floor else measure_floor(sizes, n, chain, transports, budget, least)
+    rows = [] if args.no_floor else measure_floor(sizes, n, chain, transports, budget, least, bundle_sizes)
     for t in transports:
-        rows += measure(t, sizes, n, chain, args.device, kinds, budget, least)
+        rows += measure(t, sizes, n, chain, args.device, kinds, budget, least, bundle_sizes)
     print(summary(rows))
     print(f"took {time.monotonic() - started:.0f} s")
     from experiments.common import env_info, results_dir, write_json
@@ -460,7 +614,9 @@ def main(argv=None) -> int:
     write_json(out, "hop_overhead", {"env": env_info(),
                                      "settings": {"n": n, "budget_s": budget, "least": least, "chain": chain,
                                                   "quick": args.quick, "device": args.device, "blocks": args.blocks,
-                                                  "floor": not args.no_floor, "batches": batches, "stages": stages},
+                                                  "floor": not args.no_floor, "batches": batches, "stages": stages,
+                                                  "bundle_stages": bundle_stages if bundled else [],
+                                                  "bundle_split": list(SPLIT)},
                                      "rows": rows})
     try:
         plot(rows, out)

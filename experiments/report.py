@@ -757,6 +757,27 @@ def replicas_text(d: dict) -> str:
                if "max_abs_diff_threads2" in d else "") + ".")
 
 
+def validation_cost(d: dict) -> str:
+    """Issue 29's question (``typed_header``): header checks after a typed decode or on dicts."""
+    t = d["typed_header"]
+    rows = [[r["variant"], r["what"], _f(r["single_us"]), _f(r["single_slept_us"]), _f(r["bundle_us"]),
+             _f(r["bundle_slept_us"])] for r in t["rows"]]
+    b = t["header_bytes"]
+    return _table(["variant", "work", f"one tensor ({b['single']} B) µs", "after a sleep µs",
+                   f"bundle of 3 ({b['bundle']} B) µs", "after a sleep µs"], rows)
+
+
+def validation_cost_text(d: dict) -> str:
+    t = d["typed_header"]
+    p, h = t["struct_over_today_parse"], t["struct_over_today_hop"]
+    diff = sum(1 for c in t["differences"] if not c["same"])
+    return (f"Typed and checked (Structs + memos), a header costs {_f(p['single_us'])}x today's for one tensor "
+            f"({_f(p['single_slept_us'])}x after a sleep) and {_f(p['bundle_us'])}x ({_f(p['bundle_slept_us'])}x) "
+            f"for a bundle of three; a hop's whole header work {_f(h['single_us'])}x ({_f(h['single_slept_us'])}x) "
+            f"and {_f(h['bundle_us'])}x ({_f(h['bundle_slept_us'])}x). Of {len(t['differences'])} crafted headers, "
+            f"{diff} are answered differently by the two ways.")
+
+
 def skipped(d: dict) -> str:
     return f"Not run here: {d.get('reason', 'skipped')}"
 
@@ -765,13 +786,13 @@ SECTIONS = [("offline_blocks", offline_blocks), ("rtt", rtt), ("pipeline_latency
             ("hop_overhead", hop_overhead), ("batch_scaling", batch_scaling), ("multiclient", multiclient),
             ("throughput", throughput), ("utilization", utilization), ("energy", energy),
             ("memory_model", memory_model), ("multi_gpu", multi_gpu), ("batching", batching), ("fused", fused),
-            ("replicas", replicas)]
+            ("replicas", replicas), ("validation_cost", validation_cost)]
 #: The sentences with numbers in them, per experiment (between ``<!-- text:NAME -->`` markers).
 TEXTS = {"offline_blocks": offline_blocks_text, "rtt": rtt_text, "pipeline_latency": pipeline_latency_text,
          "hop_overhead": hop_overhead_text, "batch_scaling": batch_scaling_text, "multiclient": multiclient_text,
          "throughput": throughput_text, "utilization": utilization_text, "memory_model": memory_model_text,
          "multi_gpu": multi_gpu_text, "batching": batching_text,
-         "fused": fused_text, "replicas": replicas_text}
+         "fused": fused_text, "replicas": replicas_text, "validation_cost": validation_cost_text}
 
 
 def _safe(fn, d: dict, name: str) -> str:

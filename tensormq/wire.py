@@ -34,6 +34,8 @@ import msgspec
 import torch
 from blockflow import settings
 
+from .bundle import KEY_RE, MAX_MEMBERS
+
 PROTOCOL_VERSION = 1
 
 #: Largest header frame accepted (bytes). Paths and timings are small; anything bigger is hostile.
@@ -97,7 +99,8 @@ def loads_header(frame, limit: int = MAX_HEADER_BYTES) -> dict:
     try:
         obj = _DECODER.decode(buf)
     except (msgspec.DecodeError, RecursionError) as exc:
-        # DecodeError covers malformed JSON, invalid UTF-8 and integers outside 64 bits;
+        # DecodeError covers malformed JSON and invalid UTF-8 (msgspec 0.22 reads integers of
+        # any size below Python's digit limit: whoever uses one bounds it, as admit() does rid);
         # RecursionError covers arrays nested thousands deep
         raise WireError(f"header is not JSON ({exc}); pickles and other formats are refused") from None
     if not isinstance(obj, dict):
@@ -247,7 +250,6 @@ class TensorDesc:
 def member_descs(header: dict) -> tuple[list, list[str] | None]:
     """The raw descriptors of a bundle's members and its keys (None: a tuple), the list and
     the names checked here; each descriptor is checked by ``TensorDesc.parse`` where it is used."""
-    from .bundle import MAX_MEMBERS, KEY_RE
     xs, keys = header.get("xs"), header.get("keys")
     if "x" in header:
         raise WireError("a header has x (one tensor) or xs (several), not both")

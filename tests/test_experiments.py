@@ -274,6 +274,89 @@ def test_smoke(name, tmp_path, resnet_repo, leak_check):
         assert "not run" not in text and "|" in text, text
 
 
+def test_hop_overhead_bundle_rows(tmp_path, leak_check):
+    """A bundle of three tensors per hop, measured beside the one tensor of the same bytes: its rows
+    (blocks and floor) exist, their members hold the stage's bytes, the chains answered what they
+    should, and the reports render them."""
+    out = str(tmp_path)
+    stdout = run_experiment("hop_overhead", out, "--n", "5", "--stages", "block1", "--transports", "tensormq",
+                            "--blocks", "identity,copy,bundle-identity,bundle-copy")
+    data = load(out, "hop_overhead")
+    assert data["settings"]["bundle_stages"] == ["block1"] and data["settings"]["bundle_split"] == [2, 1, 1]
+    rows = {r["block"]: r for r in data["rows"]}
+    assert set(rows) == {"floor", "floor-cold", "floor-bundle", "identity", "copy", "bundle-identity", "bundle-copy"}
+    for kind in ("identity", "copy", "bundle-identity", "bundle-copy"):
+        r = rows[kind]
+        assert r["result_ok"] is True, (kind, "the chain answered something else than its input (+ 1 per block)")
+        assert positive(r["hop_median_ms"]) and r["hop_p99_ms"] >= r["hop_median_ms"] and r["hops_measured"] >= 5
+    for kind in ("floor-bundle", "bundle-identity", "bundle-copy"):
+        r = rows[kind]
+        assert r["members"] == 3 and r["shape"] == [1, 256, 56, 56] and positive(r["hop_median_ms"])
+        assert r["shapes"] == [[1, 128, 56, 56], [1, 64, 56, 56], [1, 64, 56, 56]]
+        assert sum(math.prod(s) for s in r["shapes"]) == math.prod(r["shape"])  # the same bytes as one tensor
+        assert r["mbytes"] == rows["identity"]["mbytes"]
+    for kind, single in (("bundle-identity", "identity"), ("bundle-copy", "copy")):
+        r = rows[kind]
+        assert r["single_hop_median_ms"] == rows[single]["hop_median_ms"]
+        assert r["vs_single"] == pytest.approx(r["hop_median_ms"] / rows[single]["hop_median_ms"])
+    assert rows["identity"]["members"] == 1 and "shapes" not in rows["identity"]
+    assert "| tensormq | bundle-identity | 1x256x56x56 (1x128x56x56 + 1x64x56x56 + 1x64x56x56) | 3.2 |" in stdout
+    assert "WRONG" not in stdout
+    from experiments.report import section, text
+    table = section(out, "hop_overhead")
+    assert "| bundle-identity | tensormq | cpu | 1x256x56x56 |" in table and "| floor-bundle | tensormq |" in table
+    assert "Measured inside the blocks" in text(out, "hop_overhead")  # the sentence still reads the one-tensor rows
+    assert_png(out, "hop_overhead.png")
+
+
+def test_validation_cost_typed_header():
+    """The Struct-typed header against today's dicts and checks: both read the same headers into the
+    same descriptors, write the same header on, refuse what must be refused, and the table of
+    differences says where they part."""
+    from blockflow.tensormq.wire import WireError
+    from experiments import validation_cost as vc
+
+    typed, _ = vc.struct_path(patterns=False, memo=True)
+    strict, _ = vc.struct_path(patterns=True, memo=False)
+    for bundled in (False, True):
+        raw = json.dumps(vc.current_header(bundle=bundled)).encode()
+        (_, want), (_, got), (_, got2) = vc.today_path(raw), typed(raw), strict(raw)
+        for a in ([want] if not bundled else want):
+            assert a.numel > 0 and a.span_bytes() == a.numel * 4
+        for parsed in (got, got2, typed(raw)[1]):  # the last: from the descriptor memo
+            pairs = zip(want, parsed) if bundled else [(want, parsed)]
+            for a, b in pairs:
+                assert (a.dtype, a.shape, a.stride, a.numel, a.span_bytes(), a.loc) == \
+                       (b.dtype, b.shape, b.stride, b.numel, b.span_bytes(), b.loc)
+    bad = json.dumps(vc.current_header(x={**vc.current_header()["x"], "shape": [1, -512, 28, 28]})).encode()
+    for parse in (vc.today_path, typed, strict):
+        with pytest.raises(WireError):
+            parse(bad)
+
+    t = vc.typed_header(n=60, n_slept=3)
+    assert t["header_bytes"]["bundle"] > t["header_bytes"]["single"] > 300
+    assert len(t["rows"]) == 8 and {r["what"] for r in t["rows"]} == {"parse", "hop"}
+    for r in t["rows"]:
+        for col in ("single_us", "single_slept_us", "bundle_us", "bundle_slept_us"):
+            assert positive(r[col]), (r["variant"], col, r[col])
+    assert set(t["struct_over_today_parse"]) == set(t["struct_over_today_hop"]) == {
+        "single_us", "single_slept_us", "bundle_us", "bundle_slept_us"}
+    diff = {d["case"]: d for d in t["differences"]}
+    for case in ("a valid header, one tensor", "a valid header, bundle of three",
+                 "a valid header, bundle of three with keys"):
+        assert diff[case]["today"] == diff[case]["struct"] == "accepted" and diff[case]["same"]
+    for case in ("shape with a negative size", "a tensor over the byte limit", "strides spanning past the byte limit",
+                 "both x and xs", "keys twice the same", "a path address over http", "rid as a bool",
+                 "not JSON (a pickle)"):
+        assert diff[case]["today"].startswith("refused") and diff[case]["struct"].startswith("refused"), diff[case]
+    # a bool for 1 finds the memo of [1, ...] (Note [Descriptor memo]); a typed decode refuses it always
+    b = diff["shape with a bool (true for 1)"]
+    assert b["today"].startswith("refused") and b["today_memos_warm"] == "accepted" and not b["same"]
+    assert b["struct"].startswith("refused") and "$.x.shape[0]" in b["struct"]
+    assert diff["an unknown top-level field"]["struct"] == "accepted; trace dropped (not written on)"
+    assert "| shape with a bool (true for 1) **differs** |" in vc.typed_table(t)
+
+
 def test_a_run_without_out_writes_to_the_ignored_scratch_directory():
     from experiments import common
     path = common.results_dir(None)
