@@ -64,7 +64,7 @@ from blockflow.protocol import RETURN_HOP, ErrorCode
 from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, RESULT_KEYS, Transport, receive_limit, recv_message
 from blockflow.tensormq.bundle import first
-from blockflow.tensormq.wire import WireError, check_path, dumps, loads_header
+from blockflow.tensormq.wire import DataHeader, WireError, check_path, dumps, loads_data_header
 
 from .batching import BatchPolicy, DelayController, plan_batches, run_batch
 from .heap import keep_freed_memory
@@ -140,7 +140,7 @@ class _Request:
     __slots__ = ("arrival", "arrival_wall", "header", "x_in", "x", "lease", "t0", "t1", "t2", "batch_wait", "key",
                  "lend_ms")
 
-    def __init__(self, arrival: float, arrival_wall: float, header: dict):
+    def __init__(self, arrival: float, arrival_wall: float, header: DataHeader):
         self.arrival, self.arrival_wall, self.header = arrival, arrival_wall, header
         self.x_in = self.x = self.lease = None
         self.t0 = self.t1 = self.t2 = arrival
@@ -486,13 +486,10 @@ class Block(ChildProcess):
         if len(frames) == 1 and not len(frames[0]):
             return  # the control thread's wake-up (Note [One wait per hop])
         try:
-            header = loads_header(frames[0])
-            path = check_path(header.get("path"))
-            if header.get("t") != "data":
-                raise WireError(f"t must be 'data', got {header.get('t')!r:.20}")
-            rid = header.get("rid")
-            if not isinstance(rid, int) or isinstance(rid, bool) or not 0 <= rid < 1 << 64:
-                raise WireError("rid must be an integer in [0, 2**64)")
+            header = loads_data_header(frames[0])  # typed and checked: Note [Typed header] in wire.py
+            if header.t != "data":
+                raise WireError(f"t must be 'data', got {header.t!r}")
+            path, rid = header.path, header.rid
         except WireError as exc:
             ret = _return_address(frames[0])
             log.warning("block %s: dropped a malformed message (%s)%s", self.name, exc,
@@ -522,18 +519,17 @@ class Block(ChildProcess):
             log.warning("block %s: could not send %s for request %s to %s: %s",
                         self.name, header.get("t"), header.get("rid"), address, exc)
 
-    def release_unused(self, header: dict) -> None:
+    def release_unused(self, header: DataHeader) -> None:
         """A refused request still holds a slot (shared memory or CUDA): release it through
         the slot's header, without mapping the tensor."""
         try:
-            xs = header.get("xs")
-            for x in (xs if type(xs) is list else [header.get("x")]):
+            for x in (header.xs if header.xs is not None else [header.x]):
                 self.transport.release_handle(x)
         except WireError as exc:
             log.info("block %s: could not release the slot of refused request %s: %s",
-                     self.name, header.get("rid"), exc)
+                     self.name, header.rid, exc)
 
-    def infer(self, arrival: float, arrival_wall: float, header: dict, frames: list) -> None:
+    def infer(self, arrival: float, arrival_wall: float, header: DataHeader, frames: list) -> None:
         """One request: its input, the model, its output on to the next hop (Algorithm 2)."""
         if self.runner.stream_ordered:
             return self.infer_ordered(arrival, arrival_wall, header, frames)
@@ -556,7 +552,7 @@ class Block(ChildProcess):
             return
         self.send_output(req, y, t_inf, time.perf_counter(), 1, lent, takes)
 
-    def infer_ordered(self, arrival: float, arrival_wall: float, header: dict, frames: list) -> None:
+    def infer_ordered(self, arrival: float, arrival_wall: float, header: DataHeader, frames: list) -> None:
         """One request on a GPU, stream-ordered (Note [GPU hand-over order] in blocks/runner.py):
         the input's producer event, the model (its CUDA graph) and the copy into the next hop's
         slot are queued, the handle is sent, and only then does the block wait for its GPU,
@@ -586,7 +582,7 @@ class Block(ChildProcess):
         if not nbytes:
             return []
         try:
-            lent = self.transport.lend(req.header["path"][0][1], nbytes, self.lend_count)
+            lent = self.transport.lend(req.header.path[0][1], nbytes, self.lend_count)
         except Exception:  # no slot could be made (shared memory full): the send after the model says why
             return []
         if lent:
@@ -651,16 +647,16 @@ class Block(ChildProcess):
                 r.lease.release()
                 r.lease = None
 
-    def take_input(self, arrival: float, arrival_wall: float, header: dict, frames: list) -> "_Request | None":
+    def take_input(self, arrival: float, arrival_wall: float, header: DataHeader, frames: list) -> "_Request | None":
         """Rebuild a request's tensor on this block's device; None after answering an error."""
         req = _Request(arrival, arrival_wall, header)
         req.t0 = time.perf_counter()
         runner = self.runner
         try:
-            if "xs" in header:  # several tensors (tensormq/bundle.py): the slower, general way
-                req.x_in, req.lease = self.transport.decode_value(header, frames)
+            if header.xs is not None:  # several tensors (tensormq/bundle.py): the slower, general way
+                req.x_in, req.lease = self.transport.decode_value(header.x, header.xs, header.keys, frames)
             else:
-                req.x_in, req.lease = self.transport.decode(header.get("x"), frames)
+                req.x_in, req.lease = self.transport.decode(header.x, frames)
             runner.mark("ready")  # on a GPU: once the stream waited for the input's producer
             req.t1 = time.perf_counter()
             req.x = runner.to_device(req.x_in)
@@ -678,11 +674,11 @@ class Block(ChildProcess):
         one), else copied into a slot (or as bytes). ``ordered``: the GPU work is still queued
         (``infer_ordered``): the input is released, and the stage times read, after the send."""
         header, lease, x_in = req.header, req.lease, req.x_in
-        path = header["path"]
+        path = header.path
         x_desc = None  # the handle of a message not sent yet: its slot is ours to give back
         try:
             # one tensor in and out: the fast path (a bundle goes the general way, tensormq/bundle.py)
-            single = isinstance(y, torch.Tensor) and "xs" not in header
+            single = isinstance(y, torch.Tensor) and header.xs is None
             t3 = time.perf_counter()
             next_name, next_addr = path[0]
             # a bundle's members may forward the input's slots: it is released after the encode
@@ -696,22 +692,19 @@ class Block(ChildProcess):
             hop = {"b": self.name, "wait": (req.t0 - req.arrival) * 1e3, "deser": (req.t1 - req.t0) * 1e3,
                    "dev": (req.t2 - req.t1) * 1e3, "inf": inf, "t_in": round(req.arrival, 6)}
             # the received header goes on: only t, path, hops and x change
-            hops = header.get("hops")
-            header["hops"] = (hops[:63] if isinstance(hops, list) else []) + [hop]
+            header.hops = header.hops[:63] + [hop]
             if next_name == RETURN_HOP:
-                header["t"] = "result"
+                header.t = "result"
             else:
-                header["path"] = path[1:]
+                header.path = path[1:]
             if single:
                 # an output that is the input itself keeps the input's handle as it came
                 x_desc, payload = self.transport.encode(y, next_addr, lease,
-                                                        same_as=header["x"] if y is x_in else None, made_in=made_in)
+                                                        same_as=header.x if y is x_in else None, made_in=made_in)
             else:  # a bundle in or out (tensormq/bundle.py): one descriptor per member
                 fields, payload = self.transport.encode_value(y, next_addr, lease)
                 x_desc = fields.get("x") or fields["xs"]
-                for key in ("x", "xs", "keys"):
-                    header.pop(key, None)
-                header.update(fields)
+                header.x, header.xs, header.keys = fields.get("x"), fields.get("xs"), fields.get("keys")
             if lease is not None and not ordered:
                 lease.release()  # no-op when the handle was forwarded: the duty went with it
             self.runner.mark("shared")
@@ -719,7 +712,7 @@ class Block(ChildProcess):
             hop["share"] = (t4 - t3) * 1e3 + req.lend_ms
             hop["t_out"] = round(t4, 6)  # Note [Hop timestamps] in blocks/kpilog.py
             if single:
-                header["x"] = x_desc
+                header.x = x_desc
             self.transport.send(next_addr, header, payload)
             x_desc = None
             t5 = time.perf_counter()
@@ -731,11 +724,11 @@ class Block(ChildProcess):
             return
         total = (t5 - req.arrival) * 1e3
         if self.batching is None:  # the common case, in LATENCY_ROW's order (see KpiLog.add_row)
-            self.kpi.add_row((req.arrival_wall, header["rid"], header.get("task"), hop["wait"], hop["deser"],
+            self.kpi.add_row((req.arrival_wall, header.rid, header.task, hop["wait"], hop["deser"],
                               hop["dev"], inf, hop["share"], (t5 - t4) * 1e3, total, hop["t_in"], hop["t_out"],
                               len(self.backlog), _rows(y)))
             return
-        rec = {"ts": req.arrival_wall, "rid": header["rid"], "task": header.get("task"),
+        rec = {"ts": req.arrival_wall, "rid": header.rid, "task": header.task,
                "wait": hop["wait"], "deser": hop["deser"], "dev": hop["dev"], "inf": inf, "share": hop["share"],
                "fwd": (t5 - t4) * 1e3, "total": total, "t_in": hop["t_in"], "t_out": hop["t_out"],
                "queue": len(self.backlog),
@@ -749,7 +742,7 @@ class Block(ChildProcess):
         rec["batch_wait"] = req.batch_wait
         self.kpi.add("latency", rec)
 
-    def finish_ordered(self, req: "_Request", header: dict, hop: dict, t4: float, t5: float, y) -> None:
+    def finish_ordered(self, req: "_Request", header: DataHeader, hop: dict, t4: float, t5: float, y) -> None:
         """After the send of a stream-ordered request: wait for the GPU, give the input back,
         log the request's stages. GPU work is timed by its CUDA events (``GpuClock``), host
         work by the host clock, and ``total`` is their sum: ``wait`` (queue, then the stream's
@@ -763,14 +756,14 @@ class Block(ChildProcess):
         wait = hop["wait"] + clock.between("queued", "ready")
         dev, inf = clock.between("ready", "on_device"), clock.between("on_device", "inferred")
         share, fwd = clock.between("inferred", "shared"), (t5 - t4) * 1e3
-        self.kpi.add_row((req.arrival_wall, header["rid"], header.get("task"), wait, hop["deser"], dev, inf, share,
+        self.kpi.add_row((req.arrival_wall, header.rid, header.task, wait, hop["deser"], dev, inf, share,
                           fwd, wait + hop["deser"] + dev + inf + share + fwd, hop["t_in"], hop["t_out"],
                           len(self.backlog), _rows(y)))
 
     def fail(self, req: "_Request", exc: Exception, x_desc: dict | None = None) -> None:
         """Answer the request with the error, give back what it holds, count it."""
         header = req.header
-        rid = header["rid"]
+        rid = header.rid
         if x_desc is not None:
             self.transport.discard(x_desc)
         if req.lease is not None:
@@ -780,8 +773,8 @@ class Block(ChildProcess):
         err = {"t": "error", "rid": rid, "block": self.name, "err": msg}
         if isinstance(exc, (HopGone, ShmExhausted)):
             err["code"] = exc.code  # block_failed: the next hop was removed; no_shared_memory
-        self.send_quietly(header["path"][-1][1], err)
-        self.kpi.add("latency", {"ts": req.arrival_wall, "rid": rid, "task": header.get("task"),
+        self.send_quietly(header.path[-1][1], err)
+        self.kpi.add("latency", {"ts": req.arrival_wall, "rid": rid, "task": header.task,
                                  "error": err.get("code", "error")})  # counted by GET /metrics
 
     # -- shutdown: ChildProcess.shutdown() runs these steps in its order ------------------------
@@ -793,7 +786,7 @@ class Block(ChildProcess):
         while self.backlog:
             header = self.backlog.popleft()[2]
             self.release_unused(header)
-            self.send_quietly(header["path"][-1][1], {"t": "error", "rid": header["rid"], "block": self.name,
+            self.send_quietly(header.path[-1][1], {"t": "error", "rid": header.rid, "block": self.name,
                                                       "code": ErrorCode.SHUTDOWN.value,
                                                       "err": f"block {self.name} is shutting down"})
 

@@ -454,7 +454,8 @@ class Dispatcher(ChildProcess):
             self.stats["late"] += 1
             if kind == "result" and (isinstance(header.get("x"), dict) or "xs" in header):
                 try:
-                    _t, lease = self.transport.decode_value(header, frames)
+                    _t, lease = self.transport.decode_value(header.get("x"), header.get("xs"), header.get("keys"),
+                                                            frames)
                     if lease is not None:
                         lease.release()
                 except WireError:
@@ -469,7 +470,7 @@ class Dispatcher(ChildProcess):
             return
         lease = None
         try:
-            tensor, lease = self.transport.decode_value(header, frames)
+            tensor, lease = self.transport.decode_value(header.get("x"), header.get("xs"), header.get("keys"), frames)
             self.answer(req, "ok", tensor=tensor, hops=header.get("hops"), started=req.started)
         except Exception as exc:  # the request is ours to answer now: never drop it silently
             self.answer(req, "error", code="bad_result", error=f"the last block sent an unreadable result: {exc}")

@@ -771,11 +771,28 @@ def validation_cost_text(d: dict) -> str:
     t = d["typed_header"]
     p, h = t["struct_over_today_parse"], t["struct_over_today_hop"]
     diff = sum(1 for c in t["differences"] if not c["same"])
-    return (f"Typed and checked (Structs + memos), a header costs {_f(p['single_us'])}x today's for one tensor "
+    return (f"Typed and checked (Structs + memos), a header costs {_f(p['single_us'])}x the dicts' for one tensor "
             f"({_f(p['single_slept_us'])}x after a sleep) and {_f(p['bundle_us'])}x ({_f(p['bundle_slept_us'])}x) "
             f"for a bundle of three; a hop's whole header work {_f(h['single_us'])}x ({_f(h['single_slept_us'])}x) "
             f"and {_f(h['bundle_us'])}x ({_f(h['bundle_slept_us'])}x). Of {len(t['differences'])} crafted headers, "
-            f"{diff} are answered differently by the two ways.")
+            f"{diff} are answered differently by the two ways." + _blocks_now(t))
+
+
+def _blocks_now(t: dict) -> str:
+    """What the blocks' own typed header (DataHeader, descriptors as dicts) costs against the dicts."""
+    by = {r["variant"]: r for r in t["rows"]}
+    now = next((r for n, r in by.items() if n.startswith("blocks now: DataHeader")), None)
+    hop = by.get("blocks now: hop (DataHeader)")
+    dicts = next((r for n, r in by.items() if n.startswith(("dicts: msgspec", "today: msgspec"))), None)
+    dicts_hop = next((r for n, r in by.items() if n.startswith(("dicts: hop", "today: hop"))), None)
+    if not (now and hop and dicts and dicts_hop):
+        return ""
+    r = {c: now[c] / dicts[c] for c in ("single_us", "single_slept_us", "bundle_us", "bundle_slept_us")}
+    rh = {c: hop[c] / dicts_hop[c] for c in r}
+    return (f" What blocks do now (DataHeader, descriptors still dicts through their memo) costs "
+            f"{_f(r['single_us'])}x the dicts' parse for one tensor ({_f(r['single_slept_us'])}x after a sleep) and "
+            f"{_f(r['bundle_us'])}x ({_f(r['bundle_slept_us'])}x) for a bundle; its hop {_f(rh['single_us'])}x "
+            f"({_f(rh['single_slept_us'])}x) and {_f(rh['bundle_us'])}x ({_f(rh['bundle_slept_us'])}x).")
 
 
 def skipped(d: dict) -> str:

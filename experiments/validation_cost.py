@@ -24,8 +24,8 @@ hand-written checks where they measure faster"): ``typed_header`` in the JSON. T
 block receives now (``v``, an integer ``rid``, the remaining path, the hop records of two blocks
 before it) are decoded two ways, for one tensor (``x``) and for a bundle of three (``xs``):
 
-* *today*: msgspec to dicts, then the block's own checks as ``admit`` and ``take_input`` make
-  them (``check_path``, ``t``, ``rid``, ``member_descs``, ``TensorDesc.parse``) with the
+* *dicts* (what blocks did until they decoded into ``DataHeader``): msgspec to dicts, then the
+  block's own checks as ``admit`` and ``take_input`` made them (``check_path``, ``t``, ``rid``, ``member_descs``, ``TensorDesc.parse``) with the
   path and descriptor memos (Note [Descriptor memo]) warm, as they are in a running block;
   also with both memos emptied before each call;
 * *struct*: ``msgspec.json.Decoder(Header)`` with ``msgspec.Struct`` classes for the header and
@@ -35,7 +35,10 @@ before it) are decoded two ways, for one tensor (``x``) and for a bundle of thre
   shape and stride of one length, the byte limit and the strided span, the zero-size product
   bound, the path's name and address patterns. *struct + memos* keeps the two memos (the path's
   pairs, decoded as tuples, are checked with one ``set.issuperset``); *struct, no memos* puts the
-  path patterns and the slot name's pattern in the schema and checks every descriptor every time.
+  path patterns and the slot name's pattern in the schema and checks every descriptor every time;
+* *blocks now*: what a block does since this measurement decided it (Note [Typed header] in
+  tensormq/wire.py): ``loads_data_header`` (a Struct header whose descriptors stay dicts, the path
+  memo on tuples), then ``TensorDesc.parse`` and its memo for each descriptor.
 
 The bare decoders (msgspec to dicts; the typed decode without the checks after it) are the
 floors. ``hop`` columns time what a block does with the header per hop: parse and check it,
@@ -54,7 +57,7 @@ import statistics
 import time
 
 from blockflow.schema import validate_update
-from blockflow.tensormq.wire import TensorDesc, WireError, check_path, loads_header, member_descs
+from blockflow.tensormq.wire import TensorDesc, WireError, check_path, loads_data_header, loads_header, member_descs
 
 from . import common
 
@@ -269,8 +272,9 @@ def typed_schema(patterns: bool):
 
 
 def today_path(raw: bytes):
-    """What a block checks of a data header today: ``admit`` (loads_header, check_path, t, rid)
-    and ``take_input`` (member_descs and TensorDesc.parse of each member, or of x)."""
+    """What a block checked of a data header before it decoded into ``DataHeader`` (the dicts
+    way): ``admit`` (loads_header, check_path, t, rid) and ``take_input`` (member_descs and
+    TensorDesc.parse of each member, or of x)."""
     header = loads_header(raw)
     check_path(header.get("path"))
     if header.get("t") != "data":
@@ -279,9 +283,20 @@ def today_path(raw: bytes):
     if not isinstance(rid, int) or isinstance(rid, bool):
         raise WireError("rid must be an integer")
     if "xs" in header:
-        xs, _keys = member_descs(header)
+        xs, _keys = member_descs(header["xs"], header.get("keys"), "x" in header)
         return header, [TensorDesc.parse(x) for x in xs]
     return header, TensorDesc.parse(header.get("x"))
+
+
+def blocks_path(raw: bytes):
+    """What a block checks of a data header now: ``loads_data_header`` (Note [Typed header] in
+    tensormq/wire.py) in ``admit``, then TensorDesc.parse of each descriptor in ``take_input``."""
+    h = loads_data_header(raw)
+    if h.t != "data":
+        raise WireError(f"t must be 'data', got {h.t!r}")
+    if h.xs is not None:
+        return h, [TensorDesc.parse(x) for x in h.xs]
+    return h, TensorDesc.parse(h.x)
 
 
 def forget_memos() -> None:
@@ -526,23 +541,26 @@ def typed_header(n: int, n_slept: int) -> dict:
     struct_write = msgspec.json.Encoder().encode
     hop_today, _ = _hop_after(today_path, dumps, record)
     _, hop_struct = _hop_after(struct_memo, struct_write, record)
+    _, hop_blocks = _hop_after(blocks_path, dumps, record)
     # the rewritten headers must say the same (as JSON values): the typed one is the same message
     for raw in raws.values():
-        if json.loads(hop_today(raw)) != json.loads(hop_struct(raw)):
+        if not json.loads(hop_today(raw)) == json.loads(hop_struct(raw)) == json.loads(hop_blocks(raw)):
             raise RuntimeError("the typed header is written on differently from today's: not the same message")
-    today_name = "today: msgspec to dicts + hand-written checks, memos warm"
+    today_name = "dicts: msgspec to dicts + hand-written checks, memos warm"
     typed_name = "struct + memos: typed decode, the rest checked by hand, path and descriptor memos"
-    hop_today_name = "today: hop (parse, check, add the hop record, write)"
+    hop_today_name = "dicts: hop (parse, check, add the hop record, write)"
     hop_typed_name = "struct + memos: hop (parse, check, add the hop record, write)"
     variants = {
         today_name: ("parse", today_path, None),
-        "today, memos emptied before each call": ("parse", today_path, forget_memos),
+        "dicts, memos emptied before each call": ("parse", today_path, forget_memos),
+        "blocks now: DataHeader (tensormq/wire.py) + TensorDesc.parse, memos warm": ("parse", blocks_path, None),
         typed_name: ("parse", struct_memo, None),
         "struct, no memos: patterns in the schema, every descriptor checked": ("parse", struct_plain, None),
         "msgspec to dicts alone (no checks)": ("parse", dict_decode, None),
         "typed decode alone (no checks after it)": ("parse", typed_decode, None),
         hop_today_name: ("hop", hop_today, None),
         hop_typed_name: ("hop", hop_struct, None),
+        "blocks now: hop (DataHeader)": ("hop", hop_blocks, None),
     }
     cases = {}
     for name, (what, fn, setup) in variants.items():

@@ -128,7 +128,7 @@ def read_bytes_value(header: dict, frames: list, max_bytes: int = MAX_TENSOR_BYT
     ``check(descs, keys)``, when given, sees the checked descriptors before any is read
     (keys None: one tensor, or a tuple)."""
     bundled = "xs" in header
-    xs, keys = member_descs(header) if bundled else ([header.get("x")], None)
+    xs, keys = member_descs(header["xs"], header.get("keys"), "x" in header) if bundled else ([header.get("x")], None)
     descs = [TensorDesc.parse(x, max_bytes) for x in xs]
     if any(d.loc != "bytes" for d in descs) or len(frames) != 1 + len(descs):
         raise WireError(f"{'xs' if bundled else 'x'} must have loc 'bytes', each tensor in its own frame after "
@@ -218,13 +218,14 @@ class Transport:
             return self.mapper.open(desc)
         return self.cuda_mapper().open(desc)
 
-    def decode_value(self, header: dict, frames: list):
-        """(value, lease) for a message's tensor or bundle (``xs``: tensormq/bundle.py). For a
-        bundle the lease is a ``LeaseSet`` of its members' slots (None when all came as bytes);
-        a member that cannot be opened gives back the slots opened before it."""
-        if "xs" not in header:
-            return self.decode(header.get("x"), frames)
-        xs, keys = member_descs(header)
+    def decode_value(self, x, xs, keys, frames: list):
+        """(value, lease) for a message's tensor (descriptor ``x``) or bundle (descriptors ``xs``
+        and ``keys``: tensormq/bundle.py). For a bundle the lease is a ``LeaseSet`` of its
+        members' slots (None when all came as bytes); a member that cannot be opened gives back
+        the slots opened before it."""
+        if xs is None:
+            return self.decode(x, frames)
+        xs, keys = member_descs(xs, keys, x is not None)
         members, leases, frame = [], LeaseSet(), 1
         try:
             for i, x in enumerate(xs):

@@ -4,6 +4,7 @@ and passing-through blocks, from a client's tuple to a client's dict."""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Tuple
@@ -14,7 +15,7 @@ import zmq
 
 from blockflow.tensormq import bundle
 from blockflow.tensormq.transport import LeaseSet, Transport, bytes_fields, read_bytes_value
-from blockflow.tensormq.wire import WireError, member_descs
+from blockflow.tensormq.wire import WireError, dumps, loads_data_header, member_descs
 
 
 class Fork(torch.nn.Module):
@@ -75,11 +76,25 @@ def test_bytes_fields_round_trip_a_dict_and_refuse_forged_headers():
     with pytest.raises(WireError, match="frame"):
         read_bytes_value(fields, frames[:-1])  # a member's frame is missing
     with pytest.raises(WireError, match="not both"):
-        member_descs({**fields, "x": fields["xs"][0]})
+        read_bytes_value({**fields, "x": fields["xs"][0]}, frames)
     with pytest.raises(WireError, match="keys"):
-        member_descs({**fields, "keys": ["logits", "logits"]})
+        member_descs(fields["xs"], ["logits", "logits"])
     with pytest.raises(WireError, match="1 to 16"):
-        member_descs({"xs": []})
+        member_descs([], None)
+
+
+def test_a_typed_data_header_refuses_what_a_block_must_not_take():
+    """Blocks decode data headers into DataHeader (Note [Typed header]): msgspec's checks and
+    ours name the field."""
+    ok = {"v": 1, "t": "data", "rid": 7, "task": "t", "path": [["b", "ipc:///tmp/bf-b.sock"]],
+          "xs": [{"dtype": "float32", "shape": [1], "stride": [1], "loc": "bytes"}], "keys": ["a"]}
+    header = loads_data_header(dumps(ok))
+    assert header.path == [("b", "ipc:///tmp/bf-b.sock")] and header.keys == ["a"] and header.x is None
+    for bad, words in (({"rid": -1}, "$.rid"), ({"rid": True}, "$.rid"), ({"t": "error"}, "$.t"),
+                       ({"path": [["b c", "ipc:///x"]]}, "path[0]"), ({"path": []}, "$.path"),
+                       ({"x": ok["xs"][0]}, "not both"), ({"keys": ["a", "b"]}, "keys"), ({"v": 2}, "$.v")):
+        with pytest.raises(WireError, match=re.escape(words)):
+            loads_data_header(dumps({**ok, **bad}))
 
 
 @pytest.fixture
@@ -103,7 +118,7 @@ def test_a_bundle_travels_by_handles_and_a_passed_member_keeps_its_slot(shm_pair
     a, b = torch.randn(1, 8), torch.randn(1, 4)
     fields, payloads = producer.encode_value((a, b), hop)
     assert payloads == [] and [x["loc"] for x in fields["xs"]] == ["shm", "shm"]
-    (ra, rb), leases = consumer.decode_value(fields, [b"h"])
+    (ra, rb), leases = consumer.decode_value(None, fields["xs"], None, [b"h"])
     assert torch.equal(ra, a) and torch.equal(rb, b) and isinstance(leases, LeaseSet)
     assert producer.in_flight() == 2
     # the consumer sends the second member on untouched: its handle travels, the slot stays taken

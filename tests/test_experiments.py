@@ -310,7 +310,7 @@ def test_hop_overhead_bundle_rows(tmp_path, leak_check):
 
 
 def test_validation_cost_typed_header():
-    """The Struct-typed header against today's dicts and checks: both read the same headers into the
+    """The Struct-typed header, the blocks' DataHeader and the dicts with our checks: all read the same headers into the
     same descriptors, write the same header on, refuse what must be refused, and the table of
     differences says where they part."""
     from blockflow.tensormq.wire import WireError
@@ -320,22 +320,22 @@ def test_validation_cost_typed_header():
     strict, _ = vc.struct_path(patterns=True, memo=False)
     for bundled in (False, True):
         raw = json.dumps(vc.current_header(bundle=bundled)).encode()
-        (_, want), (_, got), (_, got2) = vc.today_path(raw), typed(raw), strict(raw)
+        (_, want), (_, got), (_, got2), (_, got3) = vc.today_path(raw), typed(raw), strict(raw), vc.blocks_path(raw)
         for a in ([want] if not bundled else want):
             assert a.numel > 0 and a.span_bytes() == a.numel * 4
-        for parsed in (got, got2, typed(raw)[1]):  # the last: from the descriptor memo
+        for parsed in (got, got2, got3, typed(raw)[1]):  # the last: from the descriptor memo
             pairs = zip(want, parsed) if bundled else [(want, parsed)]
             for a, b in pairs:
                 assert (a.dtype, a.shape, a.stride, a.numel, a.span_bytes(), a.loc) == \
                        (b.dtype, b.shape, b.stride, b.numel, b.span_bytes(), b.loc)
     bad = json.dumps(vc.current_header(x={**vc.current_header()["x"], "shape": [1, -512, 28, 28]})).encode()
-    for parse in (vc.today_path, typed, strict):
+    for parse in (vc.today_path, typed, strict, vc.blocks_path):
         with pytest.raises(WireError):
             parse(bad)
 
     t = vc.typed_header(n=60, n_slept=3)
     assert t["header_bytes"]["bundle"] > t["header_bytes"]["single"] > 300
-    assert len(t["rows"]) == 8 and {r["what"] for r in t["rows"]} == {"parse", "hop"}
+    assert len(t["rows"]) == 10 and {r["what"] for r in t["rows"]} == {"parse", "hop"}
     for r in t["rows"]:
         for col in ("single_us", "single_slept_us", "bundle_us", "bundle_slept_us"):
             assert positive(r[col]), (r["variant"], col, r[col])
