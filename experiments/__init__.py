@@ -8,7 +8,7 @@ only by ``--out experiments/results/<machine>`` (see experiments/common.py and e
 
 Without ``--quick`` on a machine without a GPU, an experiment runs with the settings of
 :data:`CPU_SETTINGS` (unless the command line gives its own), sized so that ``all`` finishes in
-about 30 minutes on a 2-core CPU; every setting used is recorded in the result's ``settings``.
+about 42 minutes on a 2-core CPU; every setting used is recorded in the result's ``settings``.
 ``all`` writes ``<out>/bench_all.json``: the commit and each experiment's exit code and seconds.
 """
 from __future__ import annotations
@@ -45,14 +45,14 @@ EXPERIMENTS = [
 ]
 
 #: Settings of a full run on a CPU-only machine, sized (from single runs on the 2-core VM) so that
-#: ``all`` takes about 30 minutes there; the approximate minutes are in the comments. The thesis's
+#: ``all`` takes about 42 minutes there (41.9 at cedb8c7); the approximate minutes are in the comments. The thesis's
 #: own settings (1000 inferences, 120 s series, ...) would take hours on 2 cores. A GPU machine
 #: runs the scripts' defaults, which are the thesis's.
 CPU_SETTINGS = {
     "offline_blocks": ["--n", "50", "--export"],                              # 3.5 (the README compares formats)
     "rtt": ["--n", "3000"],                                                   # 1.5
     "pipeline_latency": ["--duration", "20", "--variants", "default,no-trim,pinned"],  # 6 (3.5 of it variants)
-    "hop_overhead": ["--budget", "3"],                                        # 3
+    "hop_overhead": ["--budget", "3"],                                        # 4.5 (1 of it the bundle rows)
     "batch_scaling": [],                                                      # 2 (3 s per series and batch)
     "multiclient": ["--clients", "1,2,4,8", "--duration", "8"],               # 2.5
     "throughput": ["--rates", "2,6,10,14,20", "--duration", "8"],             # 3
@@ -61,7 +61,7 @@ CPU_SETTINGS = {
     "kserve_cost": [],                                                        # 1
     "fused": [],                                                              # 2.5
     "replicas": [],                                                           # 2
-    "validation_cost": [],                                                    # 0.2
+    "validation_cost": [],                                                    # 0.5 (the typed header)
     "peers": [],                                                              # 5 (skipped without [peers])
     "batching": ["--rates", "6,12,20", "--duration", "8"],                    # 4.5 (2.5 of it half-load rounds)
     "chaos": ["--duration", "60"],                                            # 1.5

@@ -384,7 +384,23 @@ def hop_overhead_text(d: dict) -> str:
     if ratios:
         out += (" A copying hop's transport cost (per request, its compute taken off), TensorMQ against ZeroMQ: "
                 + "; ".join(ratios) + "; the goal is at most 0.5x.")
-    return out
+    return out + _hop_bundle_text(d)
+
+
+def _hop_bundle_text(d: dict) -> str:
+    """Issue 29's rows: three tensors in one message against one tensor of the same bytes."""
+    parts = []
+    for kind in ("bundle-identity", "bundle-copy"):
+        for t in ("tensormq", "zeromq"):
+            rows = sorted((r for r in d["rows"] if r.get("block") == kind and r["transport"] == t
+                           and r.get("vs_single") is not None), key=lambda r: r["shape"][0])
+            if rows:
+                parts.append(f"{kind.split('-')[1]} over {t} " + ", ".join(
+                    f"{_f(r['vs_single'])}x at {_f(r['mbytes'], 1)} MB ({_f(r['hop_median_ms'], 3)} ms)" for r in rows))
+    if not parts:
+        return ""
+    return (" Three tensors in one message (the bundle rows) against one tensor of the same bytes, hop medians: "
+            + "; ".join(parts) + ".")
 
 
 def _hop_overhead_text_round_trips(d: dict) -> str:
