@@ -233,11 +233,11 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
 #: Experiments with a detailed test (above, or in the file named) run for real; every other one
 #: in EXPERIMENTS gets test_smoke.
 DETAILED = {"offline_blocks": "test_offline_blocks", "rtt": "test_rtt", "pipeline_latency": "test_pipeline_latency",
-            "chaos": "tests/test_chaos.py", "fuzz": "tests/test_fuzz.py", "soak": "tests/test_soak.py"}
+            "chaos": "tests/test_chaos.py", "fuzz": "tests/test_fuzz.py", "soak": "tests/test_soak.py",
+            "hop_overhead": "test_hop_overhead_bundle_rows"}
 #: The smallest settings that still exercise each script's whole path (--quick is added); an
 #: experiment not named here (one added later) runs with --quick alone.
 SMOKE_ARGS = {
-    "hop_overhead": ["--n", "5", "--stages", "block1", "--blocks", "identity", "--transports", "tensormq"],
     "batch_scaling": ["--batches", "1", "--transports", "tensormq"],
     "multiclient": ["--clients", "2", "--duration", "1", "--transports", "tensormq"],
     "throughput": ["--rates", "4", "--duration", "1", "--transports", "tensormq"],
@@ -261,10 +261,7 @@ def test_smoke(name, tmp_path, resnet_repo, leak_check):
     out = str(tmp_path)
     run_experiment(name, out, *SMOKE_ARGS.get(name, []))
     data = load(out, name)
-    for key in PROVENANCE:
-        assert key in data, f"{name}.json lacks {key!r}"
-    assert data["command"].startswith(f"python -m experiments.{name} --quick") and isinstance(data["dirty"], list)
-    assert "machine" in data["env"] and isinstance(data.get("settings"), dict), f"{name}.json lacks env/settings"
+    check_provenance(data, name)
     if data.get("skipped"):
         assert data.get("reason"), f"{name}.json says skipped but gives no reason"
         return
@@ -272,6 +269,14 @@ def test_smoke(name, tmp_path, resnet_repo, leak_check):
     if name in dict(SECTIONS):
         text = section(out, name)  # raises KeyError when a key the report reads is missing
         assert "not run" not in text and "|" in text, text
+
+
+def check_provenance(data: dict, name: str) -> None:
+    """What every experiment's JSON records of the code and machine that made it."""
+    for key in PROVENANCE:
+        assert key in data, f"{name}.json lacks {key!r}"
+    assert data["command"].startswith(f"python -m experiments.{name} --quick") and isinstance(data["dirty"], list)
+    assert "machine" in data["env"] and isinstance(data.get("settings"), dict), f"{name}.json lacks env/settings"
 
 
 def test_hop_overhead_bundle_rows(tmp_path, leak_check):
@@ -282,6 +287,7 @@ def test_hop_overhead_bundle_rows(tmp_path, leak_check):
     stdout = run_experiment("hop_overhead", out, "--n", "5", "--stages", "block1", "--transports", "tensormq",
                             "--blocks", "identity,copy,bundle-identity,bundle-copy")
     data = load(out, "hop_overhead")
+    check_provenance(data, "hop_overhead")  # its smoke test is this one (DETAILED)
     assert data["settings"]["bundle_stages"] == ["block1"] and data["settings"]["bundle_split"] == [2, 1, 1]
     rows = {r["block"]: r for r in data["rows"]}
     assert set(rows) == {"floor", "floor-cold", "floor-bundle", "identity", "copy", "bundle-identity", "bundle-copy"}
