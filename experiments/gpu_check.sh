@@ -27,7 +27,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 STEP_LIMIT=${STEP_LIMIT:-570}
 SITE=${GPU_SITE:-/tmp/blockflow-site}
-ALL_STEPS="tests-fastpath tests-ipc tests-manager tests-pipeline pipeline_latency hop_overhead batching vram throughput energy memory_model batch_scaling utilization multi_gpu report"
+ALL_STEPS="tests-fastpath tests-ipc tests-manager tests-pipeline tests-groups pipeline_latency hop_overhead batching vram throughput energy memory_model batch_scaling utilization multi_gpu report"
 STEPS=${*:-$ALL_STEPS}
 
 die() { echo "gpu-check: $*" >&2; exit 2; }
@@ -130,6 +130,10 @@ for step in $STEPS; do
     tests-pipeline)  # the data-plane promises with every block on the GPU
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
         --junitxml="$LOGS/$step.xml" tests/test_dataplane.py ;;
+    tests-groups)  # issue 28: blocks sharing one process on a GPU hand over through their own slots
+      run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
+        --junitxml="$LOGS/$step.xml" tests/test_groups.py \
+        tests/test_cuda_ipc.py::test_a_slot_of_this_process_is_opened_without_ipc_and_refused_once_closed ;;
     pipeline_latency)  # 4-block ResNet50 vs monolithic; eq. 4.1 components per transport
       run_step "$step" "$PY" -m experiments.pipeline_latency --device cuda --n 300 --no-http "${OUTARG[@]}" ;;
     hop_overhead)  # goal: a handle-forwarding hop <= 0.10 ms median (HOP_BATCHES=1: half the time)

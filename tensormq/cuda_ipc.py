@@ -66,6 +66,16 @@ memory then returns to the producer's caching allocator at once, whether the con
 alive, dead (``kill -9``: its decrement never comes) or never opened the slot. A consumer
 that still maps a closed slot never reads it again: its handles went stale with the header.
 
+Slots of this process. CUDA refuses to open an IPC handle in the process that exported it
+(``cudaIpcOpenMemHandle``: invalid device context), and blocks that share a process
+(blocks/host.py) hand over to each other through the same slots as any two blocks. So every
+``CudaSlot`` enters its buffer and event in ``LOCAL_SLOTS`` (by slot name; the name carries the
+pid) for as long as it is open, and a consumer takes them from there when the slot is its own
+process's: same memory, same event, no IPC. The slot header is read and checked exactly as for
+another process's slot, so a stale generation or a forged name is refused the same way. The
+consumer does not cache a local buffer: once its producer closes the slot, the name is gone
+from the table and the memory goes back to this process's allocator at once.
+
 Multi-GPU: handles name devices by index, so every process of an instance must see the same
 ``CUDA_VISIBLE_DEVICES`` (the manager passes its environment to every block).
 """
@@ -94,6 +104,10 @@ HANDLE_AT, RC_AT, EVENT_AT = 64, 256, 384
 MAX_HANDLE, MAX_RC = RC_AT - HANDLE_AT, EVENT_AT - RC_AT
 #: Bytes of a cudaIpcEventHandle_t, what ``torch.cuda.Event.ipc_handle()`` returns.
 CUDA_IPC_EVENT_SIZE = 64
+#: slot name -> (buffer, event or None) of the CUDA slots this process holds open ("Slots of
+#: this process" above). Written by ``CudaSlot`` only; a dict's get, set and pop are atomic,
+#: which is all the threads of a shared process do with it.
+LOCAL_SLOTS: dict[str, tuple[torch.Tensor, "torch.cuda.Event | None"]] = {}
 
 
 def handover_mode() -> str:
@@ -262,6 +276,7 @@ class CudaSlot(Slot):
             record = np.frombuffer(self.mm, dtype=np.uint8, count=RECORD_BYTES, offset=HEADER)
             record[:] = np.frombuffer(self.record.pack(), dtype=np.uint8)
             del record
+            LOCAL_SLOTS[name] = (buffer, self.event)
         except BaseException:
             rec = getattr(self, "record", None)
             if rec is not None:
@@ -288,6 +303,7 @@ class CudaSlot(Slot):
         return dst
 
     def close(self) -> None:
+        LOCAL_SLOTS.pop(self.name, None)
         rec, self.record = getattr(self, "record", None), None
         if rec is not None:
             release_ipc_counter(rec)  # before the buffer goes: see "PyTorch's reference count" above
@@ -330,6 +346,11 @@ class CudaMapper:
             self.storages.move_to_end(seg)
             return got
         rec = read_record(m, seg)
+        local = LOCAL_SLOTS.get(seg)
+        if local is not None:  # "Slots of this process": its own memory, never opened by IPC
+            if local[0].device != torch.device("cuda", rec.dev):
+                raise WireError(f"x.seg {seg}: its share record names cuda:{rec.dev}, its buffer is on {local[0].device}")
+            return local
         init_cuda()
         if rec.dev >= torch.cuda.device_count():
             raise WireError(f"x.seg {seg} is on cuda:{rec.dev}, which this process does not see "

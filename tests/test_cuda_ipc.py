@@ -707,3 +707,28 @@ def test_a_block_killed_under_load_never_yields_garbage(server_factory, model_re
             ok += 1
         assert ok == 5, f"the pipeline did not serve again after the respawn ({outcomes})"
     print(f"\nkill -9 of a GPU producer under load: {outcomes}")
+
+
+@CUDA
+def test_a_slot_of_this_process_is_opened_without_ipc_and_refused_once_closed(gpu_pool, shm_dir):
+    """Blocks sharing a process (blocks/host.py) hand over through their own slots: CUDA cannot
+    open an IPC handle where it was exported, so the mapper takes the buffer and event from
+    LOCAL_SLOTS. Seen on an H100: a group's second block refused every request (issue 28)."""
+    from blockflow.tensormq.cuda_ipc import LOCAL_SLOTS, CudaMapper
+    mapper = CudaMapper(shm_dir)
+    try:
+        x = torch.arange(1024, dtype=torch.float32, device="cuda:0").view(32, 32)
+        desc = gpu_pool.put("local", x, timeout=5)
+        seg = desc.fields["seg"]
+        assert seg in LOCAL_SLOTS
+        y, lease = mapper.open(desc)
+        assert torch.equal(y, x) and y.data_ptr() == LOCAL_SLOTS[seg][0].data_ptr() + desc.fields["off"]
+        assert seg not in mapper.storages  # never cached: it leaves with its slot
+        lease.release()
+        assert gpu_pool.in_flight() == 0
+        with pytest.raises(WireError):  # the generation it named is over
+            mapper.open(desc)
+    finally:
+        mapper.close()
+    gpu_pool.close()
+    assert not [s for s in LOCAL_SLOTS if s.startswith("prod.")]

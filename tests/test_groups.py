@@ -23,10 +23,10 @@ BLOCKS = {"b1": "block1", "b2": "block2", "b3": "block3", "b4": "block4", "h": "
 TASKS = {"classify": ["b1", "b2", "b3", "b4", "h"], "special": ["b1", "b2", "b3", "b4x", "hx"]}
 
 
-def _body(group: dict[str, str], changed: dict[str, dict] | None = None) -> dict:
+def _body(group: dict[str, str], changed: dict[str, dict] | None = None, device: str = "cpu") -> dict:
     blocks = []
     for name, stem in BLOCKS.items():
-        b = {"name": name, "model": f"{MODEL}/{stem}.pt", "threads": 1}
+        b = {"name": name, "model": f"{MODEL}/{stem}.pt", "threads": 1, "device": device}
         if name in group:
             b["process"] = group[name]
         b.update((changed or {}).get(name, {}))
@@ -134,3 +134,21 @@ def _infer(c, x):
         return [c.infer("t", x, timeout=5)]
     except BlockFlowError:
         return None
+
+
+@pytest.mark.cuda
+def test_a_group_on_a_gpu_answers_as_separate_processes(server_factory, model_repo):
+    """On a GPU the blocks of a group hand over through slots of their own process, which CUDA
+    cannot open by IPC (tensormq/cuda_ipc.py, "Slots of this process"): seen on an H100, every
+    request through a group's second block failed. One CUDA context instead of seven."""
+    srv = server_factory(model_repo)
+    xs = [torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    srv.call("POST", "/system/update", _body({}, device="cuda:0"), timeout=180)
+    separate = _answers(srv, xs)
+    srv.call("POST", "/system/update", _body({name: "g" for name in BLOCKS}, device="cuda:0"), timeout=180)
+    assert len({pid for pid, _ in _procs(srv).values()}) == 1
+    for _ in range(2):  # the second round replays the graphs the first one captured
+        grouped = _answers(srv, xs)
+        for t in TASKS:
+            for a, b in zip(separate[t], grouped[t]):
+                assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (t, (a - b).abs().max())
