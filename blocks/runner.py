@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections import OrderedDict
 
 import torch
@@ -52,6 +53,19 @@ MAX_GRAPHS = 16
 CAPTURE_WARM_CALLS = 3
 #: Batch sizes warmed up for a batching block whose max_batch is at most this: every one of them.
 WARM_ALL_BATCHES_UP_TO = 16
+
+# Note [One block sets up CUDA at a time]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Blocks sharing a process (blocks/host.py) start on their own threads, all at once. Seen on an
+# H100 (torch 2.11, cuDNN 9): seven ResNet18 blocks warming up together in one process failed
+# with CUDNN_STATUS_BAD_PARAM_STREAM_MISMATCH in one block's eager convolution while the others
+# warmed up and captured on their own streams; the same blocks in one process one after the
+# other (experiments/memory_model.py's group) did not. So what sets CUDA up holds this lock: the
+# context's stack limit (set once per device and process, not once per block: cuCtxSetLimit acts
+# on the whole context), a block's warm-up (its eager calls and captures) and a capture at run
+# time. Requests of the other blocks keep running meanwhile (captures are thread-local); a block
+# of its own process takes the lock uncontended.
+SETUP_LOCK = threading.RLock()
 
 
 class GraphCache:
@@ -82,7 +96,8 @@ class GraphCache:
             if key in self.refused or key in self.views or len(self.graphs) >= self.max_graphs:
                 self.eager_calls += 1
                 return self.model(x)
-            entry = self.capture(x, key)
+            with SETUP_LOCK:  # Note [One block sets up CUDA at a time]
+                entry = self.capture(x, key)
             if entry is None:
                 self.eager_calls += 1
                 return self.model(x)
@@ -228,7 +243,7 @@ class BlockRunner:
         """Run the model (capturing its graphs on a GPU) once per shape, before the block is
         ready, so no request pays a first call or a capture; returns how many shapes ran."""
         n = 0
-        with torch.inference_mode(), self.on_stream():
+        with SETUP_LOCK, torch.inference_mode(), self.on_stream():  # Note [One block sets up CUDA at a time]
             for shape in shapes:
                 self(zeros_like_shape(shape, dtype, self.device))
                 n += 1
@@ -248,11 +263,23 @@ def trim_cuda_context(device: torch.device, stack_bytes: int | None = None) -> d
     x 2048 threads = 264 MB on an H200) and raises the limit by itself for a kernel that needs
     more; experiments/vram.py measured 964 -> 766 MB per process with no slower inference.
     Returns what was done, for the block's log."""
-    import ctypes
     from blockflow import settings
     want = settings.CUDA_STACK_BYTES if stack_bytes is None else stack_bytes
     if want <= 0 or device.type != "cuda":
         return {"stack_bytes": "driver default"}
+    with SETUP_LOCK:  # once per device and process: Note [One block sets up CUDA at a time]
+        done = _TRIMMED.get((device, want))
+        if done is None:
+            done = _TRIMMED[(device, want)] = _set_stack_limit(device, want)
+        return done
+
+
+#: (device, stack bytes) -> what ``trim_cuda_context`` did, in this process
+_TRIMMED: dict[tuple, dict] = {}
+
+
+def _set_stack_limit(device: torch.device, want: int) -> dict:
+    import ctypes
     try:
         with torch.cuda.device(device):
             torch.cuda.init()

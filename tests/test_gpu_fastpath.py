@@ -66,6 +66,33 @@ def test_a_cpu_runner_calls_the_model_and_warms_up_each_shape():
     assert calls == [(2, 3), (1, 3), (4, 3)]
 
 
+def test_blocks_sharing_a_process_warm_up_one_at_a_time():
+    """Note [One block sets up CUDA at a time]: warm-ups started together on the threads of one
+    process (a group's blocks) run one after the other; each still runs all its shapes."""
+    import threading
+    import time
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def model(x):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.01)  # long enough that unserialised warm-ups would overlap
+        with lock:
+            inside[0] -= 1
+        return x + 1
+
+    runners = [BlockRunner(model, "cpu", f"b{i}") for i in range(4)]
+    done = []
+    threads = [threading.Thread(target=lambda r=r: done.append(r.warm_up([[1, 4], [2, 4], [3, 4]])))
+               for r in runners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert done == [3, 3, 3, 3] and most[0] == 1, (done, most)
+
+
 def test_warmup_shapes_come_from_the_update_else_the_manifest_and_cover_batch_sizes():
     assert warmup_shapes([1, 3, 224, 224], None, None) == [[1, 3, 224, 224]]
     assert warmup_shapes([1, 3, 224, 224], [[1, 3, 64, 64]], None) == [[1, 3, 64, 64]]
