@@ -247,10 +247,11 @@ def format_status(rows: list[dict], system: dict) -> str:
     def ms(v):
         return "-" if v is None else f"{v:.1f}"
 
-    head = ("PROCESS", "BLOCK", "REPLICA", "GROUP", "STATUS", "PID", "DEVICE", "RESTARTS", "UPTIME", "REQ/S",
+    head = ("PROCESS", "BLOCK", "REPLICA", "GROUP", "STATUS", "PID", "NODE", "DEVICE", "RESTARTS", "UPTIME", "REQ/S",
             "P50 MS", "P99 MS", "ERRORS", "LAST EXIT")
     table = [head] + [(r["process"], r.get("block") or "-", "-" if r.get("replica") is None else str(r["replica"]),
-                       r.get("group") or "-", str(r["status"]), str(r.get("pid") or "-"), str(r.get("device") or "-"),
+                       r.get("group") or "-", str(r["status"]), str(r.get("pid") or "-"), r.get("node") or "-",
+                       str(r.get("device") or "-"),
                        str(r.get("restarts", 0)), _duration(r.get("uptime_s")), f"{r['requests_per_s']:.1f}",
                        ms(r.get("p50_ms")), ms(r.get("p99_ms")), str(r.get("errors", 0)), r.get("last_exit") or "-")
                       for r in rows]
@@ -259,7 +260,7 @@ def format_status(rows: list[dict], system: dict) -> str:
     window = max((r.get("window_s") or 0 for r in rows), default=0)
     lines.append(f"(REQ/S, P50, P99 and ERRORS over the last {window:.0f} s; P50/P99 are the block's own "
                  "arrival-to-departure time, the dispatcher's end to end; blocks of one GROUP share one process "
-                 "and its PID)")
+                 "and its PID; NODE is the machine a process runs on)")
     lines.append(f"version {system.get('version')}; tasks:")
     for t in system.get("tasks", []):
         lines.append(f"  {t['id']}: {' -> '.join(t['path'])}")

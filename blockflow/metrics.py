@@ -247,7 +247,7 @@ class BlockFlowCollector:
         started = child.get("started") if child.get("status") == "ready" else None
         row = {"process": name, "block": child.get("block", name), "replica": child.get("replica"),
                "group": child.get("process"),
-               "status": child.get("status"), "pid": child.get("pid"),
+               "status": child.get("status"), "pid": child.get("pid"), "node": child.get("node"),
                "device": child.get("device", "cpu" if name != DISPATCHER else "-"),
                "restarts": child.get("restarts", 0), "uptime_s": round(now - started, 1) if started else None,
                "last_exit": child.get("last_exit"), **series.last_minute(now, started)}

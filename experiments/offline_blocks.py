@@ -133,7 +133,7 @@ class ForkedWorkers:
 
     def __exit__(self, *exc):
         self.pool.shutdown(wait=True)
-        from blockflow.manager.manager import stop_forkserver
+        from blockflow.manager.launcher import stop_forkserver
         stop_forkserver()  # and its resource tracker: nothing this run started outlives it
 
 

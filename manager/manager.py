@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import collections
 import logging
-import multiprocessing
 import os
 import queue
-import signal
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, TimeoutError as FutureTimeout
@@ -49,7 +47,7 @@ from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, describe_exit, ident
 from blockflow.schema import BlockDecl, validate_update
 
 from .controller import ControlError, Controller
-from .forkserver import context as forkserver_context
+from .launcher import ChildHandle, LocalLauncher
 from .models import ModelCatalog
 from .reconcile import Desired, Plan, Running, diff_tasks, plan, without_block
 from .state import StateDir, process_record, slot_budget
@@ -100,7 +98,7 @@ class Child:
     name: str
     decl: BlockDecl | None          # None for the dispatcher
     incarnation: int
-    process: multiprocessing.Process
+    process: ChildHandle             # manager/launcher.py: how it was started, where it runs
     status: str = "starting"         # starting, ready, restarting, failed, stopping
     endpoint: str | None = None
     ready_info: dict = field(default_factory=dict)
@@ -127,7 +125,8 @@ class Child:
         return f"{self.name}#{self.incarnation}"
 
     def describe(self) -> dict:
-        d = {"name": self.name, "pid": self.process.pid, "status": self.status, "endpoint": self.endpoint,
+        d = {"name": self.name, "pid": self.process.pid, "node": self.process.node, "status": self.status,
+             "endpoint": self.endpoint,
              "restarts": self.restarts, "incarnation": self.incarnation, "last_exit": self.last_exit,
              "failure": self.failure, "started": self.started}
         if self.decl is not None:
@@ -144,6 +143,10 @@ class HostedProcess:
 
     def __init__(self, host: "Child", controller: Controller, ident: bytes):
         self.host, self.controller, self.ident = host, controller, ident
+
+    @property
+    def node(self) -> str:
+        return self.host.process.node
 
     @property
     def pid(self) -> int | None:
@@ -242,7 +245,7 @@ class Manager:
         self.state.prepare()
         self.state.clean_leftovers()
         self.state.sweep_orphans()
-        self.mp = forkserver_context()  # already running when `blockflow serve` started it early
+        self.launcher = LocalLauncher()  # manager/launcher.py: the forkserver, running since `blockflow serve` began
         try:
             import torch
             self.gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -309,7 +312,7 @@ class Manager:
             self.ctx.term()
             self._persist()
             self.state.remove_runtime()
-        stop_forkserver()
+        self.launcher.close()
         log.info("manager stopped")
 
     # -- spawning (never waits: READY arrives as an event) ----------------------------------------
@@ -343,8 +346,7 @@ class Manager:
             log.info("block %s#%d goes into shared process %s (%s on %s)", decl.name, inc, host.name, decl.model,
                      decl.device)
             return c
-        proc = self.mp.Process(target=serve_block, args=(spec,), name=f"blockflow-{decl.name}", daemon=True)
-        proc.start()
+        proc = self.launcher.start(serve_block, spec, f"blockflow-{decl.name}")
         log.info("spawned block %s#%d (pid %d, %s on %s)", decl.name, inc, proc.pid, decl.model, decl.device)
         return Child(decl.name, decl, inc, proc, restarts=restarts, streak=streak, block=block or decl.name,
                      replica=replica)
@@ -360,8 +362,7 @@ class Manager:
         inc = self._next_incarnation(name)
         spec = HostSpec(name=name, device=decl.device, threads=threads or None, incarnation=inc,
                         controller=self.controller.endpoint, parent_pid=os.getpid())
-        proc = self.mp.Process(target=serve_host, args=(spec,), name=f"blockflow-{name}", daemon=True)
-        proc.start()
+        proc = self.launcher.start(serve_host, spec, f"blockflow-{name}")
         log.info("spawned shared process %s#%d (pid %d, %s)", name, inc, proc.pid, decl.device)
         restarts = host.restarts + 1 if host is not None else 0
         self.hosts[decl.process] = new = Child(name, None, inc, proc, restarts=restarts)
@@ -403,8 +404,7 @@ class Manager:
                               run_dir=self.state.run_dir,
                               transport=self.transport, controller=self.controller.endpoint,
                               parent_pid=os.getpid(), incarnation=inc, token=self.token, window=self.window)
-        proc = self.mp.Process(target=serve_dispatcher, args=(spec,), name="blockflow-dispatcher", daemon=True)
-        proc.start()
+        proc = self.launcher.start(serve_dispatcher, spec, "blockflow-dispatcher")
         return Child(DISPATCHER, None, inc, proc, restarts=restarts, streak=streak)
 
     def mark_ready(self, c: Child, info: dict) -> None:
@@ -651,10 +651,7 @@ class Manager:
 
     def kill_child(self, c: Child, how: str) -> None:
         log.warning("%s (pid %s): %s", c.instance, c.process.pid, how)
-        try:
-            os.kill(c.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        c.process.kill()  # SIGKILL (a block in a shared process: its host, and the group with it)
         c.process.join(1)  # SIGKILL takes milliseconds; the slot files are removed once it is gone
         self.on_child_down(c, how, False)
 
@@ -917,33 +914,6 @@ def _log_refusal(fut: Future) -> None:
     exc = fut.exception()
     if exc is not None:
         log.warning("a process did not take a control message: %s", exc)
-
-
-def stop_forkserver() -> None:
-    """Stop the multiprocessing forkserver (and the resource tracker it started) now, instead of
-    letting them notice our exit up to a second later: when ``serve`` returns, nothing it started
-    is left. Call it after every child is gone.
-
-    The forkserver gets SIGTERM first: it holds nothing but its listening socket, and a polite
-    exit would spend about 2 s tearing down the torch it preloaded. ``_stop()`` (the method
-    CPython's own tests use) then closes our end of its pipe and reaps it. Without these
-    private names (another Python) both still end on their own when their pipe from us closes."""
-    from multiprocessing import forkserver, resource_tracker
-    server = getattr(forkserver, "_forkserver", None)
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    for server in (server, getattr(resource_tracker, "_resource_tracker", None)):
-        stop = getattr(server, "_stop", None)
-        if stop is None:
-            continue
-        try:
-            stop()
-        except (OSError, ChildProcessError) as exc:
-            log.debug("stopping %s: %s", type(server).__name__, exc)
 
 
 def _input_spec(entry: dict | None) -> dict | None:

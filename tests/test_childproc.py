@@ -15,7 +15,7 @@ import zmq
 
 from blockflow.dispatcher.process import DispatcherSpec, serve_dispatcher
 from blockflow.manager.controller import ControlError, Controller
-from blockflow.manager.manager import stop_forkserver
+from blockflow.manager.launcher import stop_forkserver
 from blockflow.protocol import DISPATCHER, ExitCode, identity
 from blockflow.standalone import StandalonePipeline
 from blockflow.tensormq.transport import RESULT_KEYS

@@ -122,13 +122,15 @@ def test_load_and_kpi_against_a_server(server_factory, identity_repo, tmp_path):
         r = rows[b["name"]]
         assert (r["pid"], r["status"], r["device"], r["restarts"], r["block"], r["replica"]) == \
             (b["pid"], "ready", "cpu", 0, b["name"], 0), r
+        assert r["node"] == b["node"] == socket.gethostname(), r  # the local launcher: this machine
         assert r["requests_per_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] and r["uptime_s"] > 0, r
     assert rows["@dispatcher"]["requests_per_s"] > 0, rows["@dispatcher"]
     assert status["tasks"] == [{"id": "t", "path": ["a", "d"]}]
     res = blockflow("status", "--url", srv.url)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0].split()[:7] == ["PROCESS", "BLOCK", "REPLICA", "GROUP", "STATUS", "PID", "DEVICE"], res.stdout
+    assert lines[0].split()[:8] == ["PROCESS", "BLOCK", "REPLICA", "GROUP", "STATUS", "PID", "NODE", "DEVICE"], \
+        res.stdout
     assert [line.split()[0] for line in lines[1:4]] == ["@dispatcher", "a", "d"], res.stdout
     assert "  t: a -> d" in lines, res.stdout
 
