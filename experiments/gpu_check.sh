@@ -16,6 +16,10 @@
 # and pipeline_latency each took more than 100 s (cut there; about 150 s each is a fair guess),
 # so a 15-minute lease (a start costs about 30 s) fits the tests, hop_overhead, pipeline_latency
 # and throughput in one command, and energy, memory_model and batch_scaling in a second one.
+# Seen on one H100 (2026-11-26, 16 cores, each run on a fresh machine whose start took about
+# 30 s): tests-fastpath 53 s, tests-ipc 52 s, tests-manager 62 s, tests-pipeline 39 s,
+# tests-groups 37 s, memory_model 32-38 s, pipeline_latency 39-51 s, hop_overhead (batch 1)
+# 44 s, batching 87 s, vram 60 s.
 # Results and one log per step go to
 # experiments/results/<machine label>/ (label from experiments/common.py, e.g.
 # x86_64-16cpu-nvidia-h100-80gb-hbm3) and, where $OUT is set (the lent machine's output folder),

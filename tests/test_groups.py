@@ -100,10 +100,13 @@ def test_a_killed_shared_process_answers_at_once_and_comes_back(server_factory, 
     before = _procs(srv)
     host = before["a"][0]
     assert before["s"][0] == host != before["d"][0]
-    x = torch.ones(1, 8)
+    # 128 Ki values: sleepy's 200 tanh rounds take tens of ms on them (on 8 values TorchScript's
+    # optimised loop took about a millisecond, and the six requests could all be answered before
+    # the first ping saw s busy: the test failed 1 run in 4)
+    x = torch.ones(1, 1 << 17)
     with Client(srv.dispatcher, timeout=30) as c:
         want = c.infer("t", x)
-        held = [c.submit("t", x) for _ in range(6)]  # s takes ~50 ms each: some wait inside the group
+        held = [c.submit("t", x) for _ in range(6)]  # some wait inside the group
         wait_for(lambda: (srv.call("GET", "/blocks/s/ping").get("busy_s") or 0) > 0, 20,
                  "a request inside s", interval=0.01)
         os.kill(host, signal.SIGKILL)
