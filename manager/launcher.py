@@ -86,14 +86,8 @@ class LocalChild:
         self.process.terminate()
 
     def kill(self) -> None:
-        """SIGKILL now (a dead or reaped child: nothing to do)."""
-        pid = self.process.pid
-        if pid is None or self.process.exitcode is not None:
-            return
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """SIGKILL now (multiprocessing's: a child already reaped or gone is left alone)."""
+        self.process.kill()
 
 
 class LocalLauncher:

@@ -71,8 +71,9 @@ Slots of this process. CUDA refuses to open an IPC handle in the process that ex
 (blocks/host.py) hand over to each other through the same slots as any two blocks. So every
 ``CudaSlot`` enters its buffer and event in ``LOCAL_SLOTS`` (by slot name; the name carries the
 pid) for as long as it is open, and a consumer takes them from there when the slot is its own
-process's: same memory, same event, no IPC. The slot header is read and checked exactly as for
-another process's slot, so a stale generation or a forged name is refused the same way. The
+process's: same memory, same event, no IPC (and no share record to read: it describes that
+very buffer). The slot header is checked exactly as for another process's slot, so a stale
+generation or a forged name is refused the same way. The
 consumer does not cache a local buffer: once its producer closes the slot, the name is gone
 from the table and the memory goes back to this process's allocator at once.
 
@@ -345,12 +346,10 @@ class CudaMapper:
         if got is not None:
             self.storages.move_to_end(seg)
             return got
-        rec = read_record(m, seg)
         local = LOCAL_SLOTS.get(seg)
         if local is not None:  # "Slots of this process": its own memory, never opened by IPC
-            if local[0].device != torch.device("cuda", rec.dev):
-                raise WireError(f"x.seg {seg}: its share record names cuda:{rec.dev}, its buffer is on {local[0].device}")
-            return local
+            return local  # per message (never cached): no record to read, the buffer is the slot itself
+        rec = read_record(m, seg)
         init_cuda()
         if rec.dev >= torch.cuda.device_count():
             raise WireError(f"x.seg {seg} is on cuda:{rec.dev}, which this process does not see "
