@@ -23,8 +23,8 @@ ifneq ($(CPU),)
 	$(PY) -m pip install --progress-bar on --no-deps --index-url $(TORCH_CPU_INDEX) \
 		torch==$$(sed -n 's/^torch==//p' constraints.txt) torchvision==$$(sed -n 's/^torchvision==//p' constraints.txt)
 endif
-	@echo "==> installing blockflow and its test and bench extras (several GB with CUDA wheels: minutes)"
-	$(PY) -m pip install --progress-bar on -c constraints.txt -e '.[test,bench]'
+	@echo "==> installing blockflow and its test, bench and cluster extras (several GB with CUDA wheels: minutes)"
+	$(PY) -m pip install --progress-bar on -c constraints.txt -e '.[test,bench,cluster]'
 	touch $(STAMP)
 	@echo "==> installed: $(VENV)/bin/blockflow"
 

@@ -66,6 +66,7 @@ import zmq
 from blockflow import settings
 from blockflow.protocol import ExitCode, identity
 from blockflow.tensormq.wire import WireError, dumps, loads_header
+from blockflow.tensormq.curve import ClusterKeys, client_of
 
 log = logging.getLogger("blockflow.child")
 
@@ -177,10 +178,19 @@ class ChildProcess:
         controller accepts from one connection at a time."""
         if not self.spec.controller:
             return
-        self.ctrl = self.ctx.socket(zmq.DEALER)
+        self.ctrl = self.control_socket(self.ctx)
         self.ctrl.linger = 0
-        self.ctrl.identity = identity(self.name, self.spec.incarnation)
-        self.ctrl.connect(self.spec.controller)
+
+    def control_socket(self, ctx: zmq.Context) -> zmq.Socket:
+        """A DEALER connected to the controller with this process's identity; over TCP (a child
+        on another node, issue 30) a CURVE client of the cluster's keys (tensormq/curve.py)."""
+        sock = ctx.socket(zmq.DEALER)
+        sock.identity = identity(self.name, self.spec.incarnation)
+        keys = ClusterKeys.from_json(getattr(self.spec, "curve", None))
+        if keys is not None and self.spec.controller.startswith("tcp://"):
+            client_of(sock, keys)
+        sock.connect(self.spec.controller)
+        return sock
 
     def announce(self) -> dict:
         """READY to the controller (from the thread that owns ``ctrl``, before others use it)."""
@@ -196,10 +206,8 @@ class ChildProcess:
         if not self.spec.controller:
             return
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
+        sock = self.control_socket(ctx)
         sock.linger = 1000
-        sock.identity = identity(self.name, self.spec.incarnation)
-        sock.connect(self.spec.controller)
         sock.send(dumps({"t": "boot_error", "name": self.name, "inc": self.spec.incarnation, "pid": os.getpid(),
                          "error": message}))
         sock.close()
@@ -364,5 +372,7 @@ def spec_from_argv(spec_cls: type[ChildSpec], argv: list[str] | None, prog: str,
     """The ``--spec JSON`` command line of a child run by hand (``python -m ...``)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--spec", required=True,
-                        help=f"the spec as JSON (see {spec_cls.__module__}.{spec_cls.__name__})")
-    return spec_cls.from_json(parser.parse_args(argv).spec)
+                        help=f"the spec as JSON (see {spec_cls.__module__}.{spec_cls.__name__}); '-': read it "
+                             "from standard input (a spec with keys in it: never on a command line others can read)")
+    text = parser.parse_args(argv).spec
+    return spec_cls.from_json(sys.stdin.read() if text == "-" else text)

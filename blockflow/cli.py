@@ -203,12 +203,19 @@ def _serve(args) -> int:
     if exposed and not token:
         logging.getLogger("blockflow.server").warning(
             "serving WITHOUT a token on %s (--insecure-no-token)", " and ".join(exposed))
+    if args.ray:
+        try:
+            import ray  # noqa: F401 -- only to say what to install before anything starts
+        except ImportError:
+            print("blockflow serve: --ray needs Ray, which is not installed: pip install -e '.[cluster]' "
+                  "(Ray 2.60 or later)", file=sys.stderr)
+            return 2
     from blockflow.manager.forkserver import start_early
     start_early()  # its torch import runs beside this process's (next line): ready ~2 s sooner
     from .server import serve
     serve(host=args.host, port=args.port, dispatcher_host=args.dispatcher_host, dispatcher_port=args.dispatcher_port,
           repo=args.repo, state_dir=args.state_dir, token=token, ready_file=args.ready_file, window=args.window,
-          quiet=args.quiet, restore=not args.fresh)
+          quiet=args.quiet, restore=not args.fresh, ray_address=args.ray)
     # A clean stop: the manager stopped every process it started, removed its sockets and slots
     # and recorded the empty state. Skip the interpreter's teardown of torch and the rest (0.5 to
     # 1.5 s on a loaded 2-core machine), which every restart, `make demo` and test waited for.
@@ -472,6 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--window", type=int, default=settings.WINDOW,
                    help=f"TensorMQ slots in flight per edge (default {settings.WINDOW}, BLOCKFLOW_WINDOW)")
     s.add_argument("--quiet", action="store_true", help="no CherryPy access log on screen")
+    s.add_argument("--ray", metavar="ADDRESS",
+                   help="place blocks that name a 'node' on the nodes of this Ray cluster ('auto': the one this "
+                        "machine belongs to; or host:port of its head): each runs on a node advertising that custom "
+                        "resource; hops between nodes travel as bytes over CURVE TCP. Needs the cluster extra: "
+                        "pip install -e '.[cluster]'")
     s.set_defaults(fn=_serve)
 
     u = sub.add_parser("update", help="POST a system update (JSON file) to a running server and print its answer")

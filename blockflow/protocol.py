@@ -32,12 +32,16 @@ class ExitCode(enum.IntEnum):
     CRASH = 1
     BOOT_ERROR = 3
     ORPHANED = 4
+    #: never an exit of the process itself: the Ray launcher's word for a child whose node died
+    #: or was removed from the cluster (manager/ray_launcher.py), its exit code unknown
+    NODE_LOST = 5
 
 
 EXIT_OK = ExitCode.OK
 EXIT_CRASH = ExitCode.CRASH
 EXIT_BOOT_ERROR = ExitCode.BOOT_ERROR
 EXIT_ORPHANED = ExitCode.ORPHANED
+EXIT_NODE_LOST = ExitCode.NODE_LOST
 
 
 class ErrorCode(str, enum.Enum):
@@ -60,7 +64,7 @@ class ErrorCode(str, enum.Enum):
         return self.value
 
 EXIT_NAMES = {EXIT_OK: "stopped", EXIT_CRASH: "crashed", EXIT_BOOT_ERROR: "boot error",
-              EXIT_ORPHANED: "orphaned"}
+              EXIT_ORPHANED: "orphaned", EXIT_NODE_LOST: "its node was lost"}
 
 #: Name of the return hop at the end of every path: the dispatcher's result socket.
 RETURN_HOP = "@dispatcher"

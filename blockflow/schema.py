@@ -28,7 +28,7 @@ MAX_BLOCKS = settings.MAX_BLOCKS
 MAX_TASKS = settings.MAX_TASKS
 
 BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads", "max_inference_s", "batching",
-                "replicas", "process", "cuda_graphs", "warmup_shapes"}
+                "replicas", "process", "cuda_graphs", "warmup_shapes", "node"}
 #: Input shapes one block may declare for its warm-up (each may capture a CUDA graph).
 MAX_WARMUP_SHAPES = 16
 #: Processes one block may run as (``replicas``).
@@ -73,6 +73,7 @@ class BlockDecl:
     process: str | None = None            # a shared process's name: blocks with the same one run in it
     cuda_graphs: bool = True              # on a GPU: a CUDA graph per input shape (blocks/runner.py)
     warmup_shapes: tuple[tuple[int, ...], ...] | None = None  # run before ready; None: the manifest's
+    node: str | None = None               # Ray mode: the custom resource of the nodes it may run on
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -97,6 +98,8 @@ class BlockDecl:
             d["cuda_graphs"] = False
         if self.warmup_shapes is not None:
             d["warmup_shapes"] = [list(s) for s in self.warmup_shapes]
+        if self.node is not None:
+            d["node"] = self.node
         return d
 
     def replica_names(self) -> list[str]:
@@ -156,6 +159,20 @@ def _device(value, where: str, gpus: int) -> str:
     return value
 
 
+def _node(value, where: str, nodes: set[str] | None) -> str | None:
+    if value is None:
+        return None
+    value = _name(value, where)
+    if nodes is None:
+        raise UpdateError(where, "this server runs every block on its own host; start it with "
+                                 "`blockflow serve --ray ADDRESS` to place blocks on the nodes of a Ray cluster")
+    if value not in nodes:
+        raise UpdateError(where, f"no live node of the Ray cluster advertises the resource {value!r}; start one "
+                                 f"with `ray start --resources '{{\"{value}\": 1000}}'` (advertised now: "
+                                 f"{', '.join(sorted(nodes)) or 'none'})")
+    return value
+
+
 def _model(value, where: str) -> str | tuple[str, ...]:
     """A file, or a list of files run in sequence in one process (a fused block)."""
     if isinstance(value, list):
@@ -201,8 +218,10 @@ def _max_inference(value, where: str) -> float:
     return float(value)
 
 
-def validate_update(body, gpus: int = 0, cpu_count: int | None = None) -> Update:
-    """Check an update against the schema (no file is read: see manager/models.py)."""
+def validate_update(body, gpus: int = 0, cpu_count: int | None = None, nodes: set[str] | None = None) -> Update:
+    """Check an update against the schema (no file is read: see manager/models.py). ``nodes``:
+    the custom resources a Ray cluster's live nodes advertise (``serve --ray``); None: no
+    cluster, and a block may not name a ``node``."""
     if not isinstance(body, dict):
         raise UpdateError("body", "must be a JSON object with 'blocks' and 'tasks'")
     unknown = set(body) - TOP_FIELDS
@@ -236,7 +255,9 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None) -> Update
         if name in blocks:
             raise UpdateError(f"{where}.name", f"duplicate block name {name!r}")
         model = _model(b["model"], f"{where}.model")
-        device = _device(b.get("device", "cpu"), f"{where}.device", gpus)
+        node = _node(b.get("node"), f"{where}.node", nodes)
+        # a block on another node: this host's GPUs say nothing of that node's (it fails to start there)
+        device = _device(b.get("device", "cpu"), f"{where}.device", gpus if node is None else 100)
         cpus = b.get("cpus")
         if cpus is not None:
             if (not isinstance(cpus, list) or not cpus or len(cpus) > 1024
@@ -257,7 +278,7 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None) -> Update
             replicas=_replicas(b.get("replicas", 1), f"{where}.replicas"),
             process=_name(b["process"], f"{where}.process") if b.get("process") is not None else None,
             cuda_graphs=_bool(b.get("cuda_graphs", True), f"{where}.cuda_graphs"),
-            warmup_shapes=_warmup_shapes(b.get("warmup_shapes"), f"{where}.warmup_shapes"))
+            warmup_shapes=_warmup_shapes(b.get("warmup_shapes"), f"{where}.warmup_shapes"), node=node)
         decl = blocks[name]
         if decl.process is not None:
             if decl.replicas != 1:
@@ -267,6 +288,9 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None) -> Update
                 raise UpdateError(f"{where}.cpus", "CPU affinity is per process: pin a shared process's blocks "
                                                    "with 'cpus' only when each has a process of its own")
             first = next(d for d in blocks.values() if d.process == decl.process)
+            if first.node != decl.node:
+                raise UpdateError(f"{where}.node", f"shared process {decl.process!r} runs on node {first.node!r} "
+                                                   f"(block {first.name!r}); a process is on one node")
             if first.device != decl.device:
                 raise UpdateError(f"{where}.device", f"shared process {decl.process!r} runs on {first.device} "
                                                      f"(block {first.name!r}); a process has one device")

@@ -69,10 +69,10 @@ class ManagerPlugin(plugins.SimplePlugin):
 def serve(host: str = "127.0.0.1", port: int = 8080, dispatcher_host: str = "127.0.0.1",
           dispatcher_port: int = 5580, repo: str = "model_repo", state_dir: str | None = None,
           token: str | None = None, ready_file: str | None = None, window: int | None = None,
-          quiet: bool = False, restore: bool = True) -> None:
+          quiet: bool = False, restore: bool = True, ray_address: str | None = None) -> None:
     state = StateDir(state_dir)
     manager = Manager(repo, state, f"tcp://{dispatcher_host}:{dispatcher_port}", token=token,
-                      window=window or settings.WINDOW)
+                      window=window or settings.WINDOW, ray_address=ray_address)
     cherrypy.config.update({
         "server.socket_host": host,
         "server.socket_port": port,

@@ -33,7 +33,7 @@ import torch
 import zmq
 
 from blockflow import settings
-from blockflow.childproc import ChildProcess, ChildSpec, exit_with, serve
+from blockflow.childproc import ChildProcess, ChildSpec, exit_with, serve, spec_from_argv
 from blockflow.tensormq.wire import dumps
 
 from .heap import keep_freed_memory, one_heap
@@ -56,6 +56,8 @@ class HostSpec(ChildSpec):
     controller: str | None = None
     parent_pid: int | None = None
     malloc_trim: int = settings.MALLOC_TRIM
+    curve: dict | None = None        # Ray mode (issue 30): the cluster's CURVE keys, for the control channel
+    bind_host: str | None = None     # Ray mode: this node's address, where members listen for other nodes
 
 
 class _Member:
@@ -114,6 +116,8 @@ class BlockHost(ChildProcess):
         key = f"{spec.name}#{spec.incarnation}"
         if key in self.members:
             raise ValueError(f"block {key} is hosted here already")
+        if spec.curve is not None and self.spec.bind_host:  # the manager cannot know the node's address
+            spec.bind_host = self.spec.bind_host
         if spec.threads and spec.threads > torch.get_num_threads():  # a later, bigger member: one pool
             torch.set_num_threads(spec.threads)
         member = self.members[key] = _Member(Block(spec))
@@ -164,3 +168,13 @@ class BlockHost(ChildProcess):
 def serve_host(spec: HostSpec) -> None:
     """Entry point of a shared process spawned by the manager: ends it with its exit code."""
     exit_with(serve(BlockHost, spec))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve(BlockHost, spec_from_argv(HostSpec, argv, "blockflow host", (
+        "Run one shared process: blocks of one group, sent by the manager's 'host' command, each on its "
+        "own threads. The manager starts it itself (the Ray launcher through this command line).")))
+
+
+if __name__ == "__main__":
+    exit_with(main())

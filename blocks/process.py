@@ -62,6 +62,7 @@ import zmq
 from blockflow.childproc import BootError, ChildProcess, Later, ChildSpec, exit_with, serve, spec_from_argv
 from blockflow.protocol import RETURN_HOP, ErrorCode
 from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
+from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
 from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, RESULT_KEYS, Transport, receive_limit, recv_message
 from blockflow.tensormq.bundle import first
 from blockflow.tensormq.wire import DataHeader, WireError, check_path, dumps, loads_data_header
@@ -125,6 +126,10 @@ class BlockSpec(ChildSpec):
     batching: dict | None = None    # BatchPolicy.to_json(); None: one request at a time
     malloc_trim: int = settings.MALLOC_TRIM  # blocks/heap.py: freed heap bytes kept between requests
     hosted: bool = False            # one of several blocks in a shared process (blocks/host.py)
+    #: Ray mode (issue 30): the cluster's CURVE keys (tensormq/curve.py) and the address of this
+    #: block's node; the block then also listens on TCP there, for producers on other nodes
+    curve: dict | None = None
+    bind_host: str | None = None
     extra: dict = field(default_factory=dict)
 
     def endpoint_hint(self) -> str:
@@ -263,13 +268,35 @@ class Block(ChildProcess):
         self.transport = Transport(self.ctx, f"{self.name}-{spec.incarnation}", spec.transport, spec.shm_dir,
                                    window=spec.window, send_timeout=spec.send_timeout)
         self.transport.stopping = self.stopping  # a stopping block waits for no slot
+        self.tcp_endpoint = self.listen_between_nodes() if spec.bind_host else None
         self.transport.result_keys = os.path.join(spec.sock_dir, RESULT_KEYS)  # results over TCP: CURVE
         self.threads = [threading.Thread(target=self.control_loop, name=f"{self.name}-control", daemon=True),
                         threading.Thread(target=self.monitor_loop, name=f"{self.name}-monitor", daemon=True)]
         self.open_control()  # last: see ChildProcess.open_control
 
+    def listen_between_nodes(self) -> str:
+        """Ray mode: the data socket also listens on TCP at this node's address, as a CURVE
+        server that admits the cluster's client key only, for producers on other nodes (their
+        tensors come as bytes). The ipc:// endpoint bound before stays without CURVE: libzmq
+        takes a socket's security options into each listener when it binds. Producers here
+        send to peers on other nodes with the same keys (Transport.curve)."""
+        keys = ClusterKeys.from_json(self.spec.curve)
+        if keys is None:
+            raise BootError(f"block {self.name}: bind_host {self.spec.bind_host} needs the cluster's CURVE keys")
+        self.auth = authenticator(self.ctx, keys.client_public.encode(), "block")
+        make_server(self.pull, keys.server_secret.encode())
+        try:
+            port = self.pull.bind_to_random_port(f"tcp://{self.spec.bind_host}")
+        except zmq.ZMQError as exc:
+            raise BootError(f"block {self.name}: cannot listen on {self.spec.bind_host} for other nodes ({exc})") from None
+        self.transport.curve = keys
+        return f"tcp://{self.spec.bind_host}:{port}"
+
     def ready_info(self) -> dict:
-        return {"endpoint": self.endpoint, "device": self.spec.device}
+        info = {"endpoint": self.endpoint, "device": self.spec.device}
+        if self.tcp_endpoint:
+            info["tcp"] = self.tcp_endpoint
+        return info
 
     def announce(self) -> dict:
         """READY to the controller; sent before the control thread starts, which then owns ctrl."""
@@ -310,6 +337,7 @@ class Block(ChildProcess):
         now, busy_since = time.monotonic(), self.busy_since
         return {**super().cmd_ping(args), "queue": len(self.backlog), "served": self.kpi.count,
                 "in_flight": self.transport.in_flight(), "outputs_made_in_slot": self.transport.made_in_slot,
+                "received": dict(self.transport.received),
                 "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat,
                 "torch_threads": torch.get_num_threads(), "runner": self.runner.stats()}
 
@@ -475,7 +503,8 @@ class Block(ChildProcess):
                 args = msg["args"]
                 try:
                     answer = {"result": {"dropped": self.transport.set_topology(args.get("live", []),
-                                                                                 args.get("devices"))}}
+                                                                                 args.get("devices"),
+                                                                                 args.get("remote"))}}
                 except Exception as exc:  # a bad update is the controller's error, not the end of the block
                     answer = {"error": f"{type(exc).__name__}: {exc}"}
                 self.mail_in.send(dumps({"seq": msg["seq"], **answer}))
@@ -796,6 +825,8 @@ class Block(ChildProcess):
     def close_sockets(self) -> None:
         for sock in (self.pull, self.mail_in):  # the control thread closed ctrl and mail_out
             sock.close(linger=0)
+        if getattr(self, "auth", None) is not None:
+            self.auth.stop()
 
     def files_to_remove(self) -> list[str]:
         return [self.endpoint[len("ipc://"):]] if self.endpoint and self.endpoint.startswith("ipc://") else []

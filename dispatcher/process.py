@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
+from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
 
 from blockflow.ratelog import RateLimitedLog
 from blockflow.childproc import BootError, ChildProcess, ChildSpec, exit_with, serve, spec_from_argv
@@ -57,23 +57,16 @@ DEFAULT_REQUEST_TIMEOUT = settings.REQUEST_TIMEOUT
 DEFAULT_MAX_PENDING = settings.MAX_PENDING
 
 
-class _OnlyKey:
-    """ZAP credentials provider: admits the one CURVE client key of this deployment's blocks."""
-
-    def __init__(self, public: bytes):
-        self.public = public
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return hmac.compare_digest(key, self.public)
-
-
 class ResultKeys:
     """The CURVE keys of one dispatcher incarnation's TCP result socket: its server pair and the
-    one client pair its blocks use."""
+    one client pair its blocks use. Fresh for each incarnation on one host; in Ray mode the
+    cluster's keys (tensormq/curve.py), which blocks on other nodes got from the manager."""
 
-    def __init__(self):
-        self.server_public, self.server_secret = zmq.curve_keypair()
-        self.client_public, self.client_secret = zmq.curve_keypair()
+    def __init__(self, cluster: ClusterKeys | None = None):
+        if cluster is None:
+            cluster = ClusterKeys.generate()
+        self.server_public, self.server_secret = cluster.server_public.encode(), cluster.server_secret.encode()
+        self.client_public, self.client_secret = cluster.client_public.encode(), cluster.client_secret.encode()
 
     def write(self, sock_dir: str, endpoint: str) -> None:
         """For the blocks: 0600 in the 0700 socket directory, created new (never through a link)."""
@@ -102,6 +95,8 @@ class DispatcherSpec(ChildSpec):
     token: str | None = None
     tasks: dict = field(default_factory=dict)   # initial task table, for standalone use
     run_dir: str | None = None                  # where the request log (@dispatcher.requests.jsonl) goes
+    curve: dict | None = None                   # Ray mode: the cluster's CURVE keys (tensormq/curve.py)
+    bind_host: str = "127.0.0.1"                # where the TCP result socket listens (Ray mode: this node's address)
 
 
 @dataclass
@@ -167,23 +162,22 @@ class Dispatcher(ChildProcess):
         except zmq.ZMQError as exc:
             raise BootError(f"dispatcher cannot bind its result socket {self.result_ipc}: {exc}") from None
         # TCP results only through CURVE, from the client key the blocks read in the 0700 dir
-        self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("blockflow.dispatcher.zap"))
-        self.auth.start()
+        cluster = ClusterKeys.from_json(spec.curve)
+        keys = ResultKeys(cluster)
+        self.auth = authenticator(self.ctx, keys.client_public, "dispatcher")
         self.results_tcp = self.ctx.socket(zmq.PULL)
         self.results_tcp.linger = 0
         self.results_tcp.maxmsgsize = receive_limit(spec.max_tensor_bytes)
-        keys = ResultKeys()
-        self.auth.configure_curve_callback(domain="*", credentials_provider=_OnlyKey(keys.client_public))
-        self.results_tcp.curve_server = True  # CURVE options before bind: they apply from then on
-        self.results_tcp.curve_secretkey = keys.server_secret
-        port = self.results_tcp.bind_to_random_port("tcp://127.0.0.1")
-        self.result_tcp = f"tcp://127.0.0.1:{port}"
+        make_server(self.results_tcp, keys.server_secret)  # before bind: they apply from then on
+        port = self.results_tcp.bind_to_random_port(f"tcp://{spec.bind_host}")
+        self.result_tcp = f"tcp://{spec.bind_host}:{port}"
         keys.write(spec.sock_dir, self.result_tcp)
         # the dispatcher is a CPU process: its result addresses are CPU hops (no device map
         # names them), so the last block sends a host copy, and a CUDA handle sent here anyway
         # is refused rather than making the clients' entry point create a CUDA context
         self.transport = Transport(self.ctx, f"dispatcher-{spec.incarnation}", spec.transport, spec.shm_dir,
                                    window=spec.window, max_tensor_bytes=spec.max_tensor_bytes, cuda_handles=False)
+        self.transport.curve = cluster  # to first blocks on other nodes (Ray mode)
         self.kpi = RequestLog(spec.run_dir) if spec.run_dir else None
         self.open_control()  # last: see ChildProcess.open_control
 
@@ -511,7 +505,8 @@ class Dispatcher(ChildProcess):
     def cmd_update(self, args: dict) -> dict:
         if args.get("transport") in ("tensormq", "zeromq"):
             self.transport.mode = args["transport"]  # how requests reach their first block
-        return {"dropped": self.transport.set_topology(args.get("live", []), args.get("devices"))}
+        return {"dropped": self.transport.set_topology(args.get("live", []), args.get("devices"),
+                                                       args.get("remote"))}
 
     def cmd_fail(self, args: dict) -> dict:
         return {"failed": self.fail(list(args.get("blocks", [])), str(args.get("reason", "a block failed")))}

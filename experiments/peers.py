@@ -78,6 +78,9 @@ FUSED = "f"
 #: where the identity and copying blocks are written, inside the model repository
 TOYS = "_peers"
 RAY_CPUS = 2
+# Ray on the loopback only: with this (read when ray is imported), Ray 2.60 gives its node and
+# GCS 127.0.0.1 instead of this machine's interface address
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def ray_missing() -> str | None:

@@ -19,6 +19,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 import zmq
 
+from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
 from blockflow.tensormq.wire import dumps
 
 log = logging.getLogger("blockflow.controller")
@@ -39,6 +40,7 @@ class Controller:
         self.sock.router_mandatory = 1  # a send to a process that is gone raises instead of vanishing
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.auth = None  # the ZAP handler, once listening between nodes
         self._ids = itertools.count(1)
         self._out: queue.Queue = queue.Queue()
         self._futures: dict[int, Future] = {}
@@ -54,6 +56,16 @@ class Controller:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="controller", daemon=True)
 
+    def listen_between_nodes(self, host: str, keys: ClusterKeys) -> str:
+        """Ray mode (issue 30): also listen on TCP at ``host``, as a CURVE server admitting the
+        cluster's client key only, for processes on other nodes; the ipc:// endpoint keeps
+        serving this host's children without CURVE (options apply to later binds only). Call
+        before start(): the socket is the controller thread's from then on. Returns the endpoint."""
+        self.auth = authenticator(self.ctx, keys.client_public.encode(), "controller")
+        make_server(self.sock, keys.server_secret.encode())
+        port = self.sock.bind_to_random_port(f"tcp://{host}")
+        return f"tcp://{host}:{port}"
+
     def start(self) -> None:
         self._thread.start()
 
@@ -63,6 +75,8 @@ class Controller:
         self._stop = True
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
+        if self.auth is not None:
+            self.auth.stop()
         os.close(self._wake_r)
         os.close(self._wake_w)
 

@@ -15,11 +15,12 @@ Every call returns at once except ``join``; ``exitcode`` is how the supervisor l
 (its loop polls, it never waits on a child: manager.py's docstring). Exit codes keep their
 meaning across launchers (blockflow/protocol.py: EXIT_BOOT_ERROR and the others).
 
-``LocalLauncher`` is the only launcher today and the default: children forked from the
-forkserver that has torch imported (manager/forkserver.py), on this machine. A launcher that
-starts children elsewhere (a Ray cluster's nodes, issue 30) implements the same two calls and
-handle; ``node`` is what will decide whether a hop between two blocks stays on one host (by the
-identity of the machine, never by comparing addresses).
+``LocalLauncher`` is the default: children forked from the forkserver that has torch imported
+(manager/forkserver.py), on this machine. ``RayLauncher`` (ray_launcher.py, ``serve --ray``)
+starts a block declared with a ``node`` on a node of a Ray cluster and the rest locally; its
+handles also say ``waiting_for`` (the resource a child waits for a node with). ``node`` decides
+whether a hop between two blocks stays on one host (by the identity of the machine, never by
+comparing addresses).
 
 ``HostedProcess`` (manager.py) is the third kind of handle: a block inside a shared process,
 which lives and dies with its host's handle.
@@ -99,7 +100,10 @@ class LocalLauncher:
         self.mp = forkserver_context()  # already running when `blockflow serve` started it early
         self.node = local_node()
 
-    def start(self, target: Callable, spec, name: str) -> LocalChild:
+    def start(self, target: Callable, spec, name: str, node: str | None = None) -> LocalChild:
+        if node is not None:
+            raise ValueError(f"{name} is to run on node {node!r}, but this server places nothing on other "
+                             "nodes: start it with --ray")
         proc = self.mp.Process(target=target, args=(spec,), name=name, daemon=True)
         proc.start()
         return LocalChild(proc, self.node)

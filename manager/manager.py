@@ -43,8 +43,10 @@ from blockflow import settings
 from blockflow.blocks.host import HostSpec, serve_host
 from blockflow.blocks.process import BlockSpec, serve_block
 from blockflow.dispatcher.process import DispatcherSpec, serve_dispatcher
-from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, describe_exit, identity
+from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_NODE_LOST, describe_exit, identity
 from blockflow.schema import BlockDecl, validate_update
+
+from blockflow.tensormq.curve import ClusterKeys
 
 from .controller import ControlError, Controller
 from .launcher import ChildHandle, LocalLauncher
@@ -132,6 +134,11 @@ class Child:
         if self.decl is not None:
             d.update(self.decl.as_dict())
             d["block"], d["replica"] = self.block, self.replica
+        if self.ready_info.get("tcp"):  # Ray mode: where producers on other nodes reach it
+            d["tcp_endpoint"] = self.ready_info["tcp"]
+        waiting = getattr(self.process, "waiting_for", None)
+        if waiting:  # Ray mode: no live node advertises its resource yet (ray_launcher.py)
+            d["waiting_for_node"] = waiting
         return d
 
 
@@ -207,8 +214,13 @@ class Operation:
 
 class Manager:
     def __init__(self, repo: str, state: StateDir, dispatcher_address: str = "tcp://127.0.0.1:5580",
-                 token: str | None = None, window: int = settings.WINDOW):
+                 token: str | None = None, window: int = settings.WINDOW, ray_address: str | None = None):
         self.repo = os.path.abspath(repo)
+        #: Ray mode (issue 30): the cluster to place blocks with a ``node`` on (ray_launcher.py),
+        #: the CURVE keys of the deployment (tensormq/curve.py) and the controller's TCP endpoint
+        self.ray_address = ray_address
+        self.keys: ClusterKeys | None = None
+        self.controller_tcp: str | None = None
         self.state = state
         self.dispatcher_address = dispatcher_address
         self.token = token
@@ -245,7 +257,12 @@ class Manager:
         self.state.prepare()
         self.state.clean_leftovers()
         self.state.sweep_orphans()
-        self.launcher = LocalLauncher()  # manager/launcher.py: the forkserver, running since `blockflow serve` began
+        if self.ray_address:
+            from .ray_launcher import RayLauncher
+            self.launcher = RayLauncher(self.ray_address)
+            self.keys = ClusterKeys.generate()
+        else:
+            self.launcher = LocalLauncher()  # manager/launcher.py: the forkserver, running since `blockflow serve` began
         try:
             import torch
             self.gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -254,6 +271,8 @@ class Manager:
         self.ctx = zmq.Context()
         self.controller = Controller(self.ctx, f"ipc://{os.path.join(self.state.sock, 'controller.sock')}",
                                      notify=lambda ident: self.events.put(("notice", ident)))
+        if self.keys is not None:
+            self.controller_tcp = self.controller.listen_between_nodes(self.launcher.ip, self.keys)
         self.controller.start()
         self.dispatcher = self.spawn_dispatcher()
         try:
@@ -338,6 +357,9 @@ class Manager:
                          verified=self.catalog.verified(decl.files), hosted=decl.process is not None,
                          cuda_graphs=decl.cuda_graphs,
                          warmup_shapes=[list(s) for s in decl.warmup_shapes] if decl.warmup_shapes else None)
+        spec = self.cluster_spec(spec, decl.node)
+        if decl.node is not None:
+            spec = replace(spec, verified=None)  # its node's copy of the files: the block checks it there
         if decl.process is not None:
             host = self.host_for(decl, self.declared if declared is None else declared)
             c = Child(decl.name, decl, inc, None, restarts=restarts, streak=streak, block=block or decl.name,
@@ -346,8 +368,9 @@ class Manager:
             log.info("block %s#%d goes into shared process %s (%s on %s)", decl.name, inc, host.name, decl.model,
                      decl.device)
             return c
-        proc = self.launcher.start(serve_block, spec, f"blockflow-{decl.name}")
-        log.info("spawned block %s#%d (pid %d, %s on %s)", decl.name, inc, proc.pid, decl.model, decl.device)
+        proc = self.launcher.start(serve_block, spec, f"blockflow-{decl.name}", node=decl.node)
+        where = f"pid {proc.pid}" if decl.node is None else f"through Ray, on a node with {decl.node!r}"
+        log.info("spawned block %s#%d (%s, %s on %s)", decl.name, inc, where, decl.model, decl.device)
         return Child(decl.name, decl, inc, proc, restarts=restarts, streak=streak, block=block or decl.name,
                      replica=replica)
 
@@ -360,10 +383,10 @@ class Manager:
         name = f"@{decl.process}"
         threads = max((d.threads or 0 for d in declared.values() if d.process == decl.process), default=0)
         inc = self._next_incarnation(name)
-        spec = HostSpec(name=name, device=decl.device, threads=threads or None, incarnation=inc,
-                        controller=self.controller.endpoint, parent_pid=os.getpid())
-        proc = self.launcher.start(serve_host, spec, f"blockflow-{name}")
-        log.info("spawned shared process %s#%d (pid %d, %s)", name, inc, proc.pid, decl.device)
+        spec = self.cluster_spec(HostSpec(name=name, device=decl.device, threads=threads or None, incarnation=inc,
+                                          controller=self.controller.endpoint, parent_pid=os.getpid()), decl.node)
+        proc = self.launcher.start(serve_host, spec, f"blockflow-{name}", node=decl.node)
+        log.info("spawned shared process %s#%d (pid %s, %s)", name, inc, proc.pid, decl.device)
         restarts = host.restarts + 1 if host is not None else 0
         self.hosts[decl.process] = new = Child(name, None, inc, proc, restarts=restarts)
         return new
@@ -398,12 +421,23 @@ class Manager:
                             _log_refusal)
                         c.hosted_spec = None
 
+    def cluster_spec(self, spec, node: str | None):
+        """Ray mode: the spec of a block or shared process gets the cluster's keys and listens
+        for other nodes (at this host's address; the node agent puts its node's); one placed on
+        another node reaches the controller over CURVE TCP."""
+        if self.keys is None:
+            return spec
+        spec = replace(spec, curve=self.keys.to_json(), bind_host=self.launcher.ip)
+        return spec if node is None else replace(spec, controller=self.controller_tcp)
+
     def spawn_dispatcher(self, restarts: int = 0, streak: int = 0) -> Child:
         inc = self._next_incarnation(DISPATCHER)
         spec = DispatcherSpec(sock_dir=self.state.sock, shm_dir=self.state.shm, address=self.dispatcher_address,
                               run_dir=self.state.run_dir,
                               transport=self.transport, controller=self.controller.endpoint,
                               parent_pid=os.getpid(), incarnation=inc, token=self.token, window=self.window)
+        if self.keys is not None:
+            spec = replace(spec, curve=self.keys.to_json(), bind_host=self.launcher.ip)
         proc = self.launcher.start(serve_dispatcher, spec, "blockflow-dispatcher")
         return Child(DISPATCHER, None, inc, proc, restarts=restarts, streak=streak)
 
@@ -454,8 +488,8 @@ class Manager:
 
     def _remove_slots(self, c: Child) -> None:
         """A dead producer's slot files are ours to remove (a clean exit left none)."""
-        if c.process.pid is None or c.process.exitcode is None:
-            return
+        if c.process.pid is None or c.process.exitcode is None or c.process.node != self.launcher.node:
+            return  # on another node its agent removes them (ray_launcher.py): a pid names nothing here
         if isinstance(c.process, HostedProcess) and c.process.host_alive():
             return  # the others still use theirs; this one unlinked its own (check_hosts does the rest)
         removed = self.state.remove_slots_of(c.process.pid)
@@ -467,7 +501,8 @@ class Manager:
         """Check ``body`` here, at the edge (UpdateError -> 400), then let the supervisor apply it."""
         if self._stopping.is_set():
             raise UpdateFailed("the server is shutting down")
-        upd = validate_update(body, gpus=self.gpus)
+        upd = validate_update(body, gpus=self.gpus,
+                              nodes=self.launcher.resources() if self.ray_address else None)
         self.catalog.check_update(upd)
         self.shm_budget = slot_budget(upd, self.window, self.state.shm)
         desired = Desired(dict(upd.blocks), dict(upd.tasks))
@@ -546,11 +581,19 @@ class Manager:
     def snapshot(self) -> dict:
         with self.lock:
             return {"version": self.version, "transport": self.transport,
-                    "blocks": [c.describe() for c in self.blocks.values()],
+                    "blocks": [{**c.describe(), "next_hops": self.hop_kinds(c)} for c in self.blocks.values()],
                     "tasks": [{"id": t, "path": p} for t, p in self.tasks.items()],
                     "dispatcher": self.dispatcher.describe() if self.dispatcher else None,
                     "state_dir": self.state.root, "run_dir": self.state.run_dir,
-                    "shm": self.shm_budget}
+                    "shm": self.shm_budget, **self.cluster_info()}
+
+    def cluster_info(self) -> dict:
+        """Ray mode: the cluster, this host's node and the deployment's CURVE server key (public:
+        what a peer needs besides the client key that only the deployment's processes hold)."""
+        if self.keys is None:
+            return {}
+        return {"cluster": {"ray": self.ray_address, "node": self.launcher.node, "controller": self.controller_tcp,
+                            "server_public_key": self.keys.server_public}}
 
     def ready(self) -> bool:
         with self.lock:
@@ -695,6 +738,19 @@ class Manager:
                     changed = True
                 continue
             boot = self.controller.boot_errors.get(c.ident)
+            if c.restarts and c.process.exitcode == EXIT_NODE_LOST and self.blocks.get(c.name) is c:
+                # a respawn that Ray placed on a node that was dying (before its health checks
+                # said so) is placed again: not a failure of the block, nor a crash to count
+                log.warning("%s was placed on a node that is gone; placing it again", c.instance)
+                self.controller.forget(c.ident)
+                again = self.spawn_block(c.decl, restarts=c.restarts, streak=c.streak, block=c.block,
+                                         replica=c.replica)
+                again.last_exit = c.last_exit
+                self.blocks[c.name] = again
+                continue
+            if c.restarts and getattr(c.process, "waiting_for", None) and c.process.exitcode is None:
+                c.spawned_at = now  # a respawn waits for a node with its resource as long as it takes
+                continue
             if boot is None and c.process.exitcode is None and now - c.spawned_at < READY_TIMEOUT:
                 continue
             if boot is not None:
@@ -855,17 +911,58 @@ class Manager:
         devices = {c.endpoint: c.decl.device for c in self.blocks.values() if c.endpoint}
         futures = []
         topology = {"live": live, "devices": devices}
+        receivers = self.receivers(draining)
         if self.dispatcher is not None and self.dispatcher.status == "ready":
             futures.append(self.controller.cast(self.dispatcher.ident, "tasks", {"tasks": self.task_table(),
                                                                                   "version": self.version}))
             futures.append(self.controller.cast(self.dispatcher.ident, "update",
-                                                {**topology, "transport": self.transport}))
+                                                {**topology, **self.routes_from(self.dispatcher, receivers),
+                                                 "transport": self.transport}))
         for c in self.blocks.values():
             if c.status == "ready":
-                futures.append(self.controller.cast(c.ident, "update", topology))
+                futures.append(self.controller.cast(c.ident, "update", {**topology, **self.routes_from(c, receivers)}))
         for f in futures:
             f.add_done_callback(_log_refusal)
         return futures
+
+    def receivers(self, draining=()) -> list[tuple[str, str | None, str | None]]:
+        """(the address paths name it by, its TCP endpoint for other nodes, its node) of every
+        ready process that tensors are sent to: blocks, and the dispatcher's result socket."""
+        out = [(c.endpoint, c.ready_info.get("tcp"), c.process.node)
+               for c in [*self.blocks.values(), *draining] if c.status == "ready" and c.endpoint]
+        d = self.dispatcher
+        if d is not None and d.status == "ready" and len(d.ready_info.get("results", [])) == 2:
+            ipc, tcp = d.ready_info["results"]
+            out.append((ipc, tcp, d.process.node))
+        return out
+
+    def routes_from(self, sender: Child, receivers) -> dict:
+        """Ray mode: ``{"remote": {address: TCP endpoint}}``, the receivers on another node than
+        ``sender``'s, which it sends bytes to over CURVE TCP (Transport.remote). Decided by the
+        nodes' identities (Ray's node ids), never by comparing addresses. Nothing without Ray."""
+        if self.keys is None:
+            return {}
+        return {"remote": {addr: tcp for addr, tcp, node in receivers if node != sender.process.node and tcp}}
+
+    def hop_kinds(self, c: Child) -> dict[str, str]:
+        """How ``c``'s tensors travel to each next hop of the tasks through it (GET /system):
+        ``handles`` on one node with TensorMQ, ``bytes`` with ZeroMQ, ``tcp`` (bytes over
+        CURVE TCP) to another node. The dispatcher is the hop after a path's last block."""
+        kinds = {}
+        for path in self.tasks.values():
+            for i, name in enumerate(path):
+                if c.block != name:
+                    continue
+                nexts = self.replicas(path[i + 1]) if i + 1 < len(path) else [self.dispatcher]
+                for n in nexts:
+                    if n is None:
+                        continue
+                    hop = n.name if n.decl is not None else DISPATCHER
+                    if n.process.node != c.process.node:
+                        kinds[hop] = "tcp"
+                    else:
+                        kinds[hop] = "handles" if (c.decl.transport == "tensormq") else "bytes"
+        return kinds
 
     def _fail_requests(self, instances: list[str], reason: str) -> None:
         if self.dispatcher is None or self.dispatcher.status != "ready":

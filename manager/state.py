@@ -265,26 +265,9 @@ class StateDir:
         return removed
 
     def remove_slots_of(self, pid: int) -> int:
-        """Unlink the slot files of a process that died without closing its pools.
-
-        Slot files are named ``<owner>.<pid>.<seq>`` (tensormq/shm.py; a GPU pool's ``<seq>`` is
-        ``cuda<N>-<k>``). Consumers that still map one keep their mapping; a handle that arrives
-        after this fails with a clear error.
-        """
-        removed = 0
-        try:
-            names = os.listdir(self.shm)
-        except FileNotFoundError:
-            return 0
-        for name in names:
-            parts = name.rsplit(".", 2)
-            if len(parts) == 3 and parts[1] == str(pid):
-                try:
-                    os.unlink(os.path.join(self.shm, name))
-                    removed += 1
-                except FileNotFoundError:
-                    pass
-        return removed
+        """Unlink the slot files of a process of this host that died without closing its pools
+        (``remove_slots_of`` below)."""
+        return remove_slots_of(self.shm, pid)
 
     def remove_runtime(self, sockets: bool = True) -> None:
         """At clean shutdown: sockets and slots go; KPI runs and state.json stay."""
@@ -404,3 +387,27 @@ def slot_budget(upd, window: int, shm_dir: str | None) -> dict:
                         len(edges), window, os.path.dirname(shm_dir), out["free_bytes"] / 2**20,
                         out["size_bytes"] / 2**20)
     return out
+
+
+def remove_slots_of(shm_dir: str, pid: int) -> int:
+    """Unlink the slot files in ``shm_dir`` of process ``pid`` (of this host), which died
+    without closing its pools. Returns how many were removed.
+
+    Slot files are named ``<owner>.<pid>.<seq>`` (tensormq/shm.py; a GPU pool's ``<seq>`` is
+    ``cuda<N>-<k>``). Consumers that still map one keep their mapping; a handle that arrives
+    after this fails with a clear error.
+    """
+    removed = 0
+    try:
+        names = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        parts = name.rsplit(".", 2)
+        if len(parts) == 3 and parts[1] == str(pid):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed

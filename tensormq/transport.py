@@ -25,6 +25,7 @@ import zmq
 from .shm import DEFAULT_WINDOW, HopGone, SlotMapper, SlotPool
 from blockflow.schema import canonical_device
 from .bundle import assemble, flatten
+from .curve import client_of
 from .wire import (MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, contiguous_stride, dumps, is_local,
                    member_descs)
 from blockflow import settings
@@ -198,11 +199,21 @@ class Transport:
         self.result_keys: str | None = None
         #: outputs sent from the slot the model made them in, uncopied (Note [Outputs made in a slot])
         self.made_in_slot = 0
+        #: Ray mode (issue 30): next hops on another node, by the address paths name them with,
+        #: and the TCP endpoint they are reached at there. The manager decides it by comparing
+        #: the nodes the processes run on, never addresses (every node of a test cluster is
+        #: 127.0.0.1, and an ipc:// path may exist on both machines): a hop listed here gets
+        #: bytes over CURVE TCP with ``curve``, the cluster's keys (tensormq/curve.py)
+        self.remote: dict[str, str] = {}
+        self.curve = None
+        #: tensors received, by how they came (``bytes``, ``shm``, ``cuda``): GET /blocks/NAME/ping
+        self.received: dict[str, int] = {}
 
     # -- receiving ---------------------------------------------------------------------------
     def decode(self, x, frames: list):
         """(tensor, lease) for a descriptor; lease is None when the bytes came in the message."""
         desc = TensorDesc.parse(x, self.max_tensor_bytes)
+        self.received[desc.loc] = self.received.get(desc.loc, 0) + 1
         if desc.loc == "bytes":
             if len(frames) != 2:
                 raise WireError(f"x.loc is bytes but the message has {len(frames)} frames, not 2")
@@ -230,6 +241,7 @@ class Transport:
         try:
             for i, x in enumerate(xs):
                 desc = TensorDesc.parse(x, self.max_tensor_bytes)
+                self.received[desc.loc] = self.received.get(desc.loc, 0) + 1
                 if desc.loc == "bytes":
                     if frame >= len(frames):
                         raise WireError(f"xs[{i}].loc is bytes but the message has no frame left for it")
@@ -261,7 +273,7 @@ class Transport:
         """Up to ``count`` free slots towards ``address`` for the model to make an ``nbytes``
         output in (Note [Outputs made in a slot]); none where outputs travel otherwise (bytes)
         or none is free."""
-        if self.mode != "tensormq" or self.pool is None or not is_local(address):
+        if self.mode != "tensormq" or self.pool is None or not self.handles_to(address):
             return []
         return self.pool.lend(address, nbytes, count)
 
@@ -275,7 +287,7 @@ class Transport:
         new descriptor built. ``made_in`` is the lent slot (``lend``) the model made ``tensor`` in:
         it travels with that slot's handle, uncopied.
         """
-        if self.mode == "zeromq" or not is_local(address) or self.pool is None:
+        if self.mode == "zeromq" or not self.handles_to(address) or self.pool is None:
             if lease is not None and lease.contains(tensor):
                 tensor = tensor.clone()  # ZeroMQ reads the bytes later; the slot is released now
             desc, payload = encode_bytes(tensor)
@@ -336,6 +348,12 @@ class Transport:
             fields["keys"] = keys
         return fields, payloads
 
+    def handles_to(self, address: str) -> bool:
+        """Whether tensors to ``address`` may travel as handles: not to a hop on another node
+        (``remote``), nor to a TCP address off the loopback (a process that runs without a
+        manager, e.g. a test, sends bytes there)."""
+        return address not in self.remote and is_local(address)
+
     def hop_device(self, address: str) -> str:
         """The device the next hop runs on, from the device map; a hop the map does not name
         (the dispatcher's return address, any hop before the first update) is a CPU hop:
@@ -362,6 +380,15 @@ class Transport:
             sock = self.ctx.socket(zmq.PUSH)
             sock.linger = 0
             sock.sndhwm = 1000
+            far = self.remote.get(address)
+            if far is not None:
+                if self.curve is None:
+                    raise WireError(f"{self.owner}: {address} runs on another node, and this process has no "
+                                    "cluster keys to reach it with")
+                client_of(sock, self.curve)
+                sock.connect(far)
+                self.pushers[address] = sock
+                return sock
             if address.startswith("tcp://") and self.result_keys:
                 keys = read_result_keys(self.result_keys)
                 if keys is not None and keys["endpoint"] == address:
@@ -474,10 +501,16 @@ class Transport:
             return
         self._gone = frozenset((self._gone | known) - live_set)
 
-    def set_topology(self, live: list[str], devices: dict[str, str] | None = None) -> list[str]:
+    def set_topology(self, live: list[str], devices: dict[str, str] | None = None,
+                     remote: dict[str, str] | None = None) -> list[str]:
         """Close sockets to hops that are gone and reclaim the slots they held (Algorithm 3's
-        update_connection). Returns the addresses dropped."""
+        update_connection); ``remote``: the hops on other nodes now (``self.remote``), a hop
+        whose route changed is reconnected. Returns the addresses dropped."""
         live_set = set(live)
+        if remote is not None:
+            for addr in set(self.remote) ^ set(remote) | {a for a in remote if self.remote.get(a) != remote[a]}:
+                self.drop_hop(addr)
+            self.remote = dict(remote)
         self.listed = frozenset(live_set)
         self._gone = frozenset(a for a in self._gone if a not in live_set)
         if devices is not None:  # one spelling per device ('cuda' is 'cuda:0'), so that they compare

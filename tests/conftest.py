@@ -19,6 +19,11 @@ if ROOT not in sys.path:
 
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.jit")
 
+# Every Ray these tests start (tests/test_cluster.py, the peers' smoke test) stays on the loopback:
+# with this, Ray 2.60 gives every node, the head's GCS included, 127.0.0.1 instead of this
+# machine's interface address. Ray reads it when imported, and children inherit it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 
 def pytest_collection_modifyitems(config, items):
     import torch

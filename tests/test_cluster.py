@@ -1,0 +1,244 @@
+"""Blocks on several machines through a Ray cluster (issue 30): ``blockflow serve --ray``.
+
+One real three-node Ray cluster for the module (``ray.cluster_utils.Cluster``: a head and the
+nodes ``edge-a`` and ``edge-b``, each with its own raylet, every one on 127.0.0.1: see
+conftest.py for RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER) and one real server joined to it. Blocks
+with ``node`` run as children of Ray actors placed by that custom resource; hops between
+nodes must travel as bytes over CURVE TCP and hops within a node as TensorMQ handles -- even
+though every node has the same address and the same disk, which is why locality has to come
+from node identity. Marked ``cluster``; ``make test`` runs them (the cluster extra is installed).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import zmq
+
+from blockflow.client import BlockFlowError, Client
+from blockflow.protocol import ErrorCode
+
+from conftest import wait_for
+from test_control_plane import rest_error
+
+ray = pytest.importorskip("ray", reason="the cluster extra is not installed: pip install -e '.[cluster]'")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = pytest.mark.cluster
+
+MODEL = "resnet50"
+SPLIT = {"b1": ("block1", "edge-a"), "b2": ("block2", "edge-a"), "b3": ("block3", "edge-b"),
+         "b4": ("block4", "edge-b"), "h": ("head", "edge-b")}
+PATH = list(SPLIT)
+
+
+def _node(resource: str):
+    return {"num_cpus": 1, "resources": {resource: 1000}}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    tmp = tempfile.mkdtemp(prefix="bfray-")
+    os.makedirs(os.path.join(tmp, "ray"))  # where Ray writes the cluster's address (RAY_TMPDIR/ray)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_TMPDIR", tmp)  # all of Ray's files in a directory of ours, removed after
+    try:
+        # Ray's own health checks notice a dead node in about 2 s here (its defaults take longer)
+        fast = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, "temp_dir": tmp,
+                                                          "_system_config": fast})
+        nodes = {"edge-a": c.add_node(**_node("edge-a")), "edge-b": c.add_node(**_node("edge-b"))}
+        try:
+            yield c, nodes
+        finally:
+            c.shutdown()
+    finally:
+        mp.undo()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _our_processes(state_dir: str) -> list[psutil.Process]:
+    """Block processes of this server, on any node (their spec names the state directory)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if any(m in cmd for m in ("blockflow.blocks.process", "blockflow.blocks.host")) and p.pid != os.getpid():
+            try:
+                if any(state_dir in f.path for f in p.open_files()) or state_dir in " ".join(cmd):
+                    found.append(p)
+            except psutil.Error:
+                continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def server(cluster, model_repo):
+    from blockflow.demo import start_server, stop_server
+    c, _ = cluster
+    state = tempfile.mkdtemp(prefix="bfc-")
+    proc, info = start_server(model_repo, state, extra=["--ray", c.address], env=dict(os.environ))
+
+    class Srv:
+        url, dispatcher, state_dir = info["rest"], info["dispatcher"], state
+
+        def call(self, method, path, body=None, **kw):
+            from blockflow.restclient import call
+            return call(method, self.url + path, body, **kw)
+
+    try:
+        yield Srv()
+    finally:
+        code = stop_server(proc)
+        leftover = [p.pid for p in psutil.process_iter(["cmdline"])
+                    if "blockflow.blocks.process" in (p.info["cmdline"] or [])]
+        shutil.rmtree(state, ignore_errors=True)
+        assert code == 0, f"server exited with {code} on SIGTERM"
+        assert not leftover, f"block processes left on the nodes after the server stopped: {leftover}"
+
+
+def _body(nodes: dict[str, str | None]) -> dict:
+    blocks = []
+    for name, (stem, _) in SPLIT.items():
+        b = {"name": name, "model": f"{MODEL}/{stem}.pt", "threads": 1}
+        if nodes.get(name):
+            b["node"] = nodes[name]
+        blocks.append(b)
+    return {"transport": "tensormq", "blocks": blocks, "tasks": [{"id": "classify", "path": PATH}]}
+
+
+def _expected(model_repo, x):
+    from blockflow.blocks.repository import load_block
+    with torch.inference_mode():
+        return load_block(model_repo, f"{MODEL}/full.pt")(x)
+
+
+def _hops(srv) -> dict[str, dict[str, str]]:
+    return {b["name"]: b["next_hops"] for b in srv.call("GET", "/system")["blocks"]}
+
+
+def test_a_split_task_across_two_nodes_answers_as_the_whole_model(server, model_repo):
+    res = server.call("POST", "/system/update", _body({n: node for n, (_, node) in SPLIT.items()}), timeout=240)
+    assert sorted(res["diff"]["spawned"]) == sorted(SPLIT), res
+    system = server.call("GET", "/system")
+    nodes = {b["name"]: b["node"] for b in system["blocks"]}
+    assert nodes["b1"] == nodes["b2"] != nodes["b3"] == nodes["b4"] == nodes["h"], nodes
+    assert system["dispatcher"]["node"] not in (nodes["b1"], nodes["b3"]), system["dispatcher"]
+    # the hop kinds follow the nodes, though every node is 127.0.0.1 on one disk
+    assert _hops(server) == {"b1": {"b2": "handles"}, "b2": {"b3": "tcp"}, "b3": {"b4": "handles"},
+                             "b4": {"h": "handles"}, "h": {"@dispatcher": "tcp"}}
+    xs = [torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with Client(server.dispatcher, timeout=120) as c:
+        ys = [c.infer("classify", x) for x in xs]
+    for x, y in zip(xs, ys):
+        want = _expected(model_repo, x)
+        assert torch.allclose(y, want, atol=1e-4), (y - want).abs().max()
+    # what each block saw: b3 (first on edge-b) got bytes over TCP, b2 and b4 got handles
+    kinds = {name: server.call("GET", f"/blocks/{name}/ping").get("received", {}) for name in ("b2", "b3", "b4")}
+    assert kinds["b2"].get("shm", 0) >= 3 and not kinds["b2"].get("bytes"), kinds
+    assert kinds["b3"].get("bytes", 0) >= 3 and not kinds["b3"].get("shm"), kinds
+    assert kinds["b4"].get("shm", 0) >= 3 and not kinds["b4"].get("bytes"), kinds
+
+
+def test_a_block_moves_to_the_other_node_by_an_update(server, model_repo):
+    placed = {n: node for n, (_, node) in SPLIT.items()}
+    server.call("POST", "/system/update", _body(placed), timeout=240)
+    before = {b["name"]: (b["node"], b["incarnation"]) for b in server.call("GET", "/system")["blocks"]}
+    res = server.call("POST", "/system/update", _body({**placed, "b3": "edge-a"}), timeout=240)
+    assert res["diff"]["replaced"] == ["b3"], res
+    after = {b["name"]: (b["node"], b["incarnation"]) for b in server.call("GET", "/system")["blocks"]}
+    assert after["b3"][0] == before["b1"][0] != before["b3"][0], (before, after)
+    assert {n: after[n] for n in ("b1", "b2", "b4", "h")} == {n: before[n] for n in ("b1", "b2", "b4", "h")}
+    assert _hops(server)["b2"] == {"b3": "handles"} and _hops(server)["b3"] == {"b4": "tcp"}
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(7))
+    with Client(server.dispatcher, timeout=120) as c:
+        y = c.infer("classify", x)
+    assert torch.allclose(y, _expected(model_repo, x), atol=1e-4)
+
+
+def test_an_update_naming_a_node_nobody_advertises_is_refused_at_once(server):
+    err = rest_error(server, "POST", "/system/update", _body({"b1": "edge-z"}))
+    message = err.body["error"]
+    assert err.status == 400 and "edge-z" in message and "ray start --resources" in message, err.body
+
+
+def test_a_peer_without_the_cluster_key_is_refused_by_a_block(server):
+    server.call("POST", "/system/update", _body({n: node for n, (_, node) in SPLIT.items()}), timeout=240)
+    system = server.call("GET", "/system")
+    b3 = next(b for b in system["blocks"] if b["name"] == "b3")
+    public = system["cluster"]["server_public_key"]
+    assert b3["tcp_endpoint"].startswith("tcp://127.0.0.1:")
+    ctx = zmq.Context()
+    try:
+        push = ctx.socket(zmq.PUSH)
+        push.linger = 0
+        monitor = push.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        stranger_public, stranger_secret = zmq.curve_keypair()  # knows the server's key, not the cluster's client key
+        push.curve_serverkey, push.curve_publickey, push.curve_secretkey = public.encode(), stranger_public, stranger_secret
+        push.connect(b3["tcp_endpoint"])
+        push.send(b'{"rid": 1}', zmq.NOBLOCK)
+        from zmq.utils.monitor import recv_monitor_message
+        assert monitor.poll(10000), "no handshake outcome within 10 s"
+        event = recv_monitor_message(monitor)
+        assert event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH, event
+        monitor.close(linger=0)
+        push.close(linger=0)
+    finally:
+        ctx.term()
+    assert next(b for b in server.call("GET", "/system")["blocks"] if b["name"] == "b3")["status"] == "ready"
+
+
+def test_a_node_lost_under_load_answers_every_request_and_serving_resumes_when_it_rejoins(server, cluster,
+                                                                                          model_repo):
+    c, nodes = cluster
+    server.call("POST", "/system/update", _body({n: node for n, (_, node) in SPLIT.items()}), timeout=240)
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(3))
+    want = _expected(model_repo, x)
+    outcomes: list[tuple[str, float, float]] = []  # (ok | error code, sent, answered)
+    stop = threading.Event()
+
+    def client():
+        with Client(server.dispatcher, timeout=30) as cl:
+            while not stop.is_set():
+                sent = time.monotonic()
+                try:
+                    y = cl.infer("classify", x)
+                    outcomes.append(("ok" if torch.allclose(y, want, atol=1e-4) else "wrong", sent, time.monotonic()))
+                except BlockFlowError as exc:
+                    outcomes.append((str(exc.code), sent, time.monotonic()))
+                    time.sleep(0.05)
+
+    threads = [threading.Thread(target=client) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: sum(o[0] == "ok" for o in outcomes) >= 4, 120, "four answers before the fault")
+        removed_at = time.monotonic()
+        c.remove_node(nodes.pop("edge-b"), allow_graceful=False)
+        wait_for(lambda: any(o[1] >= removed_at + 1 and o[0] != "ok" for o in outcomes), 30,
+                 "requests refused while edge-b is gone")
+        waiting = lambda: {b["name"]: b.get("waiting_for_node")  # noqa: E731
+                           for b in server.call("GET", "/system")["blocks"] if b["name"] in ("b3", "b4", "h")}
+        wait_for(lambda: waiting() == {"b3": "edge-b", "b4": "edge-b", "h": "edge-b"}, 60,
+                 "GET /system saying which blocks wait for a node with edge-b")
+        rejoined_at = time.monotonic()
+        nodes["edge-b"] = c.add_node(**_node("edge-b"))
+        wait_for(lambda: any(o[1] >= rejoined_at and o[0] == "ok" for o in outcomes), 90,
+                 "serving again after edge-b rejoined")
+        serving_again = min(o[2] for o in outcomes if o[1] >= rejoined_at and o[0] == "ok") - rejoined_at
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    print(f"\nnode lost: {len(outcomes)} requests; serving again {serving_again:.1f}s after edge-b rejoined")
+    in_flight = [o for o in outcomes if o[1] <= removed_at <= o[2]]
+    assert all(o[2] - removed_at <= 5.0 for o in in_flight), in_flight  # answered within 5 s of the loss
+    assert not [o for o in outcomes if o[0] == "wrong"]
+    assert {o[0] for o in outcomes} <= {"ok", ErrorCode.BLOCK_FAILED.value, ErrorCode.UNAVAILABLE.value}, \
+        {o[0] for o in outcomes}
+    assert serving_again <= 60
