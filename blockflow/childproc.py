@@ -140,6 +140,8 @@ class ChildProcess:
         self.threads: list[threading.Thread] = []
         self.commands: dict[str, Callable[[dict], object]] = {}
         self._parent_check_at = 0.0
+        #: when the controller last sent us anything (monotonic); see watch_parent
+        self._heard = time.monotonic()
         self.register("ping", self.cmd_ping)
         self.register("stop", self.cmd_stop)
 
@@ -169,6 +171,18 @@ class ChildProcess:
             log.warning("%s: manager pid %d is gone; shutting down", self.label, pid)
             self.exit_code = ExitCode.ORPHANED
             self.request_stop()
+        # on another node (a TCP controller: Ray mode) the manager's pid means nothing here, and
+        # the parent is the node's agent, which a partition does not end: silence does
+        if self.ctrl is not None and self.spec.controller.startswith("tcp://") \
+                and now - self.last_heard() > settings.CONTROL_LEASE:
+            log.warning("%s: nothing from the manager for %.0f s (BLOCKFLOW_CONTROL_LEASE): it gave this "
+                        "process up, or cannot reach it; shutting down", self.label, now - self.last_heard())
+            self.exit_code = ExitCode.ORPHANED
+            self.request_stop()
+
+    def last_heard(self) -> float:
+        """When the manager last sent this process anything (monotonic)."""
+        return self._heard
 
     # -- the control channel -------------------------------------------------------------------
     def open_control(self) -> None:
@@ -196,6 +210,7 @@ class ChildProcess:
         """READY to the controller (from the thread that owns ``ctrl``, before others use it)."""
         msg = {"t": "ready", "name": self.name, "inc": self.spec.incarnation, "pid": os.getpid(),
                **self.ready_info()}
+        self._heard = time.monotonic()  # pings start once the manager hears this
         if self.ctrl is not None:
             self.ctrl.send(dumps(msg))
         return msg
@@ -225,6 +240,7 @@ class ChildProcess:
                 raw = self.ctrl.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._heard = time.monotonic()
             try:
                 msg = loads_header(raw)
             except WireError as exc:

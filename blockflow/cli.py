@@ -249,25 +249,36 @@ def _duration(seconds) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
+def _node(row: dict) -> str:
+    """The NODE cell: the host name, or a Ray node id cut to 12 characters, or what it waits for."""
+    if row.get("waiting_for_node"):
+        return f"(waiting for {row['waiting_for_node']})"
+    node = row.get("node") or "-"
+    return node[:12] if len(node) == 56 and all(ch in "0123456789abcdef" for ch in node) else node
+
+
 def format_status(rows: list[dict], system: dict) -> str:
     """``blockflow status`` for a person: one row per process, then the tasks and the run directory."""
     def ms(v):
         return "-" if v is None else f"{v:.1f}"
 
     head = ("PROCESS", "BLOCK", "REPLICA", "GROUP", "STATUS", "PID", "NODE", "DEVICE", "RESTARTS", "UPTIME", "REQ/S",
-            "P50 MS", "P99 MS", "ERRORS", "LAST EXIT")
+            "P50 MS", "P99 MS", "ERRORS", "NEXT HOPS", "LAST EXIT")
     table = [head] + [(r["process"], r.get("block") or "-", "-" if r.get("replica") is None else str(r["replica"]),
-                       r.get("group") or "-", str(r["status"]), str(r.get("pid") or "-"), r.get("node") or "-",
+                       r.get("group") or "-", str(r["status"]), str(r.get("pid") or "-"), _node(r),
                        str(r.get("device") or "-"),
                        str(r.get("restarts", 0)), _duration(r.get("uptime_s")), f"{r['requests_per_s']:.1f}",
-                       ms(r.get("p50_ms")), ms(r.get("p99_ms")), str(r.get("errors", 0)), r.get("last_exit") or "-")
+                       ms(r.get("p50_ms")), ms(r.get("p99_ms")), str(r.get("errors", 0)),
+                       ",".join(f"{hop}:{kind}" for hop, kind in sorted((r.get("next_hops") or {}).items())) or "-",
+                       r.get("last_exit") or "-")
                       for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(head) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in table]
     window = max((r.get("window_s") or 0 for r in rows), default=0)
     lines.append(f"(REQ/S, P50, P99 and ERRORS over the last {window:.0f} s; P50/P99 are the block's own "
                  "arrival-to-departure time, the dispatcher's end to end; blocks of one GROUP share one process "
-                 "and its PID; NODE is the machine a process runs on)")
+                 "and its PID; NODE is the machine a process runs on; NEXT HOPS says how its tensors travel to "
+                 "each next block: handles on one node, bytes with ZeroMQ, tcp (bytes over CURVE TCP) to another node)")
     lines.append(f"version {system.get('version')}; tasks:")
     for t in system.get("tasks", []):
         lines.append(f"  {t['id']}: {' -> '.join(t['path'])}")

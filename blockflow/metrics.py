@@ -248,6 +248,7 @@ class BlockFlowCollector:
         row = {"process": name, "block": child.get("block", name), "replica": child.get("replica"),
                "group": child.get("process"),
                "status": child.get("status"), "pid": child.get("pid"), "node": child.get("node"),
+               "next_hops": child.get("next_hops") or {}, "waiting_for_node": child.get("waiting_for_node"),
                "device": child.get("device", "cpu" if name != DISPATCHER else "-"),
                "restarts": child.get("restarts", 0), "uptime_s": round(now - started, 1) if started else None,
                "last_exit": child.get("last_exit"), **series.last_minute(now, started)}
@@ -283,14 +284,19 @@ class BlockFlowCollector:
                                 labels=BLOCK_LABELS)
         cpu = CounterMetricFamily("blockflow_block_cpu_seconds", "user and system CPU time of the block's process "
                                   "(starts again from 0 when it is respawned)", labels=BLOCK_LABELS)
+        node = GaugeMetricFamily("blockflow_block_node", "1 for the node the block's process runs on (this host's "
+                                 "name, or in Ray mode the Ray node id; empty while it waits for a node)",
+                                 labels=[*BLOCK_LABELS, "node"])
         children = blocks + ([system["dispatcher"]] if isinstance(system.get("dispatcher"), dict) else [])
+        here = (system.get("cluster") or {}).get("node")  # Ray mode: pids of other nodes mean nothing here
         pids = {}
         for b in children:
             name = b.get("name", DISPATCHER)
             restarts.add_metric(self.labels(name), b.get("restarts", 0))
             up.add_metric([*self.labels(name), str(b.get("status"))], 1 if b.get("status") == "ready" else 0)
+            node.add_metric([*self.labels(name), str(b.get("node") or "")], 1)
             pid = b.get("pid")
-            if not pid:
+            if not pid or (here is not None and b.get("node") != here):
                 continue
             try:
                 p = psutil.Process(pid)
@@ -301,7 +307,7 @@ class BlockFlowCollector:
                 pids[pid] = self.labels(name)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-        yield from (restarts, up, rss, cpu)
+        yield from (restarts, up, node, rss, cpu)
         yield from self.nvml.families(pids)
 
     def labels(self, name: str) -> list[str]:

@@ -167,7 +167,7 @@ def _node(value, where: str, nodes: set[str] | None) -> str | None:
         raise UpdateError(where, "this server runs every block on its own host; start it with "
                                  "`blockflow serve --ray ADDRESS` to place blocks on the nodes of a Ray cluster")
     if value not in nodes:
-        raise UpdateError(where, f"no live node of the Ray cluster advertises the resource {value!r}; start one "
+        raise UpdateError(where, f"no node of the Ray cluster advertises the resource {value!r}; start one "
                                  f"with `ray start --resources '{{\"{value}\": 1000}}'` (advertised now: "
                                  f"{', '.join(sorted(nodes)) or 'none'})")
     return value

@@ -110,6 +110,12 @@ PING_INTERVAL: float = _read("BLOCKFLOW_PING_INTERVAL", 0.25, _seconds,
 # model does not need this timeout: the ping's busy_s catches it (max_inference_s).
 HANG_TIMEOUT: float = _read("BLOCKFLOW_HANG_TIMEOUT", 3.0, _seconds,
                             "silence after which a process is considered hung and killed", "3 s")
+# A process on another node cannot tell a lost manager by its pid: it goes by silence. The
+# manager pings every PING_INTERVAL and stops pinging an incarnation it gave up for lost (its node
+# was declared dead; it has a successor elsewhere), so a partition that heals leaves no duplicate.
+CONTROL_LEASE: float = _read("BLOCKFLOW_CONTROL_LEASE", 10.0, _seconds,
+                             "a process on another node (Ray mode) that hears nothing from the manager "
+                             "for this long stops by itself", "10 s")
 MAX_RESTARTS: int = _read("BLOCKFLOW_MAX_RESTARTS", 5, _non_negative_int,
                           "respawns of a crash-looping process before it is marked failed")
 RESTART_WINDOW: float = _read("BLOCKFLOW_RESTART_WINDOW", 10.0, _seconds,

@@ -3,6 +3,14 @@
 For benchmarks and tests that want the data plane alone: each block and the dispatcher is a
 real process started from the command line (``python -m blockflow.blocks.process --spec ...``), wired
 by real ZeroMQ sockets, registering with a real controller that lives in this process.
+
+``nodes`` (block name -> a node's name) lays the blocks out as if on several machines, all on
+this one: each block also listens on CURVE TCP, and every hop between blocks of different
+nodes (the dispatcher is on a node of its own, ``serve``) travels as bytes over CURVE TCP with
+the deployment's keys, exactly as in Ray mode (manager/ray_launcher.py) -- Ray only places
+processes, it carries none of their traffic. What a hop between nodes costs in software
+(encryption, TCP, bytes) is measured so on one machine (experiments/hop_overhead.py); the
+network between two real machines is not.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import zmq
 from blockflow import settings
 from blockflow.protocol import DISPATCHER, identity
 from blockflow.manager.controller import Controller
+from blockflow.tensormq.curve import ClusterKeys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +38,7 @@ class StandalonePipeline:
     def __init__(self, repo: str, blocks: dict[str, str], tasks: dict[str, list[str]], transport: str = "tensormq",
                  threads: int | None = 1, window: int = settings.WINDOW, workdir: str | None = None,
                  env: dict | None = None, device: str = "cpu", shm_prefix: str = "blockflow-sa",
-                 protocol: str = "ipc"):
+                 protocol: str = "ipc", nodes: dict[str, str] | None = None):
         self.workdir = workdir or tempfile.mkdtemp(prefix="bfs-")
         self.ctx = zmq.Context()
         self.sock = os.path.join(self.workdir, "sock")
@@ -42,32 +51,50 @@ class StandalonePipeline:
         self.controller.start()
         self.procs: dict[str, subprocess.Popen] = {}
         env = dict(os.environ, **(env or {}))
+        keys = ClusterKeys.generate().to_json() if nodes else None
+        cluster = {"curve": keys, "bind_host": "127.0.0.1"} if nodes else {}
         try:
             for name, model in blocks.items():
                 spec = dict(name=name, model=model, repo=repo, run_dir=self.run, sock_dir=self.sock,
                             shm_dir=self.shm, transport=transport, controller=self.controller.endpoint,
                             parent_pid=os.getpid(), threads=threads, window=window, device=device,
-                            protocol=protocol)
-                self.procs[name] = subprocess.Popen(
-                    [sys.executable, "-m", "blockflow.blocks.process", "--spec", json.dumps(spec)], cwd=ROOT, env=env)
-            self.endpoints = {n: self.controller.wait_ready(identity(n, 0), 120)["endpoint"] for n in blocks}
+                            protocol=protocol, **cluster)
+                self.procs[name] = self._start("blockflow.blocks.process", spec, env)
+            info = {n: self.controller.wait_ready(identity(n, 0), 120) for n in blocks}
+            self.endpoints = {n: i["endpoint"] for n, i in info.items()}
             table = {t: {"path": [[n, self.endpoints[n]] for n in p], "blocks": [f"{n}#0" for n in p], "input": None}
                      for t, p in tasks.items()}
             dspec = dict(sock_dir=self.sock, shm_dir=self.shm, address="tcp://127.0.0.1:0", transport=transport,
-                         controller=self.controller.endpoint, parent_pid=os.getpid(), tasks=table, window=window)
-            self.procs[DISPATCHER] = subprocess.Popen(
-                [sys.executable, "-m", "blockflow.dispatcher.process", "--spec", json.dumps(dspec)], cwd=ROOT, env=env)
+                         controller=self.controller.endpoint, parent_pid=os.getpid(), tasks=table, window=window,
+                         **cluster)
+            self.procs[DISPATCHER] = self._start("blockflow.dispatcher.process", dspec, env)
             ready = self.controller.wait_ready(identity(DISPATCHER, 0), 120)
             self.address = ready["endpoint"]
             # the device map, as the manager publishes it: GPU blocks hand GPU blocks CUDA
             # handles; every other hop (the dispatcher's result addresses too) is a CPU hop
             live = list(self.endpoints.values()) + list(ready.get("results", []))
             devices = {self.endpoints[n]: device for n in blocks}
+            # (address paths name it by, its TCP endpoint, its node) of every receiver
+            receivers = [(self.endpoints[n], info[n].get("tcp"), nodes[n]) for n in blocks] if nodes else []
+            if nodes:
+                receivers.append((*ready["results"], "serve"))
             for name in [*blocks, DISPATCHER]:
-                self.command(name, "update", {"live": live, "devices": devices}, timeout=15)
+                topology = {"live": live, "devices": devices}
+                if nodes:
+                    mine = nodes.get(name, "serve")
+                    topology["remote"] = {addr: tcp for addr, tcp, node in receivers if node != mine}
+                self.command(name, "update", topology, timeout=15)
         except BaseException:
             self.stop()
             raise
+
+    @staticmethod
+    def _start(module: str, spec: dict, env: dict) -> subprocess.Popen:
+        """A child with its spec on standard input (it may hold keys: not on a command line)."""
+        proc = subprocess.Popen([sys.executable, "-m", module, "--spec", "-"], cwd=ROOT, env=env, stdin=subprocess.PIPE)
+        proc.stdin.write(json.dumps(spec).encode())
+        proc.stdin.close()
+        return proc
 
     def command(self, name: str, cmd: str, args=None, timeout: float = 5.0):
         return self.controller.request(identity(name, 0), cmd, args, timeout=timeout)

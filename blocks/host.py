@@ -124,6 +124,11 @@ class BlockHost(ChildProcess):
         member.thread.start()
         return {"hosting": key, "pid": os.getpid()}
 
+    def last_heard(self) -> float:
+        """The manager pings the members, not the process that hosts them: hearing from it is
+        what any member heard last."""
+        return max([self._heard, *(m.block.last_heard() for m in list(self.members.values()))])
+
     def cmd_ping(self, args: dict) -> dict:
         return {**super().cmd_ping(args), "members": sorted(self.members)}
 

@@ -62,7 +62,7 @@ BATCHING = {"max_batch": 4, "max_queue_delay_us": 50_000}
 
 
 def topology_body(i: int, batching: dict | None = None, replicas: dict | None = None,
-                  processes: dict | None = None) -> tuple[str, dict]:
+                  processes: dict | None = None, nodes: dict | None = None) -> tuple[str, dict]:
     label, blocks, tasks = TOPOLOGIES[i % len(TOPOLOGIES)]
     body = {"transport": "tensormq", "blocks": _blocks(blocks),
             "tasks": [{"id": t, "path": p} for t, p in tasks.items()]}
@@ -71,6 +71,8 @@ def topology_body(i: int, batching: dict | None = None, replicas: dict | None = 
             b["replicas"] = replicas[b["name"]]
         if processes and b["name"] in processes:
             b["process"] = processes[b["name"]]
+        if nodes and b["name"] in nodes:
+            b["node"] = nodes[b["name"]]
     if batching:
         for b in body["blocks"]:
             if b["name"] in SHARED:
@@ -84,6 +86,10 @@ def topology_body(i: int, batching: dict | None = None, replicas: dict | None = 
 
 #: The faults a run injects, in the order the first four take (then at random).
 KINDS = ("kill_block", "stop_block", "kill_dispatcher", "update")
+#: Ray mode only (``cluster``): a node holding blocks is removed, and a node with its resource
+#: joins NODE_DOWN_S later (issue 30).
+NODE_FAULT = "remove_node"
+NODE_DOWN_S = 3.0
 #: The load's last seconds have no fault, so that the last fault's tasks can serve again before
 #: the load ends (a respawn on a loaded 2-core machine takes a second or two).
 QUIET_S = 5.0
@@ -100,17 +106,31 @@ def _resume(pid: int) -> None:
         pass
 
 
+def _rejoin(cluster, rejoins: dict[str, float], every: bool = False) -> None:
+    """Add back the nodes due (``every``: all, now), from this thread: the cluster is driven from
+    one thread only."""
+    for resource, due in list(rejoins.items()):
+        if every or time.monotonic() >= due:
+            cluster.add(resource)
+            del rejoins[resource]
+
+
 def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 1, fault_every: float = 4.0,
               timeout: float = 20.0, log=print, batching: dict | None = None, kinds: tuple[str, ...] = KINDS,
               fault_blocks: tuple[str, ...] | None = None, server_env: dict | None = None,
-              replicas: dict | None = None, processes: dict | None = None) -> dict:
+              replicas: dict | None = None, processes: dict | None = None, cluster=None,
+              nodes: dict | None = None, quiet_s: float = QUIET_S) -> dict:
     """One chaos run (see the module docstring). ``kinds``: the faults to inject; ``fault_blocks``:
     the only block processes a kill or a stop may pick (default any ready one); ``server_env``:
     the environment of ``blockflow serve`` (e.g. ``BLOCKFLOW_MAX_RESTARTS``); ``replicas``: block
     name -> replicas in every topology (a kill or stop may then hit one replica of several);
     ``processes``: block name -> shared process in every topology (a kill or stop of one of its
-    blocks strikes the whole group: its tasks are every task through any block of the group)."""
-    unknown = set(kinds) - set(KINDS)
+    blocks strikes the whole group: its tasks are every task through any block of the group);
+    ``cluster`` (Ray mode): an object with ``address``, ``remove(resource)`` and ``add(resource)``
+    (tests/test_cluster.py has one over ``ray.cluster_utils.Cluster``), the server joins it and
+    ``nodes`` (block name -> resource) places blocks on its nodes; the fault ``remove_node``
+    removes a node holding blocks and adds one with its resource NODE_DOWN_S later."""
+    unknown = set(kinds) - set(KINDS) - ({NODE_FAULT} if cluster is not None else set())
     if unknown or not kinds:
         raise ValueError(f"unknown fault kinds {sorted(unknown)}: choose from {', '.join(KINDS)}")
     from blockflow.demo import start_server, stop_server
@@ -135,12 +155,14 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
                 y = m(y)
             expected["special"].append(y)
 
+    rejoins: dict[str, float] = {}  # resource of a removed node -> when a node with it joins again
     state_dir = tempfile.mkdtemp(prefix="bf-chaos-")
-    proc, info = start_server(repo, state_dir, env=server_env)
+    proc, info = start_server(repo, state_dir, env=server_env,
+                              extra=["--ray", cluster.address] if cluster is not None else None)
     url = info["rest"]
     faults: list[dict] = []
     try:
-        call("POST", f"{url}/system/update", topology_body(0, batching, replicas, processes)[1])
+        call("POST", f"{url}/system/update", topology_body(0, batching, replicas, processes, nodes)[1])
         t_start = time.monotonic()
         stop_at = t_start + duration
 
@@ -156,7 +178,7 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
         topo = 0
         kinds = list(kinds)
         time.sleep(min(2.0, duration / 4))
-        while time.monotonic() < stop_at - QUIET_S:
+        while time.monotonic() < stop_at - quiet_s:
             kind = kinds[len(faults) % len(kinds)] if len(faults) < len(kinds) else rng.choice(kinds)
             system = call("GET", f"{url}/system")
             paths = {t["id"]: t["path"] for t in system["tasks"]}
@@ -178,13 +200,23 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
                     timer.daemon = True
                     timer.start()
                     resumes.append((b["pid"], timer))
+            elif kind == NODE_FAULT and nodes and set(nodes.values()) - set(rejoins):
+                resource = rng.choice(sorted(set(nodes.values()) - set(rejoins)))
+                on_it = {n for n, r in nodes.items() if r == resource}
+                touched = sorted(t for t, p in paths.items() if on_it & set(p))
+                detail = f"{resource} ({', '.join(sorted(on_it))})"
+                cluster.remove(resource)
+                rejoins[resource] = time.monotonic() + NODE_DOWN_S
             elif kind == "kill_dispatcher" and system.get("dispatcher"):
                 detail = f"pid {system['dispatcher']['pid']}"
                 os.kill(system["dispatcher"]["pid"], signal.SIGKILL)
             else:
                 kind = "update"
+                # an update waits for its new blocks, and a removed node rejoins only from this
+                # thread (ray.cluster_utils adds nodes from the main thread only): nodes first
+                _rejoin(cluster, rejoins, every=True)
                 topo += 1
-                label, body = topology_body(topo, batching, replicas, processes)
+                label, body = topology_body(topo, batching, replicas, processes, nodes)
                 detail = label
                 try:
                     call("POST", f"{url}/system/update", body)
@@ -196,8 +228,12 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
             log(f"  {t_fault - t_start:6.1f}s  {kind:16s} {detail}")
             pause = rng.uniform(0.5, 1.5) * fault_every
             end_pause = time.monotonic() + pause
-            while time.monotonic() < min(end_pause, stop_at - QUIET_S):
+            while time.monotonic() < min(end_pause, stop_at - quiet_s):
+                _rejoin(cluster, rejoins)
                 time.sleep(0.05)
+        while rejoins:  # the last removed nodes join when due, while the load goes on
+            _rejoin(cluster, rejoins)
+            time.sleep(0.05)
         for pid, timer in resumes:  # normally all long done
             timer.cancel()
             _resume(pid)
@@ -222,6 +258,7 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
         final = call("GET", f"{url}/system")
         batched = _batch_sizes(url, final) if batching else {}
     finally:
+        _rejoin(cluster, rejoins, every=True)  # every removed node is back, whatever happened
         code = stop_server(proc)
         shutil.rmtree(state_dir, ignore_errors=True)  # its KPI logs were read above
     rec = [f["recovery_s"] for f in faults if f["outcome"] == "recovered"]
@@ -229,7 +266,7 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
     for f in faults:
         outcomes[f["outcome"]] = outcomes.get(f["outcome"], 0) + 1
     report = {"seed": seed, "duration_s": duration, "rate": rate, "batching": batching, "replicas": replicas,
-              "processes": processes,
+              "processes": processes, "nodes": nodes,
               **counts,
               "errors_total": sum(counts["errors"].values()), "faults": faults, "outcomes": outcomes,
               "recovery_s": {"max": max(rec) if rec else None,

@@ -1,4 +1,5 @@
-"""Per-hop overhead of the data plane: chains of identity and of copying blocks, both transports.
+"""Per-hop overhead of the data plane: chains of identity and of copying blocks, both transports,
+and TensorMQ's hop between nodes (``cross-node``: bytes over CURVE TCP, on this one machine).
 
 A hop's cost is what one more block on the path costs. It is measured inside the blocks:
 each block stamps its hop record with ``t_in`` (message taken off its socket) and ``t_out``
@@ -231,6 +232,11 @@ def _print(row: dict) -> None:
           f"n {row['n']}", flush=True)
 
 
+#: The transport rows: the two transports, and TensorMQ's hop between nodes (issue 30).
+CROSS_NODE = "cross-node"
+TRANSPORTS = ("tensormq", "zeromq", CROSS_NODE)
+
+
 def measure(transport: str, sizes: list[tuple], n: int, chain: int, device: str = "cpu",
             kinds=("identity",), budget: float = 2.0, least: int = 10, bundle_sizes=None) -> list[dict]:
     """Chains of every kind of block in one deployment (one start-up per transport); the bundle
@@ -257,8 +263,11 @@ def _measure(repo, blocks, tasks, transport, per_kind, n, chain, device, kinds, 
     rows = []
     env = {"BLOCKFLOW_KPI_FLUSH_EVERY": "100000"}
     # its own shared-memory prefix: on a shared machine, other runs' leak checks sweep blockflow-*
-    with StandalonePipeline(repo, blocks, tasks, transport=transport, threads=1, env=env, device=device,
-                            shm_prefix="bfbench-hop") as p:
+    # cross-node: TensorMQ blocks laid out on two nodes in turn (blockflow/standalone.py), so that
+    # every hop of a chain goes to another node: bytes over CURVE TCP, as between Ray nodes
+    nodes = {nm: "ab"[int(nm[len(nm.rstrip("0123456789")):]) % 2] for nm in blocks} if transport == CROSS_NODE else None
+    with StandalonePipeline(repo, blocks, tasks, transport="tensormq" if transport == CROSS_NODE else transport,
+                            threads=1, env=env, device=device, shm_prefix="bfbench-hop", nodes=nodes) as p:
         with Client(p.address, timeout=120) as c:
             for kind in kinds:
                 for shape in per_kind[kind]:
@@ -470,7 +479,8 @@ def summary(rows: list[dict]) -> str:
     def f(v):
         return "-" if v is None else f"{v:.3f}"
     lines = ["| shape | MB | floor tmq | floor tmq after copies | identity tmq (p99) | floor zmq | identity zmq (p99) | copy transport tmq | "
-             "copy transport zmq | copy tmq/zmq | identity tmq, round trips |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "copy transport zmq | copy tmq/zmq | identity tmq, round trips | identity cross-node (p99) | "
+             "copy transport cross-node |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape in sorted({tuple(r["shape"]) for r in rows}, key=lambda s: (s[0], -math.prod(s))):
         shape = list(shape)
         ct, cz = get("copy", "tensormq", shape, "transport_ms"), get("copy", "zeromq", shape, "transport_ms")
@@ -482,7 +492,9 @@ def summary(rows: list[dict]) -> str:
             f(get("floor", "zeromq", shape, "hop_median_ms")),
             f"{f(get('identity', 'zeromq', shape, 'hop_median_ms'))} ({f(get('identity', 'zeromq', shape, 'hop_p99_ms'))})",
             f(ct), f(cz), "-" if ct is None or not cz else f"{ct / cz:.2f}",
-            f(get("identity", "tensormq", shape, "per_hop_paired_median_ms"))]) + " |")
+            f(get("identity", "tensormq", shape, "per_hop_paired_median_ms")),
+            f"{f(get('identity', CROSS_NODE, shape, 'hop_median_ms'))} ({f(get('identity', CROSS_NODE, shape, 'hop_p99_ms'))})",
+            f(get("copy", CROSS_NODE, shape, "transport_ms"))]) + " |")
     bundles = bundle_summary(rows)
     return "\n".join(lines) + (("\n\n" + bundles) if bundles else "")
 
@@ -567,7 +579,9 @@ def main(argv=None) -> int:
     ap.add_argument("--least", type=int, help="fewest samples per size (default 10, quick 5)")
     ap.add_argument("--chain", type=int, help="blocks in the long chain (default 4, quick 3; at least 3: the "
                                               "first and the last block's hops are not counted)")
-    ap.add_argument("--transports", default="tensormq,zeromq")
+    ap.add_argument("--transports", default=",".join(TRANSPORTS),
+                    help=f"default {','.join(TRANSPORTS)}; {CROSS_NODE}: TensorMQ blocks on two nodes in turn, every "
+                         "hop between nodes as bytes over CURVE TCP (Ray mode's hop; here all on this machine)")
     ap.add_argument("--device", default="cpu", help="where the blocks run: cpu, cuda or cuda:N")
     ap.add_argument("--blocks", default="identity,copy,bundle-identity,bundle-copy",
                     help="kinds of block (default all): identity, copy, and bundle-identity, bundle-copy (three "
@@ -604,7 +618,11 @@ def main(argv=None) -> int:
     bundle_sizes = [(b, *STAGES[s]) for b in batches for s in bundle_stages] if bundled else []
     transports = args.transports.split(",")
     started = time.monotonic()
-    rows = [] if args.no_floor else measure_floor(sizes, n, chain, transports, budget, least, bundle_sizes)
+    unknown = [t for t in transports if t not in TRANSPORTS]
+    if unknown:
+        ap.error(f"unknown transport: {', '.join(unknown)} (choose from {', '.join(TRANSPORTS)})")
+    floors = [t for t in transports if t != CROSS_NODE]  # a relay has no notion of nodes
+    rows = [] if args.no_floor else measure_floor(sizes, n, chain, floors, budget, least, bundle_sizes)
     for t in transports:
         rows += measure(t, sizes, n, chain, args.device, kinds, budget, least, bundle_sizes)
     print(summary(rows))

@@ -384,7 +384,23 @@ def hop_overhead_text(d: dict) -> str:
     if ratios:
         out += (" A copying hop's transport cost (per request, its compute taken off), TensorMQ against ZeroMQ: "
                 + "; ".join(ratios) + "; the goal is at most 0.5x.")
-    return out + _hop_bundle_text(d)
+    return out + _hop_bundle_text(d) + _hop_cross_node_text(d)
+
+
+def _hop_cross_node_text(d: dict) -> str:
+    """Issue 30's rows: an identity hop to another node (bytes over CURVE TCP, on this machine)
+    against the TensorMQ hop on one node, same stage and batch."""
+    parts = []
+    for r in sorted((r for r in d["rows"] if r.get("block") == "identity" and r["transport"] == "cross-node"
+                     and r.get("hop_median_ms") is not None), key=lambda r: (r["shape"][0], r["mbytes"])):
+        local = next((q for q in d["rows"] if q.get("block") == "identity" and q["transport"] == "tensormq"
+                      and q["shape"] == r["shape"] and q.get("hop_median_ms")), None)
+        parts.append(f"{_f(r['mbytes'], 1)} MB {_f(r['hop_median_ms'], 3)} ms"
+                     + (f" ({_f(r['hop_median_ms'] / local['hop_median_ms'], 1)}x the hop on one node)" if local else ""))
+    if not parts:
+        return ""
+    return (" A hop to another node (Ray mode: bytes over CURVE TCP; both nodes on this machine, so no network in "
+            "it), identity blocks: " + "; ".join(parts) + ".")
 
 
 def _hop_bundle_text(d: dict) -> str:

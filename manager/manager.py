@@ -700,6 +700,10 @@ class Manager:
 
     def on_child_down(self, c: Child, how: str, boot_error: bool) -> None:
         c.last_exit = how
+        if c.process.exitcode == EXIT_NODE_LOST:
+            # best effort: its node may still run it (a partition); if this does not reach it, it
+            # stops by itself when our pings stop (BLOCKFLOW_CONTROL_LEASE)
+            self.controller.cast(c.ident, "stop")
         self.controller.forget(c.ident)
         self._remove_slots(c)
         if time.time() - c.started > RESTART_WINDOW:
@@ -933,7 +937,7 @@ class Manager:
         d = self.dispatcher
         if d is not None and d.status == "ready" and len(d.ready_info.get("results", [])) == 2:
             ipc, tcp = d.ready_info["results"]
-            out.append((ipc, tcp, d.process.node))
+            out += [(ipc, tcp, d.process.node), (tcp, tcp, d.process.node)]  # last blocks reach one or the other
         return out
 
     def routes_from(self, sender: Child, receivers) -> dict:

@@ -24,6 +24,11 @@ Node identity is Ray's node id: the supervisor compares it to decide whether a h
 host (handles) or crosses nodes (bytes over CURVE TCP), never addresses -- every node of a test
 cluster is 127.0.0.1.
 
+The spec a remote child gets holds the deployment's CURVE keys (tensormq/curve.py); it travels
+as an argument of the agent's ``start`` over Ray's own channels, which are plain gRPC unless the
+cluster runs with Ray's TLS (``RAY_USE_TLS=1`` and its certificates): on a network you do not
+trust, turn that on, or the keys can be read on the wire.
+
 Who owns what on a remote node: the agent owns its child and, once the child is gone, the slot
 files it left in the node's shared-memory directory (a pid means nothing on another machine, so
 the manager never removes them there).
@@ -209,11 +214,15 @@ class RayLauncher:
         self.node = self.local.node = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
         self.children: list[RayChild] = []
+        self.seen: set[str] = set()  # custom resources any node advertised since we joined
 
     def resources(self) -> set[str]:
-        """The custom resources the cluster's live nodes advertise now."""
-        return {r for n in self.ray.nodes() if n.get("Alive") for r in n.get("Resources", {})
-                if r not in RAY_OWN_RESOURCES and not r.startswith(("node:", "accelerator_type:"))}
+        """The custom resources the cluster's nodes advertise, or did since we joined (an
+        update may name a node that is down for now: its new blocks wait for it up to the ready
+        timeout, its kept blocks until it is back)."""
+        self.seen.update(r for n in self.ray.nodes() if n.get("Alive") for r in n.get("Resources", {})
+                         if r not in RAY_OWN_RESOURCES and not r.startswith(("node:", "accelerator_type:")))
+        return set(self.seen)
 
     def start(self, target, spec, name: str, node: str | None = None):
         if node is None:

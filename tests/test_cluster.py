@@ -63,17 +63,14 @@ def cluster():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _our_processes(state_dir: str) -> list[psutil.Process]:
-    """Block processes of this server, on any node (their spec names the state directory)."""
+def _remote_blocks() -> list[psutil.Process]:
+    """Block processes started by a node agent (manager/ray_launcher.py: ``-m
+    blockflow.blocks.process --spec -``), on any node of the test cluster (all on this machine)."""
     found = []
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline", "status"]):
         cmd = p.info["cmdline"] or []
-        if any(m in cmd for m in ("blockflow.blocks.process", "blockflow.blocks.host")) and p.pid != os.getpid():
-            try:
-                if any(state_dir in f.path for f in p.open_files()) or state_dir in " ".join(cmd):
-                    found.append(p)
-            except psutil.Error:
-                continue
+        if "blockflow.blocks.process" in cmd and cmd[-2:] == ["--spec", "-"] and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p)
     return found
 
 
@@ -95,8 +92,7 @@ def server(cluster, model_repo):
         yield Srv()
     finally:
         code = stop_server(proc)
-        leftover = [p.pid for p in psutil.process_iter(["cmdline"])
-                    if "blockflow.blocks.process" in (p.info["cmdline"] or [])]
+        leftover = [p.pid for p in _remote_blocks()]
         shutil.rmtree(state, ignore_errors=True)
         assert code == 0, f"server exited with {code} on SIGTERM"
         assert not leftover, f"block processes left on the nodes after the server stopped: {leftover}"
@@ -242,3 +238,73 @@ def test_a_node_lost_under_load_answers_every_request_and_serving_resumes_when_i
     assert {o[0] for o in outcomes} <= {"ok", ErrorCode.BLOCK_FAILED.value, ErrorCode.UNAVAILABLE.value}, \
         {o[0] for o in outcomes}
     assert serving_again <= 60
+
+
+class _Nodes:
+    """What experiments/chaos.py needs of the cluster: its address, and a node removed or added
+    by the custom resource it advertises."""
+
+    def __init__(self, cluster):
+        self.cluster, self.nodes = cluster
+        self.address = self.cluster.address
+
+    def remove(self, resource: str) -> None:
+        self.cluster.remove_node(self.nodes.pop(resource), allow_graceful=False)
+
+    def add(self, resource: str) -> None:
+        self.nodes[resource] = self.cluster.add_node(**_node(resource))
+
+
+def test_chaos_with_a_node_removed_and_rejoining(cluster, model_repo):
+    """The chaos run (experiments/chaos.py) with blocks on two nodes and a node-removal fault
+    first, then kills and updates: every request still gets exactly one right reply, and every
+    fault's tasks serve again (the removed node's blocks once a node with its resource rejoins)."""
+    from experiments.chaos import run_chaos
+    from test_chaos import assert_one_reply_each, assert_recovered
+    nodes = {"b1": "edge-a", "b2": "edge-a", "b3": "edge-b", "b4": "edge-b", "b4b": "edge-b", "h": "edge-b"}
+    # faults stop 15 s before the load does: a node that rejoins 3 s after its removal then has
+    # time to start its blocks again (an agent, a process importing torch) on a loaded 2-core machine
+    report = run_chaos(model_repo, duration=30.0, rate=5.0, seed=149, fault_every=4.0, cluster=_Nodes(cluster),
+                       nodes=nodes, kinds=("remove_node", "kill_block", "update"), quiet_s=15.0)
+    assert report["faults"][0]["kind"] == "remove_node", report["faults"]
+    assert_one_reply_each(report)
+    assert_recovered(report)
+
+
+def test_a_partition_that_heals_leaves_no_block_running_twice(server, cluster, model_repo):
+    """edge-b cut off (its raylet stopped: the head hears nothing from it, its processes run on),
+    then back: Ray declared it dead meanwhile, so its raylet and workers end when it returns, and
+    the old block processes with them (each watches its agent); the blocks come back once per
+    name on a node that joins."""
+    import signal as sig
+    from ray._private import ray_constants
+    c, nodes = cluster
+    server.call("POST", "/system/update", _body({n: node for n, (_, node) in SPLIT.items()}), timeout=240)
+    before = {b["name"]: b["pid"] for b in server.call("GET", "/system")["blocks"] if b["name"] in ("b3", "b4", "h")}
+    cut = nodes.pop("edge-b")
+    raylet = cut.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    os.kill(raylet, sig.SIGSTOP)
+    try:
+        wait_for(lambda: all(b.get("waiting_for_node") == "edge-b" for b in server.call("GET", "/system")["blocks"]
+                             if b["name"] in before), 60, "edge-b's blocks waiting for a node after the cut")
+        assert all(psutil.pid_exists(p) for p in before.values())  # cut off, not dead: they still run
+    finally:
+        os.kill(raylet, sig.SIGCONT)
+    wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                             for p in before.values()), 60, "the cut-off node's old block processes ending")
+    c.remove_node(cut, allow_graceful=False)  # whatever of it is left
+    nodes["edge-b"] = c.add_node(**_node("edge-b"))
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(5))
+    want = _expected(model_repo, x)
+
+    def serves():
+        try:
+            with Client(server.dispatcher, timeout=30) as cl:
+                return torch.allclose(cl.infer("classify", x), want, atol=1e-4)
+        except BlockFlowError:
+            return False
+    wait_for(serves, 90, "serving again on the new edge-b")
+    after = [b for b in server.call("GET", "/system")["blocks"] if b["name"] in before]
+    assert len(after) == 3 and all(b["status"] == "ready" and b["pid"] not in before.values() for b in after), after
+    running = _remote_blocks()
+    assert len(running) == len(SPLIT), [(p.pid, p.cmdline()[-1:]) for p in running]

@@ -41,3 +41,56 @@ def test_a_local_child_reports_its_node_pid_and_exit_code_and_is_stopped_by_its_
                 h.kill()
                 h.join(10)
         launcher.close()
+
+
+def test_a_block_on_a_node_needs_a_server_with_ray():
+    """Without --ray an update may not place a block on a node, and the local launcher refuses
+    one, each naming what to do; the answers of an update in Ray mode are in test_cluster.py."""
+    import pytest
+    from blockflow.schema import UpdateError, validate_update
+    body = {"blocks": [{"name": "a", "model": "m.pt", "node": "edge-a"}], "tasks": [{"id": "t", "path": ["a"]}]}
+    with pytest.raises(UpdateError, match=r"--ray ADDRESS") as info:
+        validate_update(body)
+    assert info.value.field == "blocks[0].node"
+    with pytest.raises(UpdateError, match=r"advertises the resource 'edge-a'.*ray start --resources"):
+        validate_update(body, nodes={"edge-b"})
+    assert validate_update(body, nodes={"edge-a"}).blocks["a"].node == "edge-a"
+    with pytest.raises(ValueError, match="start it with --ray"):
+        LocalLauncher().start(time.sleep, 1, "blockflow-test-node", node="edge-a")
+
+
+def test_a_block_on_another_node_stops_when_the_manager_goes_silent(identity_repo, short_tmp):
+    """A block whose controller is over CURVE TCP (another node, Ray mode) cannot watch the
+    manager's pid; once the manager stops pinging it (it gave the node up: a partition) it stops
+    by itself after BLOCKFLOW_CONTROL_LEASE, with the orphan's exit code. Real block process,
+    real CURVE controller, the cluster's keys in its spec (on its standard input)."""
+    import json
+    import subprocess
+    import sys
+    import zmq
+    from blockflow.manager.controller import Controller
+    from blockflow.protocol import EXIT_ORPHANED, identity
+    from blockflow.tensormq.curve import ClusterKeys
+    keys = ClusterKeys.generate()
+    ctx = zmq.Context()
+    controller = Controller(ctx, f"ipc://{short_tmp}/ctl.sock")
+    endpoint = controller.listen_between_nodes("127.0.0.1", keys)
+    controller.start()
+    spec = {"name": "far", "model": "toy/identity.pt", "repo": identity_repo, "run_dir": short_tmp,
+            "sock_dir": short_tmp, "shm_dir": short_tmp, "controller": endpoint, "curve": keys.to_json(),
+            "bind_host": "127.0.0.1", "threads": 1}
+    proc = subprocess.Popen([sys.executable, "-m", "blockflow.blocks.process", "--spec", "-"], stdin=subprocess.PIPE,
+                            env=dict(os.environ, BLOCKFLOW_CONTROL_LEASE="1"))
+    try:
+        proc.stdin.write(json.dumps(spec).encode())
+        proc.stdin.close()
+        info = controller.wait_ready(identity("far", 0), 120)  # over CURVE TCP
+        assert info["tcp"].startswith("tcp://127.0.0.1:")
+        assert controller.request(identity("far", 0), "ping", timeout=10)["pid"] == proc.pid
+        assert proc.wait(30) == EXIT_ORPHANED  # no ping since: the lease ran out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        controller.stop()
+        ctx.term()
