@@ -74,15 +74,15 @@ class StandalonePipeline:
             # handles; every other hop (the dispatcher's result addresses too) is a CPU hop
             live = list(self.endpoints.values()) + list(ready.get("results", []))
             devices = {self.endpoints[n]: device for n in blocks}
-            # (address paths name it by, its TCP endpoint, its node) of every receiver
-            receivers = [(self.endpoints[n], info[n].get("tcp"), nodes[n]) for n in blocks] if nodes else []
+            # (the TCP endpoint paths name it by, its endpoint for its node, its node) of every receiver
+            receivers = [(self.endpoints[n], info[n].get("near"), nodes[n]) for n in blocks] if nodes else []
             if nodes:
-                receivers.append((*ready["results"], "serve"))
+                receivers.append((ready["results"][1], ready["results"][0], "serve"))
             for name in [*blocks, DISPATCHER]:
                 topology = {"live": live, "devices": devices}
                 if nodes:
                     mine = nodes.get(name, "serve")
-                    topology["remote"] = {addr: tcp for addr, tcp, node in receivers if node != mine}
+                    topology["near"] = {addr: near for addr, near, node in receivers if node == mine}
                 self.command(name, "update", topology, timeout=15)
         except BaseException:
             self.stop()

@@ -277,9 +277,10 @@ class Block(ChildProcess):
     def listen_between_nodes(self) -> str:
         """Ray mode: the data socket also listens on TCP at this node's address, as a CURVE
         server that admits the cluster's client key only, for producers on other nodes (their
-        tensors come as bytes). The ipc:// endpoint bound before stays without CURVE: libzmq
-        takes a socket's security options into each listener when it binds. Producers here
-        send to peers on other nodes with the same keys (Transport.curve)."""
+        tensors come as bytes); paths name the block by it. The ipc:// endpoint bound before
+        stays without CURVE, for producers on this node (handles): libzmq takes a socket's
+        security options into each listener when it binds. Producers here send to peers on
+        other nodes with the same keys (Transport.curve)."""
         keys = ClusterKeys.from_json(self.spec.curve)
         if keys is None:
             raise BootError(f"block {self.name}: bind_host {self.spec.bind_host} needs the cluster's CURVE keys")
@@ -293,10 +294,9 @@ class Block(ChildProcess):
         return f"tcp://{self.spec.bind_host}:{port}"
 
     def ready_info(self) -> dict:
-        info = {"endpoint": self.endpoint, "device": self.spec.device}
-        if self.tcp_endpoint:
-            info["tcp"] = self.tcp_endpoint
-        return info
+        if self.tcp_endpoint:  # Ray mode: paths name it by its TCP endpoint; its node's producers use ``near``
+            return {"endpoint": self.tcp_endpoint, "near": self.endpoint, "device": self.spec.device}
+        return {"endpoint": self.endpoint, "device": self.spec.device}
 
     def announce(self) -> dict:
         """READY to the controller; sent before the control thread starts, which then owns ctrl."""
@@ -504,7 +504,7 @@ class Block(ChildProcess):
                 try:
                     answer = {"result": {"dropped": self.transport.set_topology(args.get("live", []),
                                                                                  args.get("devices"),
-                                                                                 args.get("remote"))}}
+                                                                                 args.get("near"))}}
                 except Exception as exc:  # a bad update is the controller's error, not the end of the block
                     answer = {"error": f"{type(exc).__name__}: {exc}"}
                 self.mail_in.send(dumps({"seq": msg["seq"], **answer}))

@@ -506,7 +506,7 @@ class Dispatcher(ChildProcess):
         if args.get("transport") in ("tensormq", "zeromq"):
             self.transport.mode = args["transport"]  # how requests reach their first block
         return {"dropped": self.transport.set_topology(args.get("live", []), args.get("devices"),
-                                                       args.get("remote"))}
+                                                       args.get("near"))}
 
     def cmd_fail(self, args: dict) -> dict:
         return {"failed": self.fail(list(args.get("blocks", [])), str(args.get("reason", "a block failed")))}

@@ -106,6 +106,42 @@ def _resume(pid: int) -> None:
         pass
 
 
+#: ``--cluster``: where the chaos run's blocks go on a three-node cluster of this machine.
+CLUSTER_NODES = {"b1": "edge-a", "b2": "edge-a", "b3": "edge-b", "b4": "edge-b", "b4b": "edge-b", "h": "edge-b"}
+
+
+class ClusterNodes:
+    """What ``run_chaos`` needs of a Ray cluster: its ``address``, and a node removed or added
+    by the custom resource it advertises (``ray.cluster_utils.Cluster`` underneath, every node of
+    it on this machine). ``nodes``: resource -> the cluster's node advertising it."""
+
+    def __init__(self, cluster, nodes: dict):
+        self.cluster, self.nodes, self.address = cluster, nodes, cluster.address
+
+    @staticmethod
+    def node_args(resource: str) -> dict:
+        return {"num_cpus": 1, "resources": {resource: 1000}}
+
+    def remove(self, resource: str) -> None:
+        self.cluster.remove_node(self.nodes.pop(resource), allow_graceful=False)
+
+    def add(self, resource: str) -> None:
+        self.nodes[resource] = self.cluster.add_node(**self.node_args(resource))
+
+    @classmethod
+    def start(cls, resources, temp_dir: str) -> "ClusterNodes":
+        """A head and a node per resource, every one on 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
+        must be set before ray is imported: ``main`` and tests/conftest.py do), Ray's files in
+        ``temp_dir`` (``RAY_TMPDIR`` is set to it). Ray's health checks notice a dead node in about 2 s."""
+        from ray.cluster_utils import Cluster
+        os.environ["RAY_TMPDIR"] = temp_dir  # where Ray writes the cluster's address, under ray/
+        os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
+        fast = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                                "temp_dir": temp_dir, "_system_config": fast})
+        return cls(cluster, {r: cluster.add_node(**cls.node_args(r)) for r in resources})
+
+
 def _rejoin(cluster, rejoins: dict[str, float], every: bool = False) -> None:
     """Add back the nodes due (``every``: all, now), from this thread: the cluster is driven from
     one thread only."""
@@ -357,13 +393,21 @@ def main(argv=None) -> int:
                                         "topology (e.g. b1=g,b2=g,b3=g)")
     ap.add_argument("--batching", action="store_true",
                     help=f"batch the shared blocks {', '.join(SHARED)} across tasks ({BATCHING})")
+    ap.add_argument("--cluster", action="store_true",
+                    help="Ray mode (the cluster extra): start a three-node Ray cluster on this machine (a head, "
+                         "edge-a, edge-b; all on 127.0.0.1), serve with --ray, place the blocks "
+                         f"{', '.join(f'{b}@{n}' for b, n in CLUSTER_NODES.items())}, and add the fault "
+                         f"{NODE_FAULT} (a node removed, one with its resource back {NODE_DOWN_S:.0f} s later)")
     args = ap.parse_args(argv)
     if not os.path.exists(os.path.join(args.repo, MODEL, "block4-x.pt")):
         from blockflow.blocks.repository import export_model
         export_model(MODEL, args.repo, blocks=4, variants={"x": ["block4", "head"]})
     kinds = tuple(k.strip() for k in args.faults.split(",") if k.strip())
-    if set(kinds) - set(KINDS) or not kinds:
-        ap.error(f"--faults: unknown kind in {args.faults!r}; choose from {', '.join(KINDS)}")
+    allowed = KINDS + ((NODE_FAULT,) if args.cluster else ())
+    if set(kinds) - set(allowed) or not kinds:
+        ap.error(f"--faults: unknown kind in {args.faults!r}; choose from {', '.join(allowed)}")
+    if args.cluster and NODE_FAULT not in kinds:
+        kinds = (NODE_FAULT, *kinds)  # first: a node removed early has time to come back
     fault_blocks = tuple(b.strip() for b in args.fault_blocks.split(",")) if args.fault_blocks else None
     replicas = None
     if args.replicas:
@@ -375,15 +419,30 @@ def main(argv=None) -> int:
     processes = {p[0].strip(): p[1].strip() for p in pairs if len(p) == 2} or None
     if len(processes or {}) != len(pairs) or not all(k and v for k, v in (processes or {}).items()):
         ap.error(f"--processes: give block=group pairs separated by commas, e.g. b1=g,b2=g; got {args.processes!r}")
-    report = run_chaos(args.repo, 20.0 if args.quick else args.duration, args.rate, args.seed, args.fault_every,
-                       batching=BATCHING if args.batching else None, kinds=kinds, fault_blocks=fault_blocks,
-                       replicas=replicas, processes=processes)
+    cluster, ray_tmp = None, None
+    if args.cluster:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            ap.error("--cluster needs Ray: pip install -e '.[cluster]'")
+        import tempfile
+        ray_tmp = tempfile.mkdtemp(prefix="bf-chaos-ray-")
+        cluster = ClusterNodes.start(sorted(set(CLUSTER_NODES.values())), ray_tmp)
+    try:
+        report = run_chaos(args.repo, 20.0 if args.quick else args.duration, args.rate, args.seed, args.fault_every,
+                           batching=BATCHING if args.batching else None, kinds=kinds, fault_blocks=fault_blocks,
+                           replicas=replicas, processes=processes, cluster=cluster,
+                           nodes=CLUSTER_NODES if cluster else None, quiet_s=15.0 if cluster else QUIET_S)
+    finally:
+        if cluster is not None:
+            cluster.cluster.shutdown()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     from experiments.common import env_info, write_json
     settings = {"duration_s": 20.0 if args.quick else args.duration, "rate": args.rate, "seed": args.seed,
                 "fault_every_s": args.fault_every, "quick": args.quick, "model": MODEL,
                 "batching": BATCHING if args.batching else None, "faults": list(kinds),
                 "fault_blocks": list(fault_blocks) if fault_blocks else None, "replicas": replicas,
-                "processes": processes}
+                "processes": processes, "cluster": CLUSTER_NODES if args.cluster else None}
     write_json(args.out, "chaos", {"env": env_info(settings), "settings": settings, **report})
     bad = (report["never_answered"] or report["duplicates"] or report["wrong"]
            or report["outcomes"].get("not_recovered") or report["blocks_not_ready"])
@@ -391,4 +450,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if "--cluster" in sys.argv:  # before ray is imported: Ray on the loopback, its files in our temp dir
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     sys.exit(main())

@@ -624,7 +624,10 @@ def main(argv=None) -> int:
     floors = [t for t in transports if t != CROSS_NODE]  # a relay has no notion of nodes
     rows = [] if args.no_floor else measure_floor(sizes, n, chain, floors, budget, least, bundle_sizes)
     for t in transports:
-        rows += measure(t, sizes, n, chain, args.device, kinds, budget, least, bundle_sizes)
+        # between nodes the one-tensor kinds say what the hop costs; bundles add nothing there
+        mine = [k for k in kinds if t != CROSS_NODE or k not in BUNDLE_OF]
+        if mine:
+            rows += measure(t, sizes, n, chain, args.device, mine, budget, least, bundle_sizes)
     print(summary(rows))
     print(f"took {time.monotonic() - started:.0f} s")
     from experiments.common import env_info, results_dir, write_json

@@ -129,6 +129,14 @@ def _hop_rows(r: Results) -> list[list]:
                     + (" (per request, inside the blocks)" if in_block else ""),
                     "; ".join(f"{b * 3.2:.1f} MB: {_x(q)} ({_ms(t)} vs {_ms(z)})" for b, q, t, z in ratios),
                     f"≤ 0.5x: {_met(all(q <= 0.5 for _, q, _, _ in ratios))}", "same"])
+    cross = [(b, pick("identity", "cross-node", b, 3.2), ident[b]) for b in (1, 32)]
+    if any(x and x.get("hop_median_ms") is not None for _, x, _ in cross):
+        out.append(["identity hop to another node (Ray mode: bytes over CURVE TCP; both nodes on this machine, "
+                    "no network in it) / the TensorMQ hop on one node",
+                    "; ".join(f"{b * 3.2:.1f} MB: {_ms(x['hop_median_ms'], 3)}"
+                              + (f" ({_x(x['hop_median_ms'] / i['hop_median_ms'], 1)})" if i and i.get("hop_median_ms") else "")
+                              for b, x, i in cross if x and x.get("hop_median_ms") is not None)
+                    + f" ({r.source('hop_overhead')})", "no goal: reported (issue 30)", "same"])
     return out or [["hops", "the JSON has no identity/copy rows for the block1 stage", "", cmd]]
 
 

@@ -45,7 +45,6 @@ from blockflow.blocks.process import BlockSpec, serve_block
 from blockflow.dispatcher.process import DispatcherSpec, serve_dispatcher
 from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_NODE_LOST, describe_exit, identity
 from blockflow.schema import BlockDecl, validate_update
-
 from blockflow.tensormq.curve import ClusterKeys
 
 from .controller import ControlError, Controller
@@ -134,8 +133,6 @@ class Child:
         if self.decl is not None:
             d.update(self.decl.as_dict())
             d["block"], d["replica"] = self.block, self.replica
-        if self.ready_info.get("tcp"):  # Ray mode: where producers on other nodes reach it
-            d["tcp_endpoint"] = self.ready_info["tcp"]
         waiting = getattr(self.process, "waiting_for", None)
         if waiting:  # Ray mode: no live node advertises its resource yet (ray_launcher.py)
             d["waiting_for_node"] = waiting
@@ -930,23 +927,25 @@ class Manager:
         return futures
 
     def receivers(self, draining=()) -> list[tuple[str, str | None, str | None]]:
-        """(the address paths name it by, its TCP endpoint for other nodes, its node) of every
-        ready process that tensors are sent to: blocks, and the dispatcher's result socket."""
-        out = [(c.endpoint, c.ready_info.get("tcp"), c.process.node)
+        """Ray mode: (the TCP endpoint paths name it by, its endpoint for processes of its own
+        node, its node) of every ready process that tensors are sent to: blocks, and the
+        dispatcher's result socket."""
+        out = [(c.endpoint, c.ready_info.get("near"), c.process.node)
                for c in [*self.blocks.values(), *draining] if c.status == "ready" and c.endpoint]
         d = self.dispatcher
         if d is not None and d.status == "ready" and len(d.ready_info.get("results", [])) == 2:
             ipc, tcp = d.ready_info["results"]
-            out += [(ipc, tcp, d.process.node), (tcp, tcp, d.process.node)]  # last blocks reach one or the other
+            out.append((tcp, ipc, d.process.node))
         return out
 
     def routes_from(self, sender: Child, receivers) -> dict:
-        """Ray mode: ``{"remote": {address: TCP endpoint}}``, the receivers on another node than
-        ``sender``'s, which it sends bytes to over CURVE TCP (Transport.remote). Decided by the
-        nodes' identities (Ray's node ids), never by comparing addresses. Nothing without Ray."""
+        """Ray mode: ``{"near": {TCP endpoint: endpoint on this node}}``, the receivers on
+        ``sender``'s node, which it hands handles to (Transport.near); it sends every other hop
+        bytes over CURVE TCP. Decided by the nodes' identities (Ray's node ids), never by
+        comparing addresses. Nothing without Ray."""
         if self.keys is None:
             return {}
-        return {"remote": {addr: tcp for addr, tcp, node in receivers if node != sender.process.node and tcp}}
+        return {"near": {addr: near for addr, near, node in receivers if node == sender.process.node and near}}
 
     def hop_kinds(self, c: Child) -> dict[str, str]:
         """How ``c``'s tensors travel to each next hop of the tasks through it (GET /system):

@@ -199,12 +199,13 @@ class Transport:
         self.result_keys: str | None = None
         #: outputs sent from the slot the model made them in, uncopied (Note [Outputs made in a slot])
         self.made_in_slot = 0
-        #: Ray mode (issue 30): next hops on another node, by the address paths name them with,
-        #: and the TCP endpoint they are reached at there. The manager decides it by comparing
-        #: the nodes the processes run on, never addresses (every node of a test cluster is
-        #: 127.0.0.1, and an ipc:// path may exist on both machines): a hop listed here gets
-        #: bytes over CURVE TCP with ``curve``, the cluster's keys (tensormq/curve.py)
-        self.remote: dict[str, str] = {}
+        #: Ray mode (issue 30), set with ``curve``, the cluster's keys (tensormq/curve.py): paths
+        #: name every receiver by its TCP endpoint, and a hop is sent bytes over CURVE TCP there,
+        #: unless ``near`` lists it: a receiver on this node, by the endpoint it has for this
+        #: node's processes, which get handles. The manager decides ``near`` by the nodes'
+        #: identities, never by addresses (every node of a test cluster is 127.0.0.1). A hop it
+        #: has not told us of yet gets bytes over TCP: slower, never lost.
+        self.near: dict[str, str] = {}
         self.curve = None
         #: tensors received, by how they came (``bytes``, ``shm``, ``cuda``): GET /blocks/NAME/ping
         self.received: dict[str, int] = {}
@@ -349,10 +350,11 @@ class Transport:
         return fields, payloads
 
     def handles_to(self, address: str) -> bool:
-        """Whether tensors to ``address`` may travel as handles: not to a hop on another node
-        (``remote``), nor to a TCP address off the loopback (a process that runs without a
-        manager, e.g. a test, sends bytes there)."""
-        return address not in self.remote and is_local(address)
+        """Whether tensors to ``address`` may travel as handles: in Ray mode only to a hop on
+        this node (``near``); else to one on this host (an ipc:// or loopback address)."""
+        if self.curve is not None:
+            return address in self.near or address.startswith("ipc://")
+        return is_local(address)
 
     def hop_device(self, address: str) -> str:
         """The device the next hop runs on, from the device map; a hop the map does not name
@@ -380,13 +382,11 @@ class Transport:
             sock = self.ctx.socket(zmq.PUSH)
             sock.linger = 0
             sock.sndhwm = 1000
-            far = self.remote.get(address)
-            if far is not None:
-                if self.curve is None:
-                    raise WireError(f"{self.owner}: {address} runs on another node, and this process has no "
-                                    "cluster keys to reach it with")
-                client_of(sock, self.curve)
-                sock.connect(far)
+            near = self.near.get(address)
+            if near is not None or (self.curve is not None and address.startswith("tcp://")):
+                if near is None:
+                    client_of(sock, self.curve)  # another node, or one we have not heard of yet
+                sock.connect(near or address)
                 self.pushers[address] = sock
                 return sock
             if address.startswith("tcp://") and self.result_keys:
@@ -502,15 +502,18 @@ class Transport:
         self._gone = frozenset((self._gone | known) - live_set)
 
     def set_topology(self, live: list[str], devices: dict[str, str] | None = None,
-                     remote: dict[str, str] | None = None) -> list[str]:
+                     near: dict[str, str] | None = None) -> list[str]:
         """Close sockets to hops that are gone and reclaim the slots they held (Algorithm 3's
-        update_connection); ``remote``: the hops on other nodes now (``self.remote``), a hop
-        whose route changed is reconnected. Returns the addresses dropped."""
+        update_connection); ``near``: Ray mode's hops on this node now (``self.near``): a hop
+        that joins it is reconnected (it got bytes over TCP until now). Returns the addresses
+        dropped."""
         live_set = set(live)
-        if remote is not None:
-            for addr in set(self.remote) ^ set(remote) | {a for a in remote if self.remote.get(a) != remote[a]}:
-                self.drop_hop(addr)
-            self.remote = dict(remote)
+        if near is not None:
+            for addr in [a for a in set(self.near) | set(near) if self.near.get(a) != near.get(a)]:
+                sock = self.pushers.pop(addr, None)  # queued messages still go: linger
+                if sock is not None:
+                    sock.close(linger=int(self.send_timeout * 1000))
+            self.near = dict(near)
         self.listed = frozenset(live_set)
         self._gone = frozenset(a for a in self._gone if a not in live_set)
         if devices is not None:  # one spelling per device ('cuda' is 'cuda:0'), so that they compare

@@ -28,7 +28,6 @@ from conftest import wait_for
 from test_control_plane import rest_error
 
 ray = pytest.importorskip("ray", reason="the cluster extra is not installed: pip install -e '.[cluster]'")
-from ray.cluster_utils import Cluster  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 
@@ -39,25 +38,23 @@ PATH = list(SPLIT)
 
 
 def _node(resource: str):
-    return {"num_cpus": 1, "resources": {resource: 1000}}
+    from experiments.chaos import ClusterNodes
+    return ClusterNodes.node_args(resource)
 
 
 @pytest.fixture(scope="module")
 def cluster():
+    """(ray.cluster_utils.Cluster, {resource: node}): a head, edge-a and edge-b (experiments/chaos.py)."""
+    from experiments.chaos import ClusterNodes
     tmp = tempfile.mkdtemp(prefix="bfray-")
-    os.makedirs(os.path.join(tmp, "ray"))  # where Ray writes the cluster's address (RAY_TMPDIR/ray)
     mp = pytest.MonkeyPatch()
-    mp.setenv("RAY_TMPDIR", tmp)  # all of Ray's files in a directory of ours, removed after
+    mp.setenv("RAY_TMPDIR", tmp)  # restored after: ClusterNodes.start puts all of Ray's files there
     try:
-        # Ray's own health checks notice a dead node in about 2 s here (its defaults take longer)
-        fast = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, "temp_dir": tmp,
-                                                          "_system_config": fast})
-        nodes = {"edge-a": c.add_node(**_node("edge-a")), "edge-b": c.add_node(**_node("edge-b"))}
+        nodes = ClusterNodes.start(["edge-a", "edge-b"], tmp)
         try:
-            yield c, nodes
+            yield nodes.cluster, nodes.nodes
         finally:
-            c.shutdown()
+            nodes.cluster.shutdown()
     finally:
         mp.undo()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -168,7 +165,7 @@ def test_a_peer_without_the_cluster_key_is_refused_by_a_block(server):
     system = server.call("GET", "/system")
     b3 = next(b for b in system["blocks"] if b["name"] == "b3")
     public = system["cluster"]["server_public_key"]
-    assert b3["tcp_endpoint"].startswith("tcp://127.0.0.1:")
+    assert b3["endpoint"].startswith("tcp://127.0.0.1:")  # Ray mode: paths name blocks by their TCP endpoint
     ctx = zmq.Context()
     try:
         push = ctx.socket(zmq.PUSH)
@@ -176,7 +173,7 @@ def test_a_peer_without_the_cluster_key_is_refused_by_a_block(server):
         monitor = push.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         stranger_public, stranger_secret = zmq.curve_keypair()  # knows the server's key, not the cluster's client key
         push.curve_serverkey, push.curve_publickey, push.curve_secretkey = public.encode(), stranger_public, stranger_secret
-        push.connect(b3["tcp_endpoint"])
+        push.connect(b3["endpoint"])
         push.send(b'{"rid": 1}', zmq.NOBLOCK)
         from zmq.utils.monitor import recv_monitor_message
         assert monitor.poll(10000), "no handshake outcome within 10 s"
@@ -240,32 +237,16 @@ def test_a_node_lost_under_load_answers_every_request_and_serving_resumes_when_i
     assert serving_again <= 60
 
 
-class _Nodes:
-    """What experiments/chaos.py needs of the cluster: its address, and a node removed or added
-    by the custom resource it advertises."""
-
-    def __init__(self, cluster):
-        self.cluster, self.nodes = cluster
-        self.address = self.cluster.address
-
-    def remove(self, resource: str) -> None:
-        self.cluster.remove_node(self.nodes.pop(resource), allow_graceful=False)
-
-    def add(self, resource: str) -> None:
-        self.nodes[resource] = self.cluster.add_node(**_node(resource))
-
-
 def test_chaos_with_a_node_removed_and_rejoining(cluster, model_repo):
     """The chaos run (experiments/chaos.py) with blocks on two nodes and a node-removal fault
     first, then kills and updates: every request still gets exactly one right reply, and every
     fault's tasks serve again (the removed node's blocks once a node with its resource rejoins)."""
-    from experiments.chaos import run_chaos
+    from experiments.chaos import CLUSTER_NODES, ClusterNodes, run_chaos
     from test_chaos import assert_one_reply_each, assert_recovered
-    nodes = {"b1": "edge-a", "b2": "edge-a", "b3": "edge-b", "b4": "edge-b", "b4b": "edge-b", "h": "edge-b"}
     # faults stop 15 s before the load does: a node that rejoins 3 s after its removal then has
     # time to start its blocks again (an agent, a process importing torch) on a loaded 2-core machine
-    report = run_chaos(model_repo, duration=30.0, rate=5.0, seed=149, fault_every=4.0, cluster=_Nodes(cluster),
-                       nodes=nodes, kinds=("remove_node", "kill_block", "update"), quiet_s=15.0)
+    report = run_chaos(model_repo, duration=30.0, rate=5.0, seed=149, fault_every=4.0, cluster=ClusterNodes(*cluster),
+                       nodes=CLUSTER_NODES, kinds=("remove_node", "kill_block", "update"), quiet_s=15.0)
     assert report["faults"][0]["kind"] == "remove_node", report["faults"]
     assert_one_reply_each(report)
     assert_recovered(report)
@@ -308,3 +289,15 @@ def test_a_partition_that_heals_leaves_no_block_running_twice(server, cluster, m
     assert len(after) == 3 and all(b["status"] == "ready" and b["pid"] not in before.values() for b in after), after
     running = _remote_blocks()
     assert len(running) == len(SPLIT), [(p.pid, p.cmdline()[-1:]) for p in running]
+
+
+def test_every_process_of_the_cluster_listens_on_the_loopback_only(server):
+    """Every Ray these tests start stays on 127.0.0.1 (conftest.py): the GCS, raylets, agents,
+    workers, and BlockFlow's own server, blocks and node agents, all descendants of this test."""
+    server.call("POST", "/system/update", _body({n: node for n, (_, node) in SPLIT.items()}), timeout=240)
+    ours = {p.pid for p in psutil.Process().children(recursive=True)}
+    listening = [(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid in ours]
+    assert len(listening) > 5, listening  # the GCS, three raylets, the controller, the blocks, ...
+    outside = [x for x in listening if not (x[0].startswith(("127.", "::ffff:127.")) or x[0] == "::1")]
+    assert not outside, outside

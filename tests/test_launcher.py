@@ -85,7 +85,7 @@ def test_a_block_on_another_node_stops_when_the_manager_goes_silent(identity_rep
         proc.stdin.write(json.dumps(spec).encode())
         proc.stdin.close()
         info = controller.wait_ready(identity("far", 0), 120)  # over CURVE TCP
-        assert info["tcp"].startswith("tcp://127.0.0.1:")
+        assert info["endpoint"].startswith("tcp://127.0.0.1:") and info["near"].startswith("ipc://")
         assert controller.request(identity("far", 0), "ping", timeout=10)["pid"] == proc.pid
         assert proc.wait(30) == EXIT_ORPHANED  # no ping since: the lease ran out
     finally:
