@@ -228,8 +228,10 @@ def test_a_node_lost_under_load_answers_every_request_and_serving_resumes_when_i
         stop.set()
         for t in threads:
             t.join(60)
-    print(f"\nnode lost: {len(outcomes)} requests; serving again {serving_again:.1f}s after edge-b rejoined")
     in_flight = [o for o in outcomes if o[1] <= removed_at <= o[2]]
+    print(f"\nnode lost: {len(outcomes)} requests, {len(in_flight)} in flight answered at most "
+          f"{max((o[2] - removed_at for o in in_flight), default=0):.2f}s after the removal; serving again "
+          f"{serving_again:.1f}s after edge-b rejoined")
     assert all(o[2] - removed_at <= 5.0 for o in in_flight), in_flight  # answered within 5 s of the loss
     assert not [o for o in outcomes if o[0] == "wrong"]
     assert {o[0] for o in outcomes} <= {"ok", ErrorCode.BLOCK_FAILED.value, ErrorCode.UNAVAILABLE.value}, \

@@ -94,3 +94,20 @@ def test_a_block_on_another_node_stops_when_the_manager_goes_silent(identity_rep
             proc.wait()
         controller.stop()
         ctx.term()
+
+
+def test_serve_with_ray_but_without_the_cluster_extra_says_what_to_install(tmp_path):
+    """`blockflow serve --ray` where Ray cannot be imported: exit 2 before anything starts, with
+    the pip line. Ray is hidden by a package of that name that fails to import (the cluster
+    extra is installed by `make install`)."""
+    import subprocess
+    import sys
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('No module named ray (hidden by the test)')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "blockflow.cli", "serve", "--ray", "auto", "--port", "0",
+                           "--dispatcher-port", "0", "--state-dir", str(tmp_path / "state")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--ray needs Ray" in proc.stderr and "pip install -e '.[cluster]'" in proc.stderr, proc.stderr
+    assert not (tmp_path / "state").exists()  # nothing was started
