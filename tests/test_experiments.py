@@ -244,7 +244,7 @@ SMOKE_ARGS = {
     "utilization": ["--duration", "1", "--transports", "tensormq"],
     "memory_model": ["--models", "resnet50", "--n", "1"],
     "kserve_cost": ["--n", "3"],
-    "batching": ["--rates", "2", "--duration", "2", "--max-batch", "2"],
+    "batching": ["--rates", "2", "--duration", "1", "--max-batch", "2", "--rounds", "1"],
 }
 PROVENANCE = ("commit", "commit_date", "dirty", "created", "command")
 

@@ -1,8 +1,8 @@
-"""The soak run in its short form (``python -m experiments.soak --quick --minutes 0.5
---update-every 7``: 5 s of saturation measurement, then 30 s of load).
+"""The soak run in its short form (``python -m experiments.soak --quick --minutes 0.35
+--update-every 5``: 5 s of saturation measurement, then 21 s of load).
 
 A real ``blockflow serve`` under Poisson load at 80% of the saturation it measures, with a
-topology update every 7 s (four in the run; three asserted, so one late update under a loaded
+topology update every 5 s (four in the run; three asserted, so one late update under a loaded
 machine does not fail it) that spawns and retires a block on the path. Checked here: every
 request answered, every update applied, clean exit, and no process, socket file or
 shared-memory segment left. The leak detector itself is tested on a planted leak below (a
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_short_soak_answers_everything_and_leaves_nothing(model_repo, tmp_path, leak_check):
     out = str(tmp_path)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "experiments.soak", "--quick", "--minutes", "0.5", "--update-every", "7",
+    proc = subprocess.run([sys.executable, "-m", "experiments.soak", "--quick", "--minutes", "0.35", "--update-every", "5",
                            "--repo", model_repo, "--out", out],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     with open(os.path.join(out, "soak.json")) as f:
@@ -84,9 +84,9 @@ def _toy_soak(repo: str, last: str) -> dict:
                            {"name": "z", "model": f"toy/{last}.pt", "threads": 1}],
                 "tasks": [{"id": "classify", "path": ["a", "z"]}]}
 
-    # 30 s at 50 req/s, one sample a second, the first 6 s left out; no updates (one phase)
-    return run_soak(repo, minutes=0.5, rate=50.0, update_every=3600.0, sample_every=1.0, clients=1, load=0.8,
-                    saturate_s=0.0, warmup_s=6.0, seed=1, topology=topology, model=f"toy/{last}")
+    # 15 s at 80 req/s, two samples a second, the first 4 s left out; no updates (one phase)
+    return run_soak(repo, minutes=0.25, rate=80.0, update_every=3600.0, sample_every=0.5, clients=1, load=0.8,
+                    saturate_s=0.0, warmup_s=4.0, seed=1, topology=topology, model=f"toy/{last}")
 
 
 def test_soak_reports_a_planted_leak(tmp_path, leak_check):
@@ -97,7 +97,7 @@ def test_soak_reports_a_planted_leak(tmp_path, leak_check):
     leaking = _toy_soak(repo, "leak")
     g = leaking["growth"]["rss_mb"]
     print(f"\nplanted leak: RSS {g}")
-    assert leaking["counts"]["ok"] > 1000, leaking["counts"]
+    assert leaking["counts"]["ok"] > 700, leaking["counts"]
     assert g["leak"] is True and leaking["passed"] is False, g
     kept = LEAK_FLOATS * 4 / 2**20 * 1000  # MB per 1000 requests: 10.0
     slope, _ = g["mb_per_1000_requests"]
@@ -109,9 +109,9 @@ def test_soak_reports_a_planted_leak(tmp_path, leak_check):
     c = clean["growth"]["rss_mb"]
     by = clean["rss_slope_by_process"]
     print(f"no leak: RSS {c}, by process {by}")
-    assert clean["counts"]["ok"] > 1000, clean["counts"]
+    assert clean["counts"]["ok"] > 700, clean["counts"]
     # The control is the block in the leaker's place, not the total: the dispatcher's and the
     # REST process's RSS still settle for some seconds after warm-up (the total's slope was
     # +0.5-2.7 MB per 1000 requests over 30 s runs on a loaded 2-core CI machine, flat over
-    # minutes in probes of the identity chain), which a 30 s run cannot tell from a leak.
+    # minutes in probes of the identity chain), which a short run cannot tell from a leak.
     assert by["z"][0] < 0.25 * kept, by
