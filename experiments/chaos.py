@@ -132,11 +132,14 @@ class ClusterNodes:
     def start(cls, resources, temp_dir: str) -> "ClusterNodes":
         """A head and a node per resource, every one on 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
         must be set before ray is imported: ``main`` and tests/conftest.py do), Ray's files in
-        ``temp_dir`` (``RAY_TMPDIR`` is set to it). Ray's health checks notice a dead node in about 2 s."""
+        ``temp_dir`` (``RAY_TMPDIR`` is set to it). Ray's health checks notice a dead node in about
+        2 s and one cut off (a raylet that no longer answers: each check waits for its timeout) in
+        about 6 s; Ray's defaults (a check every 3 s waiting up to 10 s, five misses) take about a
+        minute for a cut-off node."""
         from ray.cluster_utils import Cluster
         os.environ["RAY_TMPDIR"] = temp_dir  # where Ray writes the cluster's address, under ray/
         os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
-        fast = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+        fast = {"health_check_period_ms": 500, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 4}
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
                                                                 "temp_dir": temp_dir, "_system_config": fast})
         return cls(cluster, {r: cluster.add_node(**cls.node_args(r)) for r in resources})

@@ -12,14 +12,14 @@ import pytest
 from experiments.chaos import run_chaos
 
 
-def assert_one_reply_each(report: dict) -> None:
-    """Every request sent ended with exactly one outcome, most of them results, and the server
-    exited cleanly."""
+def assert_one_reply_each(report: dict, ok_share: float = 0.5) -> None:
+    """Every request sent ended with exactly one outcome, more than ``ok_share`` of them results,
+    and the server exited cleanly."""
     assert report["sent"] > 40
     assert report["never_answered"] == 0, report
     assert report["duplicates"] == 0, report
     assert report["wrong"] == 0, report
-    assert report["ok"] > report["sent"] * 0.5, report
+    assert report["ok"] > report["sent"] * ok_share, report
     assert report["ok"] + report["errors_total"] + report["never_answered"] == report["sent"], report
     assert report["server_exit_code"] == 0
 

