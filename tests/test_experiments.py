@@ -245,6 +245,7 @@ SMOKE_ARGS = {
     "memory_model": ["--models", "resnet50", "--n", "1"],
     "kserve_cost": ["--n", "3"],
     "batching": ["--rates", "2", "--duration", "1", "--max-batch", "2", "--rounds", "1"],
+    "replicas": ["--duration", "1"],
 }
 PROVENANCE = ("commit", "commit_date", "dirty", "created", "command")
 
