@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from blockflow.tensormq import bundle
+
 from . import repository as repo
 from . import split
 
@@ -134,7 +136,7 @@ def _run(module: torch.nn.Module, x, name: str, previous: str | None):
     be handed on."""
     try:
         with torch.inference_mode():
-            y = split.call(module, x)
+            y = bundle.call(module, x)
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         given = f"the output of {previous}" if previous else "--input-shape"

@@ -53,6 +53,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from blockflow.tensormq import bundle
+
 log = logging.getLogger("blockflow.blocks.repository")
 
 MODELS = ("resnet18", "resnet50", "resnet152")
@@ -714,7 +716,6 @@ class Chain(torch.nn.Sequential):
     (a tuple or dict: tensormq/bundle.py) that the next takes as its arguments."""
 
     def forward(self, *args, **kwargs):
-        from blockflow.tensormq import bundle
         modules = iter(self)
         x = next(modules)(*args, **kwargs)
         for module in modules:

@@ -52,6 +52,8 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
+from blockflow.tensormq import bundle
+
 from . import repository as repo
 
 log = logging.getLogger("blockflow.blocks.split")
@@ -62,7 +64,7 @@ TIMING_REPEATS = 5
 CHAIN_TOLERANCE = 1e-4
 #: Most tensors that may cross one cut: the wire's limit on tensors per message (tensormq carries
 #: a bundle of 1 to 16 tensors in one message).
-MAX_HOP_TENSORS = 16
+MAX_HOP_TENSORS = bundle.MAX_MEMBERS  # what one hop's header carries (tensormq/bundle.py)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _BLOCK_RE = re.compile(r"^block\d+$")
 
@@ -367,20 +369,10 @@ def chain(blocks: list[nn.Module], x: torch.Tensor) -> list:
     outs = []
     with torch.no_grad():
         for i, block in enumerate(blocks, 1):
-            x = call(block, x)
+            x = bundle.call(block, x)
             check_tensors(x, f"block{i}")
             outs.append(x)
     return outs
-
-
-def call(block: nn.Module, x):
-    """``block`` on a tensor, on a tuple's (or list's) members as positional arguments, or on
-    a dict's as keyword arguments: how one block takes what the one before it returned."""
-    if isinstance(x, dict):
-        return block(**x)
-    if isinstance(x, (tuple, list)):
-        return block(*x)
-    return block(x)
 
 
 def check_tensors(value, what: str) -> None:

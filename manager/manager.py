@@ -819,6 +819,10 @@ class Manager:
         current = {n: Running(c.decl, c.status == "failed" and op.kind == "update") for n, c in self.blocks.items()}
         op.processes = one_per_replica(op.desired.blocks)
         op.plan = plan(current, op.processes)
+        down = self._nodes_down([op.processes[n] for n in op.plan.starts])
+        if down:
+            _resolve(op.future, error=UpdateFailed(down[0], down[1]))
+            return
         which = replica_of(op.desired.blocks)
         try:
             for n in op.plan.starts:
@@ -831,6 +835,21 @@ class Manager:
             return
         op.phase = "starting"
         self.op = op
+
+    def _nodes_down(self, starting: list[BlockDecl]) -> tuple[str, str] | None:
+        """(message, block) where a block the operation would start names a node resource that
+        no live node advertises now, before anything starts: such a block would only wait out
+        READY_TIMEOUT and roll the update back. Blocks it keeps on that node wait for it."""
+        if not self.ray_address or not any(d.node for d in starting):
+            return None
+        live = self.launcher.live_resources()
+        for d in starting:
+            if d.node and d.node not in live:
+                return (f"block {d.name!r} would start on a node with {d.node!r}, and no live node of the "
+                        f"Ray cluster advertises it now (one did: it is down or has left); POST the update "
+                        f"again once a node with {d.node!r} has joined, or place the block on another node",
+                        d.name)
+        return None
 
     def switch(self, op: Operation) -> None:
         """Every new block is READY: make the desired state the current one."""

@@ -216,12 +216,18 @@ class RayLauncher:
         self.children: list[RayChild] = []
         self.seen: set[str] = set()  # custom resources any node advertised since we joined
 
+    def live_resources(self) -> set[str]:
+        """The custom resources that the cluster's live nodes advertise now."""
+        live = {r for n in self.ray.nodes() if n.get("Alive") for r in n.get("Resources", {})
+                if r not in RAY_OWN_RESOURCES and not r.startswith(("node:", "accelerator_type:"))}
+        self.seen |= live
+        return live
+
     def resources(self) -> set[str]:
-        """The custom resources the cluster's nodes advertise, or did since we joined (an
-        update may name a node that is down for now: its new blocks wait for it up to the ready
-        timeout, its kept blocks until it is back)."""
-        self.seen.update(r for n in self.ray.nodes() if n.get("Alive") for r in n.get("Resources", {})
-                         if r not in RAY_OWN_RESOURCES and not r.startswith(("node:", "accelerator_type:")))
+        """The custom resources the cluster's nodes advertise, or did since we joined: an
+        update may name a node that is down for now, for the blocks it keeps there (they wait
+        for the node); a block it would start there is refused (Manager.begin)."""
+        self.live_resources()
         return set(self.seen)
 
     def start(self, target, spec, name: str, node: str | None = None):

@@ -189,7 +189,9 @@ def test_a_peer_without_the_cluster_key_is_refused_by_a_block(server):
 def test_a_node_lost_under_load_answers_every_request_and_serving_resumes_when_it_rejoins(server, cluster,
                                                                                           model_repo):
     c, nodes = cluster
-    server.call("POST", "/system/update", _body({n: node for n, (_, node) in SPLIT.items()}), timeout=240)
+    placed = {n: node for n, (_, node) in SPLIT.items()}
+    server.call("POST", "/system/update", _body(placed), timeout=240)
+    b2_node = {b["name"]: b["node"] for b in server.call("GET", "/system")["blocks"]}["b2"]
     x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(3))
     want = _expected(model_repo, x)
     outcomes: list[tuple[str, float, float]] = []  # (ok | error code, sent, answered)
@@ -219,6 +221,12 @@ def test_a_node_lost_under_load_answers_every_request_and_serving_resumes_when_i
                            for b in server.call("GET", "/system")["blocks"] if b["name"] in ("b3", "b4", "h")}
         wait_for(lambda: waiting() == {"b3": "edge-b", "b4": "edge-b", "h": "edge-b"}, 60,
                  "GET /system saying which blocks wait for a node with edge-b")
+        # an update that would start a block on the missing node is refused at once, nothing changed
+        asked = time.monotonic()
+        err = rest_error(server, "POST", "/system/update", _body({**placed, "b2": "edge-b"}))
+        assert err.status == 422 and err.body["block"] == "b2" and "no live node" in err.body["error"], err.body
+        assert time.monotonic() - asked < 10, "refused only after waiting for a node"
+        assert {b["name"]: b["node"] for b in server.call("GET", "/system")["blocks"]}["b2"] == b2_node
         rejoined_at = time.monotonic()
         nodes["edge-b"] = c.add_node(**_node("edge-b"))
         wait_for(lambda: any(o[1] >= rejoined_at and o[0] == "ok" for o in outcomes), 90,
