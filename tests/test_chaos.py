@@ -91,7 +91,7 @@ def test_chaos_sees_a_block_that_is_never_respawned(model_repo, leak_check):
     Killing `hx` (only `special` passes through it) leaves `classify` serving, so most requests
     still succeed; the run must still say that the fault never recovered."""
     env = dict(os.environ, BLOCKFLOW_MAX_RESTARTS="0")
-    report = run_chaos(model_repo, duration=10.0, rate=5.0, seed=3, fault_every=60.0, kinds=("kill_block",),
+    report = run_chaos(model_repo, duration=8.0, rate=5.0, seed=3, fault_every=60.0, kinds=("kill_block",),
                        fault_blocks=("hx",), server_env=env)
     assert [f["kind"] for f in report["faults"]] == ["kill_block"], report["faults"]
     fault = report["faults"][0]
