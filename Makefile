@@ -48,9 +48,17 @@ demo: export
 	@echo "==> running the end-to-end demo"
 	$(VENV)/bin/blockflow demo --repo $(REPO)
 
+# Two phases: most tests on JOBS pytest-xdist workers (each with its own temporary and /dev/shm
+# directories, tests/conftest.py), then the `exclusive` ones (load, rates, deadlines, Ray) alone.
+# Both phases always run; the target fails when either did. JOBS=1 runs the first phase serially.
+JOBS ?= 2
 test: $(STAMP) $(EXT_STAMP)
-	@echo "==> running the test suite (pytest)"
-	$(PY) -m pytest -q
+	@echo "==> running the test suite (pytest): the parallel phase on $(JOBS) workers, then the exclusive tests"
+	@status=0; \
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "not exclusive" || status=$$?; \
+	echo "==> the exclusive tests, alone"; \
+	$(PY) -m pytest -q -m exclusive || status=$$?; \
+	exit $$status
 
 bench: export
 	@echo "==> running every experiment in quick mode"

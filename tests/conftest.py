@@ -24,6 +24,27 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="torch.jit")
 # machine's interface address. Ray reads it when imported, and children inherit it.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+#: Where the servers these tests start put their TensorMQ slot directories (``blockflow-*``).
+#: Under pytest-xdist (``make test`` runs most of the suite on two workers) every worker gets its
+#: own temporary directory and its own slot directory under /dev/shm, set here before anything
+#: reads them and inherited by every server it starts: the leak checks below look at "everything
+#: in the directory", and one worker must not count (or remove) what another worker's test made.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    _private = {"TMPDIR": tempfile.mkdtemp(prefix=f"bfw-{_WORKER}-", dir="/tmp")}
+    if os.path.isdir("/dev/shm"):
+        _private["BLOCKFLOW_SHM_DIR"] = tempfile.mkdtemp(prefix=f"bfw-{_WORKER}-", dir="/dev/shm")
+    os.environ.update(_private)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+SHM_DIR = os.environ.get("BLOCKFLOW_SHM_DIR", "/dev/shm")
+
+
+def pytest_unconfigure(config):
+    """A worker removes its private directories (their contents were checked by leak_check)."""
+    if _WORKER:
+        for d in _private.values():
+            shutil.rmtree(d, ignore_errors=True)
+
 
 def pytest_collection_modifyitems(config, items):
     import torch
@@ -47,6 +68,19 @@ def model_repo():
     """resnet18 and resnet50 split into 4 blocks + head, with an 'x' variant of block4/head,
     exported into model_repo/ where a model lacks its manifest or a file (exports are
     byte-for-byte repeatable, and the server checks every file against the manifest's sha256)."""
+    import fcntl
+    # Two pytest-xdist workers may both find the repository incomplete: one exports, the other
+    # waits on the lock (held on the checkout's directory, so no lock file lands anywhere).
+    lock = os.open(ROOT, os.O_RDONLY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        _export_missing()
+    finally:
+        os.close(lock)  # releases the lock
+    return MODEL_REPO
+
+
+def _export_missing() -> None:
     from blockflow.blocks.repository import BlockFileError, export_model, load_manifest
     for model in ("resnet18", "resnet50"):
         try:
@@ -55,7 +89,6 @@ def model_repo():
             listed = set()
         if not all(f in listed and os.path.exists(os.path.join(MODEL_REPO, model, f)) for f in REPO_FILES):
             export_model(model, MODEL_REPO, blocks=4, method="script", variants={"x": ["block4", "head"]})
-    return MODEL_REPO
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +123,7 @@ def identity_repo(tmp_path_factory):
 
 def _shm_entries() -> set[str]:
     try:
-        return {e for e in os.listdir("/dev/shm") if e.startswith("blockflow-") and not _foreign(e)}
+        return {e for e in os.listdir(SHM_DIR) if e.startswith("blockflow-") and not _foreign(e)}
     except FileNotFoundError:
         return set()
 
@@ -107,7 +140,7 @@ def _foreign(entry: str) -> bool:
     """A slot directory whose owner record names a live server that is not ours: another test
     run's or experiment's on the same machine. The leak check neither counts nor removes it."""
     try:
-        with open(os.path.join("/dev/shm", entry.removesuffix(".owner") + ".owner")) as f:
+        with open(os.path.join(SHM_DIR, entry.removesuffix(".owner") + ".owner")) as f:
             pid = json.load(f)["server"]["pid"]
         mine = {p.pid for p in psutil.Process().children(recursive=True)}
         return psutil.pid_exists(pid) and pid not in mine
@@ -134,7 +167,7 @@ def leak_check():
     for p in extra:
         p.kill()
     for e in left_shm:
-        shutil.rmtree(os.path.join("/dev/shm", e), ignore_errors=True)
+        shutil.rmtree(os.path.join(SHM_DIR, e), ignore_errors=True)
     assert not extra, f"child processes left behind: {[(p.pid, p.cmdline()[:4]) for p in extra]}"
     assert not left_shm, f"shared-memory directories left behind: {left_shm}"
     left_tmp = _tmp_entries() - before_tmp
@@ -184,6 +217,13 @@ def server_factory(short_tmp, leak_check):
         if s.proc.poll() is None:
             code = s.stop()
             assert code == 0, f"server exited with {code} on SIGTERM"
+
+
+def slot_files_of(pid: int) -> list[str]:
+    """TensorMQ slot files (``<owner>.<pid>.<seq>``) that process ``pid`` created."""
+    import glob
+    return [f for f in glob.glob(os.path.join(SHM_DIR, "blockflow-*", "*"))
+            if os.path.basename(f).rsplit(".", 2)[1:2] == [str(pid)]]
 
 
 def kill_tree(pid: int) -> None:

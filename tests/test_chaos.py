@@ -11,6 +11,9 @@ import pytest
 
 from experiments.chaos import run_chaos
 
+# Shares of requests answered and recovery deadlines: measured with the machine to itself.
+pytestmark = pytest.mark.exclusive
+
 
 def assert_one_reply_each(report: dict, ok_share: float = 0.5) -> None:
     """Every request sent ended with exactly one outcome, more than ``ok_share`` of them results,

@@ -29,7 +29,8 @@ from test_control_plane import rest_error
 
 ray = pytest.importorskip("ray", reason="the cluster extra is not installed: pip install -e '.[cluster]'")
 
-pytestmark = pytest.mark.cluster
+# exclusive: partitions and node losses are seen by deadlines; and a Ray cluster at a time.
+pytestmark = [pytest.mark.cluster, pytest.mark.exclusive]
 
 MODEL = "resnet50"
 SPLIT = {"b1": ("block1", "edge-a"), "b2": ("block2", "edge-a"), "b3": ("block3", "edge-b"),

@@ -21,7 +21,7 @@ import torch
 
 from blockflow.client import BlockFlowError, Client
 from blockflow.restclient import RestError
-from conftest import wait_for
+from conftest import slot_files_of, wait_for
 
 #: Error codes a request may legitimately end with when a change caught it in flight.
 ALLOWED_CODES = {"unknown_task", "block_failed", "unavailable", "shutdown"}
@@ -349,12 +349,6 @@ class TestInvalidUpdates:
 
 # -- 3. a killed block is detected, respawned, and serves again --------------------------------
 
-def _slot_files_of(pid: int) -> list[str]:
-    """TensorMQ slot files (``<owner>.<pid>.<seq>``) that process ``pid`` created."""
-    import glob
-    return [f for f in glob.glob("/dev/shm/blockflow-*/*") if os.path.basename(f).rsplit(".", 2)[1:2] == [str(pid)]]
-
-
 def test_killed_block_is_respawned(server_factory, identity_repo):
     srv = server_factory(identity_repo)
     srv.call("POST", "/system/update", SIMPLE, timeout=60)
@@ -364,7 +358,7 @@ def test_killed_block_is_respawned(server_factory, identity_repo):
         old = srv.call("GET", "/blocks/d")
         assert old["status"] == "ready" and old["restarts"] == 0
         t0 = time.monotonic()
-        assert _slot_files_of(old["pid"]), "block d should own the slots of its result edge"
+        assert slot_files_of(old["pid"]), "block d should own the slots of its result edge"
         os.kill(old["pid"], signal.SIGKILL)
 
         def respawned():
@@ -378,7 +372,7 @@ def test_killed_block_is_respawned(server_factory, identity_repo):
         assert new["incarnation"] > old["incarnation"]
         # the manager reaps the child and names how it ended (manager.on_child_down)
         assert "SIGKILL" in (new.get("last_exit") or ""), new
-        assert not _slot_files_of(old["pid"]), "the killed block's slot files were left in /dev/shm"
+        assert not slot_files_of(old["pid"]), "the killed block's slot files were left in /dev/shm"
         assert srv.call("GET", "/blocks/a")["pid"] == srv.call("GET", "/system")["blocks"][0]["pid"]
         assert srv.call("GET", "/health/ready")["status"] == "ok"
         # the pipeline serves again (a request may still meet the switch: retry briefly)

@@ -255,7 +255,12 @@ def test_every_detailed_experiment_is_listed():
     assert set(SMOKE_ARGS) <= set(EXPERIMENTS), set(SMOKE_ARGS) - set(EXPERIMENTS)
 
 
-@pytest.mark.parametrize("name", [n for n in EXPERIMENTS if n not in DETAILED])
+#: Started alone (see the exclusive marker): the peer's smoke run starts a Ray of its own.
+EXCLUSIVE_SMOKE = {"peers"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.exclusive) if n in EXCLUSIVE_SMOKE else n
+                                  for n in EXPERIMENTS if n not in DETAILED])
 def test_smoke(name, tmp_path, resnet_repo, leak_check):
     """``python -m experiments.NAME --quick`` exits 0 and writes a JSON that records its code and
     that experiments/report.py can read (or says why it was skipped here)."""

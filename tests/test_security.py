@@ -14,7 +14,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -296,12 +295,15 @@ def test_kill_9_leftovers_are_removed_by_the_next_serve(identity_repo, short_tmp
         with Client(info["dispatcher"], timeout=20) as c:
             c.infer("t", torch.ones(1024))
         hung = call("GET", info["rest"] + "/blocks/d")["pid"]
+        a = call("GET", info["rest"] + "/blocks/a")["pid"]
+        dispatcher = call("GET", info["rest"] + "/system")["dispatcher"]["pid"]
         os.kill(hung, signal.SIGSTOP)
         old = tree(proc.pid)
         all_pids.update(old)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        time.sleep(1.5)  # longer than a block's parent check: the others exit by themselves
+        # the running ones notice their manager is gone (a check every second) and exit by themselves
+        wait_for(lambda: gone(a) and gone(dispatcher), 20, "block a and the dispatcher see their manager gone and exit")
         assert not gone(hung), "the stopped block should still be there for the next serve to find"
 
         proc, info = start_detached(identity_repo, state_dir, extra=["--fresh"])

@@ -20,6 +20,7 @@ from blockflow.schema import BlockDecl, UpdateError, validate_update
 from blockflow.manager.models import ModelCatalog
 from blockflow.manager.reconcile import Running, diff_tasks, plan, without_block
 
+from conftest import slot_files_of
 from test_control_plane import SIMPLE, block_of, rest_error, update_body, wait_for
 
 
@@ -305,11 +306,6 @@ def test_bad_max_inference_s_is_a_field_named_400(server_factory, identity_repo)
 
 # -- settings reach the processes ----------------------------------------------------------------
 
-def _slots_of(pid: int) -> list[str]:
-    import glob
-    return [f for f in glob.glob("/dev/shm/blockflow-*/*") if os.path.basename(f).rsplit(".", 2)[1:2] == [str(pid)]]
-
-
 @pytest.mark.parametrize("how", ["env", "flag"])
 def test_window_setting_reaches_the_blocks(server_factory, identity_repo, how):
     """An edge commits its whole window of slots on first use: the slot files a block made
@@ -322,8 +318,8 @@ def test_window_setting_reaches_the_blocks(server_factory, identity_repo, how):
         assert torch.equal(c.infer("t", x), x * 2)
     window = 3 if how == "env" else 2
     # (a, the identity, forwards the dispatcher's slot; d makes a new tensor, in its own slots)
-    assert len(_slots_of(srv.call("GET", "/blocks/d")["pid"])) == window
-    assert len(_slots_of(srv.call("GET", "/system")["dispatcher"]["pid"])) == window
+    assert len(slot_files_of(srv.call("GET", "/blocks/d")["pid"])) == window
+    assert len(slot_files_of(srv.call("GET", "/system")["dispatcher"]["pid"])) == window
 
 
 def test_update_transport_reaches_the_dispatcher(server_factory, identity_repo):
@@ -336,10 +332,10 @@ def test_update_transport_reaches_the_dispatcher(server_factory, identity_repo):
     dispatcher = srv.call("GET", "/system")["dispatcher"]["pid"]
     with Client(srv.dispatcher, timeout=15) as c:
         assert torch.equal(c.infer("t", x), x * 2)
-        assert _slots_of(dispatcher) == []
+        assert slot_files_of(dispatcher) == []
         srv.call("POST", "/system/update", SIMPLE, timeout=60)  # tensormq again
         assert torch.equal(c.infer("t", x), x * 2)
-        assert len(_slots_of(dispatcher)) > 0
+        assert len(slot_files_of(dispatcher)) > 0
 
 
 # -- a clean exit leaves nothing -----------------------------------------------------------------
