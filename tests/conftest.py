@@ -36,7 +36,9 @@ if _WORKER:
         _private["BLOCKFLOW_SHM_DIR"] = tempfile.mkdtemp(prefix=f"bfw-{_WORKER}-", dir="/dev/shm")
     os.environ.update(_private)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-SHM_DIR = os.environ.get("BLOCKFLOW_SHM_DIR", "/dev/shm")
+from blockflow import settings  # noqa: E402  (after the worker's environment: it reads it once)
+
+SHM_DIR = settings.SHM_DIR
 
 
 def pytest_unconfigure(config):
