@@ -9,7 +9,7 @@ for its workers. The life of a child, and the exit code each way out of it gives
     manager (parent)                      child
     ----------------                      -----
     spec = BlockSpec(...)                 (pre-spawn: a dataclass, nothing touches a process)
-    Process(target=serve_block) --spawn-> serve(Block, spec)
+    Process(target=SERVE_BLOCK) --fork--> serve(Block, spec)   (an Entry: blocks/spec.py)
                                           1. child = Block(spec): remembers the spec only
                                           2. signals: SIGTERM records itself and asks to stop;
                                              SIGINT is ignored (Ctrl-C is the server's)
@@ -51,6 +51,7 @@ This module is the low layer the two roles share: it imports neither of them.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -58,14 +59,14 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Callable, NoReturn
 
 import zmq
 
 from blockflow import settings
 from blockflow.protocol import ExitCode, identity
-from blockflow.tensormq.wire import WireError, dumps, loads_header
+from blockflow.tensormq.header import WireError, dumps, loads_header
 from blockflow.tensormq.curve import ClusterKeys, client_of
 
 log = logging.getLogger("blockflow.child")
@@ -101,6 +102,25 @@ class ChildSpec:
     @classmethod
     def from_json(cls, text: str):
         return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A child's entry point, named by its module and function (``blocks/spec.py`` lists them).
+
+    The launcher hands it to the new process as its target: multiprocessing pickles it as two
+    strings, and only the child imports the module (the forkserver has it preloaded). So the
+    manager starts blocks without importing them, and the control plane stays free of torch;
+    the Ray launcher runs ``python -m <module>`` on the block's node instead."""
+
+    module: str
+    function: str
+
+    def __call__(self, *args):
+        return getattr(importlib.import_module(self.module), self.function)(*args)
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.function}"
 
 
 def pid_alive(pid: int) -> bool:

@@ -15,32 +15,37 @@ then the raw little-endian row-major bytes of each input whose ``parameters.bina
 says how many). The REST process forwards each request to the dispatcher with BlockFlow's own
 ``Client`` (one per process, thread-safe), so the tensor takes the same path as any client's.
 With a token configured, infer is a POST like the others: ``Authorization: Bearer <token>``.
+
+This runs in the control plane's process, which stays without torch until the first infer
+request (every other route reads metadata only): that request imports torch for the tensors and
+the client, about 2 s of CPU once, instead of every ``blockflow serve`` paying it at start.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
+from typing import TYPE_CHECKING
 
 import cherrypy
-import numpy as np
-import torch
 
+from blockflow import settings
 from blockflow.protocol import ErrorCode
-from blockflow.tensormq import bundle
-from blockflow.tensormq.bundle import MAX_MEMBERS
-from blockflow.tensormq.wire import MAX_TENSOR_BYTES
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("blockflow.openinference")
 
-#: KServe datatype <-> torch dtype (BYTES, i.e. strings, has no tensor counterpart here).
-DATATYPES = {"BOOL": torch.bool, "UINT8": torch.uint8, "INT8": torch.int8, "INT16": torch.int16,
-             "INT32": torch.int32, "INT64": torch.int64, "FP16": torch.float16, "FP32": torch.float32,
-             "FP64": torch.float64, "BF16": torch.bfloat16}
+#: KServe datatype <-> the name of its torch dtype (BYTES, i.e. strings, has no tensor counterpart here).
+DATATYPES = {"BOOL": "bool", "UINT8": "uint8", "INT8": "int8", "INT16": "int16", "INT32": "int32",
+             "INT64": "int64", "FP16": "float16", "FP32": "float32", "FP64": "float64", "BF16": "bfloat16"}
 TORCH_TO_DATATYPE = {v: k for k, v in DATATYPES.items()}
 MANIFEST_DTYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "float64": "FP64",
                    "uint8": "UINT8", "int64": "INT64", "int32": "INT32"}
+MAX_TENSOR_BYTES = settings.MAX_TENSOR_BYTES
 #: Largest request body: the largest tensor the data plane takes plus room for the JSON header.
 MAX_BODY = MAX_TENSOR_BYTES + (1 << 20)
 #: HTTP status for the error codes a BlockFlow client can get.
@@ -83,6 +88,7 @@ class _Infer:
         """The request's value: one tensor for one input, else a tuple in input order (inputs
         named ``input_0``, ``input_1``, ... as the metadata names them are put in that order);
         binary inputs take their bytes from the binary section one after another."""
+        from blockflow.tensormq.bundle import MAX_MEMBERS  # with torch: see the module's docstring
         inputs = body.get("inputs")
         if not isinstance(inputs, list) or not 1 <= len(inputs) <= MAX_MEMBERS or not all(
                 isinstance(i, dict) for i in inputs):
@@ -104,6 +110,7 @@ class _Infer:
     @staticmethod
     def tensor(spec: dict, binary: bytes, offset: int, where: str) -> tuple[torch.Tensor, int]:
         """One input tensor and where the next binary input starts."""
+        import torch
         datatype = spec.get("datatype")
         if datatype not in DATATYPES:
             fail(400, f"{where}.datatype: {str(datatype)[:20]!r} is not one of {', '.join(DATATYPES)}")
@@ -111,8 +118,8 @@ class _Infer:
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
             fail(400, f"{where}.shape: must be a list of non-negative integers")
-        dtype = DATATYPES[datatype]
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        dtype = getattr(torch, DATATYPES[datatype])
+        count = math.prod(shape)
         size = count * torch.empty((), dtype=dtype).element_size()
         if size > MAX_TENSOR_BYTES:
             fail(413, f"{where}: {size} bytes is larger than the {MAX_TENSOR_BYTES} a tensor may have")
@@ -151,6 +158,8 @@ class _Infer:
     def answer(task: str, body: dict, y) -> bytes:
         """The reply: one output ``output`` for a tensor, ``output_0``, ``output_1``, ... for a
         tuple, the dict's keys for a dict; each in JSON or binary, as the request asks."""
+        import torch
+        from blockflow.tensormq import bundle
         if isinstance(y, torch.Tensor):
             named = [("output", y)]
         else:
@@ -158,7 +167,7 @@ class _Infer:
             named = list(zip(keys or [f"output_{i}" for i in range(len(members))], members))
         outs, raws = [], []
         for name, t in named:
-            datatype = TORCH_TO_DATATYPE.get(t.dtype)
+            datatype = TORCH_TO_DATATYPE.get(str(t.dtype).removeprefix("torch."))
             if datatype is None:
                 fail(502, f"task {task} produced a {t.dtype} tensor ({name}), which the Open Inference Protocol "
                           "cannot carry")

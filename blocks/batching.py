@@ -67,59 +67,14 @@ and of the inference time per request at each batch size it has run, and decides
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from blockflow.tensormq import bundle
+# a block's `batching` object is part of the update schema, which the control plane checks without torch
+from blockflow.schema import BatchPolicy, PolicyError  # noqa: F401
 
 #: Longest wait ``auto`` ever chooses (seconds).
 AUTO_MAX_DELAY = 0.005
-
-
-class PolicyError(ValueError):
-    """An invalid ``batching`` object; ``field`` names the offending part."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-@dataclass(frozen=True)
-class BatchPolicy:
-    max_batch: int
-    max_queue_delay_us: int | None      #: None means "auto"
-    preferred: tuple[int, ...] = ()
-
-    @property
-    def auto(self) -> bool:
-        return self.max_queue_delay_us is None
-
-    @staticmethod
-    def parse(obj, where: str = "batching") -> "BatchPolicy":
-        if not isinstance(obj, dict):
-            raise PolicyError(where, "must be an object {max_batch, max_queue_delay_us, preferred}")
-        unknown = set(obj) - {"max_batch", "max_queue_delay_us", "preferred"}
-        if unknown:
-            raise PolicyError(f"{where}.{sorted(unknown)[0]}", "unknown field")
-        mb = obj.get("max_batch")
-        if isinstance(mb, bool) or not isinstance(mb, int) or not 1 <= mb <= 1024:
-            raise PolicyError(f"{where}.max_batch", "must be an integer from 1 to 1024")
-        delay = obj.get("max_queue_delay_us", 0)
-        if delay == "auto":
-            delay = None
-        elif isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= 10_000_000:
-            raise PolicyError(f"{where}.max_queue_delay_us", "must be 'auto' or microseconds from 0 to 10000000")
-        pref = obj.get("preferred", [])
-        if not isinstance(pref, list) or any(isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= mb
-                                             for p in pref):
-            raise PolicyError(f"{where}.preferred", f"must be a list of batch sizes from 1 to max_batch ({mb})")
-        return BatchPolicy(mb, delay, tuple(sorted(set(pref))))
-
-    def to_json(self) -> dict:
-        return {"max_batch": self.max_batch,
-                "max_queue_delay_us": "auto" if self.auto else self.max_queue_delay_us,
-                "preferred": list(self.preferred)}
 
 
 class DelayController:

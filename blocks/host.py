@@ -27,37 +27,21 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
 
-from blockflow import settings
-from blockflow.childproc import ChildProcess, ChildSpec, exit_with, serve, spec_from_argv
+from blockflow.childproc import ChildProcess, exit_with, serve, spec_from_argv
 from blockflow.tensormq.wire import dumps
 
 from .heap import keep_freed_memory, one_heap
-from .process import Block, BlockSpec
+from .process import Block
+from .spec import BlockSpec, HostSpec
 
 log = logging.getLogger("blockflow.host")
 
 #: Seconds the host's shutdown waits for its members to stop (each answers what it holds first).
 MEMBER_STOP_S = 10.0
-
-
-@dataclass
-class HostSpec(ChildSpec):
-    """A shared process before it starts: its name (``@<group>``) and what is process-wide."""
-
-    name: str
-    device: str = "cpu"
-    threads: int | None = None       # torch's intra-op pool, shared by every member
-    incarnation: int = 0
-    controller: str | None = None
-    parent_pid: int | None = None
-    malloc_trim: int = settings.MALLOC_TRIM
-    curve: dict | None = None        # Ray mode (issue 30): the cluster's CURVE keys, for the control channel
-    bind_host: str | None = None     # Ray mode: this node's address, where members listen for other nodes
 
 
 class _Member:

@@ -54,30 +54,27 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 import zmq
 
-from blockflow.childproc import BootError, ChildProcess, Later, ChildSpec, exit_with, serve, spec_from_argv
+from blockflow.childproc import BootError, ChildProcess, Later, exit_with, serve, spec_from_argv
 from blockflow.protocol import RETURN_HOP, ErrorCode
 from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
-from blockflow.tensormq.transport import DEFAULT_SEND_TIMEOUT, RESULT_KEYS, Transport, receive_limit, recv_message
+from blockflow.tensormq.transport import RESULT_KEYS, Transport, receive_limit, recv_message
 from blockflow.tensormq.bundle import first
 from blockflow.tensormq.wire import DataHeader, WireError, check_path, dumps, loads_data_header
 
 from .batching import BatchPolicy, DelayController, plan_batches, run_batch
 from .heap import keep_freed_memory
 from .kpilog import KpiLog
-from .monitor import DEFAULT_INTERVAL, ResourceSampler
+from .monitor import ResourceSampler
 from .runner import BlockRunner, warmup_shapes
-from blockflow import settings
+from .spec import BlockSpec
 
 log = logging.getLogger("blockflow.block")
 
-#: Tensors a block queues before it answers new ones with an ``overloaded`` error.
-DEFAULT_MAX_QUEUE = settings.MAX_QUEUE
 #: The inference loop goes around at least this often when idle (its heartbeat, ``beat_age_s``).
 BEAT_INTERVAL = 0.5
 #: Messages ZeroMQ buffers in the data socket while the model runs (see "Queueing" above).
@@ -93,49 +90,6 @@ MAX_LENT = 4
 SWEEP_INTERVAL = 2.0
 #: Seconds the inference thread has to apply a topology update before the manager is told it failed.
 UPDATE_TIMEOUT = 10.0
-
-
-@dataclass
-class BlockSpec(ChildSpec):
-    """Everything a block needs, decided before it is spawned (nothing here touches the process)."""
-
-    name: str
-    model: str                      # path relative to repo, e.g. "resnet50/block1.pt"
-    repo: str
-    run_dir: str                    # KPI logs
-    sock_dir: str                   # ipc socket files
-    shm_dir: str | None = None      # TensorMQ slots (0700 directory)
-    device: str = "cpu"
-    transport: str = "tensormq"
-    protocol: str = "ipc"
-    threads: int | None = None
-    cpus: list[int] | None = None
-    incarnation: int = 0
-    controller: str | None = None   # control endpoint; None: standalone (tests, benchmarks)
-    parent_pid: int | None = None   # exit when this process is gone
-    window: int = settings.WINDOW
-    max_inference_s: float = 60.0   # past it in one inference the manager kills and respawns it
-    verified: dict | None = None    # {file: {"sha256", "signature"}} the manager already checked
-    max_queue: int = DEFAULT_MAX_QUEUE
-    send_timeout: float = DEFAULT_SEND_TIMEOUT
-    monitor: bool = True
-    monitor_interval: float = DEFAULT_INTERVAL
-    warmup: bool = True
-    warmup_shapes: list | None = None  # input shapes run (graphs captured) before ready; None: the manifest's
-    cuda_graphs: bool = True        # on a GPU, replay a CUDA graph per input shape (blocks/runner.py)
-    batching: dict | None = None    # BatchPolicy.to_json(); None: one request at a time
-    malloc_trim: int = settings.MALLOC_TRIM  # blocks/heap.py: freed heap bytes kept between requests
-    hosted: bool = False            # one of several blocks in a shared process (blocks/host.py)
-    #: Ray mode (issue 30): the cluster's CURVE keys (tensormq/curve.py) and the address of this
-    #: block's node; the block then also listens on TCP there, for producers on other nodes
-    curve: dict | None = None
-    bind_host: str | None = None
-    extra: dict = field(default_factory=dict)
-
-    def endpoint_hint(self) -> str:
-        if self.protocol == "ipc":
-            return f"ipc://{os.path.join(self.sock_dir, f'{self.name}-{self.incarnation}.sock')}"
-        return "tcp://127.0.0.1"
 
 
 class _Request:

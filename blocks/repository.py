@@ -55,6 +55,11 @@ from torch import nn
 
 from blockflow.tensormq import bundle
 
+# checking a file against its manifest needs no torch (the manager does it for every update):
+# it lives in verify.py, and these names stay importable from here
+from .verify import (MANIFEST, BlockFileError, check_digest, file_signature, read_manifest, resolve,  # noqa: F401
+                     sha256_file, verify_block)
+
 log = logging.getLogger("blockflow.blocks.repository")
 
 MODELS = ("resnet18", "resnet50", "resnet152")
@@ -63,7 +68,6 @@ METHODS = ("script", "trace")
 FORMATS = ("torchscript", "export")
 SUFFIX = {"torchscript": ".pt", "export": ".pt2"}
 SPLITS = (1, 2, 4)
-MANIFEST = "manifest.json"
 FULL = "full"
 INPUT_SHAPE = (3, 224, 224)
 
@@ -76,7 +80,6 @@ BLOCK_NAMES: dict[int, tuple[str, ...]] = {
 }
 
 _VARIANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_]*$")
-_HASH_CHUNK = 1 << 20
 
 # BlockFlow is built on TorchScript on purpose (one self-contained file per
 # block, loadable from C++/any process without the Python source).  Torch >=
@@ -89,18 +92,6 @@ warnings.filterwarnings(
     message=r"`torch\.jit\.(script|trace|save|load)` is deprecated",
     category=FutureWarning,
 )
-
-
-class BlockFileError(Exception):
-    """A block file (or its manifest) is missing, corrupt or not TorchScript.
-
-    The message always names the file and says what to do about it; ``path``
-    holds the offending file when known.
-    """
-
-    def __init__(self, message: str, path: str | os.PathLike | None = None):
-        super().__init__(message)
-        self.path = Path(path) if path is not None else None
 
 
 # --------------------------------------------------------------------------
@@ -573,93 +564,6 @@ def load_manifest(repo: str | os.PathLike, model: str) -> dict:
     return read_manifest(path)
 
 
-def read_manifest(path: Path) -> dict:
-    """The manifest at ``path``; a :class:`BlockFileError` naming it when it is unreadable."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BlockFileError(
-            f"manifest {path.resolve()} is unreadable ({exc}); delete it and "
-            f"re-run `blockflow export --model {path.parent.name}`",
-            path,
-        ) from None
-    if not isinstance(data, dict) or not isinstance(data.get("blocks", {}), dict):
-        raise BlockFileError(
-            f"manifest {path.resolve()} has an unexpected format; delete it and "
-            f"re-run `blockflow export --model {path.parent.name}`",
-            path,
-        )
-    return data
-
-
-def _resolve(repo: str | os.PathLike, relpath: str | os.PathLike) -> Path:
-    """``repo/relpath``, refusing absolute paths and ``..`` escapes (block
-    paths come from configs/REST requests, so they must stay inside the repo).
-    The check is lexical, so a repo may still contain symlinked files:
-    :func:`verify_block` decides whether one that leads outside is served."""
-    rel = os.fspath(relpath)
-    root = Path(repo).resolve()
-    if not rel or os.path.isabs(rel) or Path(rel).anchor:
-        raise BlockFileError(
-            f"block path {rel!r} must be relative to the repository {root}", rel)
-    norm = os.path.normpath(rel)
-    if norm == ".." or norm.startswith(".." + os.sep) or norm.startswith("../"):
-        raise BlockFileError(
-            f"block path {rel!r} escapes the repository {root}; use a path "
-            "inside it such as 'resnet50/block1.pt'", rel)
-    return root / norm
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(_HASH_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def verify_block(repo: str | os.PathLike, relpath: str, hash_file: bool = True) -> dict | None:
-    """Check ``repo/relpath`` against the manifest of its directory.
-
-    Returns the manifest entry, or ``None`` for a file no manifest lists
-    (user-dropped TorchScript files are allowed and served as is).
-    ``hash_file=False``: only find the entry; the caller checks the bytes it reads.
-    """
-    path = _resolve(repo, relpath)
-    model = path.parent.name
-    if not path.is_file():
-        raise BlockFileError(
-            f"block file {path} not found: run `blockflow export --model {model}` "
-            f"to create it, or fix the path {relpath!r}", path)
-    root = Path(repo).resolve()
-    real = path.resolve()
-    outside = not real.is_relative_to(root)
-    manifest_path = path.parent / MANIFEST
-    entry = None
-    if manifest_path.exists() and manifest_path.resolve().is_relative_to(root):
-        entry = read_manifest(manifest_path).get("blocks", {}).get(path.name)
-    if outside and not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)):
-        raise BlockFileError(
-            f"block file {relpath!r} resolves to {real}, outside the repository {root}; "
-            f"such a file is served only when {root / os.path.dirname(os.path.normpath(relpath)) / MANIFEST} "
-            f"(inside the repository) lists {path.name!r} with its sha256 -- add it there, "
-            "or copy the file into the repository", path)
-    if entry is None:
-        return None
-    if hash_file:
-        _check_digest(path, sha256_file(real), str(entry.get("sha256", "")))
-    return entry
-
-
-def _check_digest(path: Path, actual: str, expected: str) -> None:
-    if actual != expected:
-        raise BlockFileError(
-            f"block file {path} does not match {path.parent / MANIFEST}: sha256 "
-            f"{actual[:12]}... but the manifest expects {expected[:12]}...; the file "
-            f"is corrupt or was modified -- re-export it with `blockflow export "
-            f"--model {path.parent.name}`", path)
-
-
 def load_block(repo: str | os.PathLike, relpath: str,
                device: str = "cpu") -> nn.Module:
     """Verify and load one block file: an eval-mode TorchScript module (``.pt``)
@@ -682,12 +586,6 @@ def _load_program(path: Path, dev: torch.device, entry: dict | None, data: bytes
     log.debug("loaded %s on %s (%s)", path, dev,
               "unlisted" if entry is None else f"sha256 {entry['sha256'][:12]} ok")
     return mod
-
-
-def file_signature(st: os.stat_result) -> list[int]:
-    """What tells one version of a file from another without reading it: device, inode,
-    size and modification time (ns). A file rewritten in place or replaced changes it."""
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
 def open_block(repo: str | os.PathLike, model: str | list[str], device: str = "cpu",
@@ -727,7 +625,7 @@ def _open_one(repo, relpath: str, device: str, verified: dict | None):
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"cannot load {relpath} on {device}: CUDA is not available")
-    path = _resolve(repo, relpath)
+    path = resolve(repo, relpath)
     entry = verify_block(repo, relpath, hash_file=False)
     with open(path, "rb") as fh:
         signature = file_signature(os.fstat(fh.fileno()))
@@ -735,7 +633,7 @@ def _open_one(repo, relpath: str, device: str, verified: dict | None):
     if entry is not None:
         expected = str(entry.get("sha256", ""))
         if not (verified and verified.get("signature") == signature and verified.get("sha256") == expected):
-            _check_digest(path, hashlib.sha256(data).hexdigest(), expected)
+            check_digest(path, hashlib.sha256(data).hexdigest(), expected)
     return load_bytes(path, data, dev, entry), entry
 
 

@@ -33,28 +33,24 @@ import os
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import zmq
 from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
 
 from blockflow.ratelog import RateLimitedLog
-from blockflow.childproc import BootError, ChildProcess, ChildSpec, exit_with, serve, spec_from_argv
+from blockflow.childproc import BootError, ChildProcess, exit_with, serve, spec_from_argv
 from blockflow.protocol import DISPATCHER, ErrorCode, RETURN_HOP
 from blockflow.dispatcher.requestlog import RequestLog
+from blockflow.dispatcher.spec import DispatcherSpec
 from blockflow.tensormq.shm import ShmExhausted
 from blockflow.tensormq.transport import (RESULT_KEYS, Transport, bytes_fields, read_bytes_value, read_result_keys,
                                           receive_limit)
-from blockflow.tensormq.wire import MAX_TENSOR_BYTES, TensorDesc, WireError, dumps, loads_header
-from blockflow import settings
+from blockflow.tensormq.wire import TensorDesc, WireError, dumps, loads_header
 
 log = logging.getLogger("blockflow.dispatcher")
 
-#: Seconds a request may spend inside the pipeline before the client gets a timeout error.
-DEFAULT_REQUEST_TIMEOUT = settings.REQUEST_TIMEOUT
-#: Requests waiting for a free slot towards their first block before new ones are refused.
-DEFAULT_MAX_PENDING = settings.MAX_PENDING
 
 
 class ResultKeys:
@@ -77,26 +73,6 @@ class ResultKeys:
             json.dump({"endpoint": endpoint, "server": self.server_public.decode(),
                        "public": self.client_public.decode(), "secret": self.client_secret.decode()}, f)
         os.replace(tmp, path)
-
-
-@dataclass
-class DispatcherSpec(ChildSpec):
-    sock_dir: str
-    shm_dir: str | None = None
-    address: str = "tcp://127.0.0.1:5580"
-    transport: str = "tensormq"
-    controller: str | None = None
-    parent_pid: int | None = None
-    incarnation: int = 0
-    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
-    max_pending: int = DEFAULT_MAX_PENDING
-    max_tensor_bytes: int = MAX_TENSOR_BYTES
-    window: int = settings.WINDOW
-    token: str | None = None
-    tasks: dict = field(default_factory=dict)   # initial task table, for standalone use
-    run_dir: str | None = None                  # where the request log (@dispatcher.requests.jsonl) goes
-    curve: dict | None = None                   # Ray mode: the cluster's CURVE keys (tensormq/curve.py)
-    bind_host: str = "127.0.0.1"                # where the TCP result socket listens (Ray mode: this node's address)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 import zmq
 
 from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
-from blockflow.tensormq.wire import dumps
+from blockflow.tensormq.header import dumps
 
 log = logging.getLogger("blockflow.controller")
 

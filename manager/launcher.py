@@ -1,11 +1,12 @@
 """How the manager starts, watches and stops its children: the launcher seam (issue 30 item 1).
 
 The supervisor (manager.py) never creates or signals a process itself. It asks a ``Launcher``
-to start a child -- a target function (``serve_block``, ``serve_host``, ``serve_dispatcher``)
-and its spec -- and gets back a ``ChildHandle``, the little of ``multiprocessing.Process`` the
+to start a child -- its entry point (``SERVE_BLOCK``, ``SERVE_HOST``: blocks/spec.py;
+``SERVE_DISPATCHER``: dispatcher/spec.py; a ``childproc.Entry``, so the manager never imports
+a block's module, nor torch) and its spec -- and gets back a ``ChildHandle``, the little of ``multiprocessing.Process`` the
 supervisor uses::
 
-    handle = launcher.start(serve_block, spec, "blockflow-b1")
+    handle = launcher.start(SERVE_BLOCK, spec, "blockflow-b1")
     handle.pid        # where the manager can see it, for logs and slot clean-up (None: not yet)
     handle.node       # the identity of the machine it runs on (local_node() for a local child)
     handle.exitcode   # None while it runs; else its exit code (<0: killed by that signal)

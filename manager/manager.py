@@ -40,9 +40,9 @@ from typing import Callable
 import zmq
 
 from blockflow import settings
-from blockflow.blocks.host import HostSpec, serve_host
-from blockflow.blocks.process import BlockSpec, serve_block
-from blockflow.dispatcher.process import DispatcherSpec, serve_dispatcher
+# specs and entry points only: the manager never imports a block or the dispatcher (nor torch)
+from blockflow.blocks.spec import SERVE_BLOCK, SERVE_HOST, BlockSpec, HostSpec
+from blockflow.dispatcher.spec import SERVE_DISPATCHER, DispatcherSpec
 from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_NODE_LOST, describe_exit, identity
 from blockflow.schema import BlockDecl, validate_update
 from blockflow.tensormq.curve import ClusterKeys
@@ -91,6 +91,39 @@ class UpdateFailed(RuntimeError):
 class Conflict(RuntimeError):
     """The request contradicts the current state (409)."""
 
+
+
+def visible_gpus(env: str | None = None, physical: int | None = None) -> int:
+    """How many GPUs a block started now would see, without importing torch (the control
+    plane never loads it): the devices NVML counts, narrowed by ``CUDA_VISIBLE_DEVICES`` as
+    the CUDA runtime narrows them. That list is read up to its first entry CUDA would stop at
+    (blank, negative, out of range, a repeat or junk); ``GPU-``/``MIG-`` UUIDs count as given.
+    No NVML (no driver, a CPU host): 0."""
+    if physical is None:
+        physical = 0
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            try:
+                physical = pynvml.nvmlDeviceGetCount()
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception:  # NVMLError_LibraryNotFound/DriverNotLoaded/...: no GPU to use
+            return 0
+    if env is None:
+        env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        return physical
+    seen: set[str] = set()
+    for entry in (e.strip() for e in env.split(",")):
+        if entry.isdigit():
+            ok = int(entry) < physical
+        else:
+            ok = entry.startswith(("GPU-", "MIG-")) and len(entry) > 4
+        if not ok or entry in seen:
+            break
+        seen.add(entry)
+    return min(len(seen), physical)
 
 @dataclass(eq=False)
 class Child:
@@ -260,11 +293,7 @@ class Manager:
             self.keys = ClusterKeys.generate()
         else:
             self.launcher = LocalLauncher()  # manager/launcher.py: the forkserver, running since `blockflow serve` began
-        try:
-            import torch
-            self.gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        except Exception:
-            self.gpus = 0
+        self.gpus = visible_gpus()
         self.ctx = zmq.Context()
         self.controller = Controller(self.ctx, f"ipc://{os.path.join(self.state.sock, 'controller.sock')}",
                                      notify=lambda ident: self.events.put(("notice", ident)))
@@ -365,7 +394,7 @@ class Manager:
             log.info("block %s#%d goes into shared process %s (%s on %s)", decl.name, inc, host.name, decl.model,
                      decl.device)
             return c
-        proc = self.launcher.start(serve_block, spec, f"blockflow-{decl.name}", node=decl.node)
+        proc = self.launcher.start(SERVE_BLOCK, spec, f"blockflow-{decl.name}", node=decl.node)
         where = f"pid {proc.pid}" if decl.node is None else f"through Ray, on a node with {decl.node!r}"
         log.info("spawned block %s#%d (%s, %s on %s)", decl.name, inc, where, decl.model, decl.device)
         return Child(decl.name, decl, inc, proc, restarts=restarts, streak=streak, block=block or decl.name,
@@ -382,7 +411,7 @@ class Manager:
         inc = self._next_incarnation(name)
         spec = self.cluster_spec(HostSpec(name=name, device=decl.device, threads=threads or None, incarnation=inc,
                                           controller=self.controller.endpoint, parent_pid=os.getpid()), decl.node)
-        proc = self.launcher.start(serve_host, spec, f"blockflow-{name}", node=decl.node)
+        proc = self.launcher.start(SERVE_HOST, spec, f"blockflow-{name}", node=decl.node)
         log.info("spawned shared process %s#%d (pid %s, %s)", name, inc, proc.pid, decl.device)
         restarts = host.restarts + 1 if host is not None else 0
         self.hosts[decl.process] = new = Child(name, None, inc, proc, restarts=restarts)
@@ -435,7 +464,7 @@ class Manager:
                               parent_pid=os.getpid(), incarnation=inc, token=self.token, window=self.window)
         if self.keys is not None:
             spec = replace(spec, curve=self.keys.to_json(), bind_host=self.launcher.ip)
-        proc = self.launcher.start(serve_dispatcher, spec, "blockflow-dispatcher")
+        proc = self.launcher.start(SERVE_DISPATCHER, spec, "blockflow-dispatcher")
         return Child(DISPATCHER, None, inc, proc, restarts=restarts, streak=streak)
 
     def mark_ready(self, c: Child, info: dict) -> None:

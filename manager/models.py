@@ -14,7 +14,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from blockflow.blocks.repository import BlockFileError, file_signature, verify_block
+from blockflow.blocks.verify import BlockFileError, file_signature, verify_block
 from blockflow.schema import Update, UpdateError
 
 

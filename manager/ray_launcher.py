@@ -53,8 +53,6 @@ log = logging.getLogger("blockflow.manager")
 #: The share of a node's custom resource one block takes: nodes advertise e.g. 1000 units, so
 #: a node holds as many blocks as the optimiser puts there (Ray does not second-guess it).
 RESOURCE_SHARE = 0.001
-#: The command line of each kind of child started on a node (their ``main`` reads ``--spec -``).
-MODULES = {"serve_block": "blockflow.blocks.process", "serve_host": "blockflow.blocks.host"}
 #: Resources Ray itself gives every node: no block is placed by them.
 RAY_OWN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 INSTALL_HINT = "pip install -e '.[cluster]' (Ray 2.60 or later)"
@@ -234,7 +232,8 @@ class RayLauncher:
         if node is None:
             return self.local.start(target, spec, name)
         agent = self.agent_class.options(resources={node: RESOURCE_SHARE}, name=None).remote()
-        child = RayChild(self.ray, agent, node, MODULES[target.__name__], spec.to_json())
+        # on the node the child runs as ``python -m <its entry's module>``, whose ``main`` reads ``--spec -``
+        child = RayChild(self.ray, agent, node, target.module, spec.to_json())
         self.children = [c for c in self.children if c._exit is None] + [child]
         return child
 

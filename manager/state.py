@@ -342,7 +342,7 @@ def slot_budget(upd, window: int, shm_dir: str | None) -> dict:
     Every CPU producer keeps ``window`` slots per next hop (tensormq/shm.py), each sized for the
     tensor it carries rounded up to a power of two; the sizes come from the manifests (a file
     no manifest lists counts as unknown). Larger batches need proportionally more."""
-    from blockflow.tensormq.shm import HEADER, round_capacity, shm_space
+    from blockflow.tensormq.sizing import HEADER, round_capacity, shm_space
     from blockflow.protocol import DISPATCHER
 
     def nbytes(shape) -> int | None:

@@ -78,6 +78,8 @@ from collections import OrderedDict
 import torch
 
 from . import outalloc
+# a slot file's size (header + capacity) and the filesystem's room: torch-free, for the manager's sizing
+from .sizing import HEADER, round_capacity, shm_space
 from .wire import TensorDesc, WireError, dtype_name
 from blockflow import settings
 
@@ -98,12 +100,6 @@ class ShmExhausted(MemoryError):
     code = "no_shared_memory"
 
 
-def shm_space(directory: str) -> tuple[int, int]:
-    """(size, free) of the filesystem holding ``directory``, in bytes."""
-    st = os.statvfs(directory)
-    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-
-
 def _exhausted(directory: str, nbytes: int, exc: OSError) -> ShmExhausted:
     try:
         size, free = shm_space(directory)
@@ -116,7 +112,6 @@ def _exhausted(directory: str, nbytes: int, exc: OSError) -> ShmExhausted:
         "at a larger tmpfs, or lower BLOCKFLOW_WINDOW (serve --window) or the batch size")
 
 
-HEADER = 64
 FREE, IN_FLIGHT = 0, 1
 #: Header words (uint64, little-endian, 8-byte aligned at the start of a page).
 W_MAGIC, W_CAPACITY, W_GENERATION, W_RELEASED, W_KIND = 0, 1, 2, 3, 4
@@ -134,14 +129,6 @@ _KEPT_MAPPINGS: list = []
 DEFAULT_WINDOW = settings.WINDOW
 #: Mappings a consumer keeps open; older ones are closed (slots that grew get new names).
 MAX_MAPPINGS = 256
-
-
-def round_capacity(nbytes: int) -> int:
-    """Power of two, at least one page, so a slot can be reused across similar sizes."""
-    cap = 4096
-    while cap < nbytes:
-        cap <<= 1
-    return cap
 
 
 if sys.byteorder != "little":  # the header words are little-endian u64 on every host that shares them

@@ -228,6 +228,13 @@ def slot_files_of(pid: int) -> list[str]:
             if os.path.basename(f).rsplit(".", 2)[1:2] == [str(pid)]]
 
 
+def loaded_libraries(pid: int, name: str) -> set[str]:
+    """The shared libraries process ``pid`` has mapped whose file name contains ``name``."""
+    with open(f"/proc/{pid}/maps") as f:
+        paths = {line.split()[-1] for line in f if line.count("/")}
+    return {p for p in paths if name in os.path.basename(p)}
+
+
 def kill_tree(pid: int) -> None:
     try:
         for p in psutil.Process(pid).children(recursive=True):

@@ -21,7 +21,7 @@ import torch
 
 from blockflow.client import BlockFlowError, Client
 from blockflow.restclient import RestError
-from conftest import slot_files_of, wait_for
+from conftest import loaded_libraries, slot_files_of, wait_for
 
 #: Error codes a request may legitimately end with when a change caught it in flight.
 ALLOWED_CODES = {"unknown_task", "block_failed", "unavailable", "shutdown"}
@@ -181,6 +181,9 @@ def test_topology_changes_while_requests_flow(server_factory, identity_repo):
 
     system = srv.call("GET", "/system")
     assert system["blocks"] == [] and system["tasks"] == [] and system["version"] == 5
+    # the control plane ran five updates, spawned, replaced and retired blocks without torch:
+    # it never runs a model (blocks/spec.py, tensormq/header.py), so it never loads libtorch
+    assert not loaded_libraries(srv.proc.pid, "libtorch"), "blockflow serve loaded torch"
     wait_for(lambda: all(pid_gone(p) for p in pids), 10, "removed blocks exit")
 
     unanswered = [r for r in records if r[4] in ("timeout", "other")]
