@@ -57,8 +57,8 @@ from blockflow.tensormq import bundle
 
 # checking a file against its manifest needs no torch (the manager does it for every update):
 # it lives in verify.py, and these names stay importable from here
-from .verify import (MANIFEST, BlockFileError, check_digest, file_signature, read_manifest, resolve,  # noqa: F401
-                     sha256_file, verify_block)
+from blockflow.blocks.verify import (MANIFEST, BlockFileError, check_digest, file_signature, read_manifest,  # noqa: F401
+                                    resolve, sha256_file, verify_block)
 
 log = logging.getLogger("blockflow.blocks.repository")
 
