@@ -793,7 +793,14 @@ def _rows(y) -> int:
 
 
 def _return_address(raw) -> tuple[int, str] | None:
-    """Best effort: who to tell that a malformed message was dropped."""
+    """Who a message's answer goes to, error or result: the return address of the header as
+    ``admit`` decodes it (DataHeader skips fields it does not have, unread), else, for a header
+    it refuses, the best effort of a plain JSON parse; None when neither names a requester."""
+    try:
+        header = loads_data_header(raw)
+        return header.rid, header.path[-1][1]
+    except Exception:
+        pass
     try:
         header = json.loads(bytes(getattr(raw, "bytes", raw)))
         rid, path = header["rid"], check_path(header["path"])

@@ -240,7 +240,7 @@ class Dispatcher(ChildProcess):
 
     def handle_request(self, client: bytes, frames: list) -> None:
         self.stats["requests"] += 1
-        cid = None
+        cid, task = None, RequestLog.UNKNOWN_TASK
         try:
             if not frames:
                 raise WireError("empty message; send [header, tensor bytes]")

@@ -39,6 +39,13 @@ _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder()
 
 
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    """The error for a header whose strings are not UTF-8. msgspec 0.22 raises UnicodeDecodeError,
+    not DecodeError, for invalid UTF-8 inside a JSON string (found by experiments/fuzz.py): a
+    ValueError that a handler of other ValueErrors would take for something else."""
+    return f"header is not UTF-8 JSON (byte {exc.object[exc.start:exc.start + 1]!r} in a string)"
+
+
 def dumps(obj: dict) -> bytes:
     """Compact JSON; a float NaN or infinity becomes null (JSON has neither)."""
     return _ENCODER.encode(obj)
@@ -52,10 +59,12 @@ def loads_header(frame, limit: int = MAX_HEADER_BYTES) -> dict:
     try:
         obj = _DECODER.decode(buf)
     except (msgspec.DecodeError, RecursionError) as exc:
-        # DecodeError covers malformed JSON and invalid UTF-8 (msgspec 0.22 reads integers of
-        # any size below Python's digit limit: whoever uses one bounds it, as admit() does rid);
-        # RecursionError covers arrays nested thousands deep
+        # DecodeError covers malformed JSON (msgspec 0.22 reads integers of any size below
+        # Python's digit limit: whoever uses one bounds it, as admit() does rid); RecursionError
+        # covers arrays nested thousands deep
         raise WireError(f"header is not JSON ({exc}); pickles and other formats are refused") from None
+    except UnicodeDecodeError as exc:
+        raise WireError(not_utf8(exc)) from None
     if not isinstance(obj, dict):
         raise WireError("header must be a JSON object")
     return obj

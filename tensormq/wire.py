@@ -40,7 +40,7 @@ from blockflow import settings
 
 from .bundle import KEY_RE, MAX_MEMBERS
 # the header codec (torch-free, for the control plane), re-exported: every data-plane module imports it from here
-from .header import MAX_HEADER_BYTES, PROTOCOL_VERSION, WireError, dumps, loads_header  # noqa: F401
+from .header import MAX_HEADER_BYTES, PROTOCOL_VERSION, WireError, dumps, loads_header, not_utf8  # noqa: F401
 
 #: Largest tensor accepted, in bytes (payload or shared slot). Override with BLOCKFLOW_MAX_TENSOR_BYTES.
 MAX_TENSOR_BYTES = settings.MAX_TENSOR_BYTES
@@ -269,6 +269,8 @@ def loads_data_header(frame, limit: int = MAX_HEADER_BYTES) -> DataHeader:
         raise WireError(f"header: {exc}") from None
     except (msgspec.DecodeError, RecursionError) as exc:
         raise WireError(f"header is not JSON ({exc}); pickles and other formats are refused") from None
+    except UnicodeDecodeError as exc:  # only in a field DataHeader has: others are skipped unread
+        raise WireError(not_utf8(exc)) from None
     check_path(header.path)
     if header.xs is not None:
         member_descs(header.xs, header.keys, header.x is not None)
