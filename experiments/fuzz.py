@@ -244,7 +244,7 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
     from blockflow.standalone import StandalonePipeline
     from blockflow.blocks.process import _return_address
     from blockflow.tensormq.shm import IN_FLIGHT, SlotMapper, SlotPool
-    from blockflow.tensormq.wire import TensorDesc, WireError
+    from blockflow.tensormq.wire import TensorDesc, WireError, loads_data_header
     from blockflow.tensormq.transport import encode_bytes
 
     rng = random.Random(seed)
@@ -406,7 +406,11 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
             ra = _return_address(frames[0])
             if ra is None:
                 return frames, False
-            hops = {hop[1] for hop in json.loads(frames[0])["path"]}
+            try:  # the path as the block reads it (as _return_address does): a DataHeader first
+                path = loads_data_header(frames[0]).path
+            except WireError:
+                path = json.loads(frames[0])["path"]
+            hops = {hop[1] for hop in path}
             if hops != {ret_addr}:
                 # a flipped bit made a hop of the path point elsewhere: a valid message is
                 # forwarded there (and answered by nobody); an invalid one is answered here
