@@ -111,3 +111,16 @@ def test_serve_with_ray_but_without_the_cluster_extra_says_what_to_install(tmp_p
     assert proc.returncode == 2, proc.stderr
     assert "--ray needs Ray" in proc.stderr and "pip install -e '.[cluster]'" in proc.stderr, proc.stderr
     assert not (tmp_path / "state").exists()  # nothing was started
+
+
+def test_visible_gpus_reads_cuda_visible_devices_as_cuda_does():
+    """The control plane counts GPUs without torch (manager.visible_gpus): NVML's count, narrowed
+    by CUDA_VISIBLE_DEVICES up to its first entry CUDA would stop at."""
+    from blockflow.manager.manager import visible_gpus
+    assert visible_gpus("", physical=2) == 0                  # set but empty: none
+    assert visible_gpus("1,0", physical=2) == 2
+    assert visible_gpus("0,0", physical=2) == 1               # a repeat ends the list
+    assert visible_gpus("0,-1,1", physical=2) == 1            # so does a negative index
+    assert visible_gpus("2", physical=2) == 0                 # out of range
+    assert visible_gpus("GPU-8f2c, MIG-1a", physical=4) == 2  # UUIDs count as given
+    assert visible_gpus("0", physical=0) == 0                 # no device at all
