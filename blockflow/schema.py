@@ -32,8 +32,10 @@ BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "thr
 MAX_WARMUP_SHAPES = 16
 #: Processes one block may run as (``replicas``).
 MAX_REPLICAS = 16
-#: Replica r > 0 of block ``b`` runs as the process ``b.r<r>`` (replica 0 keeps the block's name);
-#: an update may not also declare a block of that name (validate_update refuses it).
+#: Replica r > 0 of block ``b`` runs as the process ``b.r<r>`` (replica 0 keeps the block's name), so
+#: no block may be named so, whatever its stem's replica count (_block_name refuses it): a block
+#: ``b2.r1`` beside a one-replica ``b2`` would collide with b2's second replica the day it gets one.
+REPLICA_SUFFIX_RE = re.compile(r"^(?P<block>.+)\.r(?P<replica>\d+)$")
 #: Seconds one inference may take before the block is considered stuck, killed and respawned.
 DEFAULT_MAX_INFERENCE_S = 60.0
 #: The largest ``max_inference_s`` accepted (a day): larger values are almost surely a unit mistake.
@@ -148,11 +150,12 @@ class BlockDecl:
         return d
 
     def replica_names(self) -> list[str]:
-        """The process names of this block's replicas: its own name, then ``name~1``, ..."""
+        """The process names of this block's replicas: its own name, then ``name.r1``, ..."""
         return [replica_name(self.name, r) for r in range(self.replicas)]
 
 
 def replica_name(block: str, replica: int) -> str:
+    """The process name of replica ``replica`` of ``block`` (REPLICA_SUFFIX_RE reserves the pattern)."""
     return block if replica == 0 else f"{block}.r{replica}"
 
 
@@ -178,6 +181,17 @@ def _name(value, where: str) -> str:
     if not NAME_RE.fullmatch(value):
         raise UpdateError(where, f"{value!r:.60} is not a valid name (letters, digits, '_', '.', '-'; "
                                  "up to 63 characters, starting with a letter or digit)")
+    return value
+
+
+def _block_name(value, where: str) -> str:
+    """A block's name: a name that does not end like a replica's process name (REPLICA_SUFFIX_RE)."""
+    _name(value, where)
+    m = REPLICA_SUFFIX_RE.fullmatch(value)
+    if m:
+        raise UpdateError(where, f"{value!r} is reserved: it is the process name of replica {int(m['replica'])} of "
+                                 f"block {m['block']!r} (a block's replicas run as NAME, NAME.r1, NAME.r2, ...); "
+                                 f"rename this block, e.g. {m['block'] + '-r' + m['replica']!r}")
     return value
 
 
@@ -296,7 +310,7 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None, nodes: se
         for key in ("name", "model"):
             if key not in b:
                 raise UpdateError(f"{where}.{key}", "is required")
-        name = _name(b["name"], f"{where}.name")
+        name = _block_name(b["name"], f"{where}.name")
         if name in blocks:
             raise UpdateError(f"{where}.name", f"duplicate block name {name!r}")
         model = _model(b["model"], f"{where}.model")
@@ -339,13 +353,6 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None, nodes: se
             if first.device != decl.device:
                 raise UpdateError(f"{where}.device", f"shared process {decl.process!r} runs on {first.device} "
                                                      f"(block {first.name!r}); a process has one device")
-
-    taken = {n: (d.name, r) for d in blocks.values() for r, n in enumerate(d.replica_names()) if r}
-    for i, name in enumerate(blocks):
-        if name in taken:
-            block, r = taken[name]
-            raise UpdateError(f"blocks[{i}].name", f"{name!r} is the process name of replica {r} of block {block!r}; "
-                                                   "rename this block")
 
     tasks: dict[str, list[str]] = {}
     for i, t in enumerate(tasks_in):

@@ -258,7 +258,7 @@ class Manager:
         self.catalog = ModelCatalog(self.repo)
         self.lock = threading.RLock()
         #: one Child per block process, by process name: a block's replica 0 has the block's name,
-        #: replica r > 0 ``name~r`` (schema.replica_name); ``declared`` keeps the blocks as declared
+        #: replica r > 0 ``name.r<r>`` (schema.replica_name); ``declared`` keeps the blocks as declared
         self.blocks: dict[str, Child] = {}
         self.declared: dict[str, BlockDecl] = {}
         #: shared processes by their ``process`` name (blocks/host.py); each stops once it hosts nothing

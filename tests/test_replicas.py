@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 
 from blockflow.client import BlockFlowError, Client
@@ -66,15 +67,34 @@ def test_replicas_share_the_load_and_change_alone(server_factory, identity_repo)
         assert torch.allclose(c.infer("t", x), want)
 
 
-def test_a_replica_name_cannot_be_declared_twice(server_factory, identity_repo):
+def test_a_replica_name_is_reserved_whatever_the_replica_count(server_factory, identity_repo):
+    """A block may not be named like a replica's process (``s.r1``), with one replica as with two:
+    accepted while ``s`` had one replica, it was refused only once ``s`` got two, and ``blockflow
+    kpi`` merged the two rows (issue 42 item 7). Refused at once, naming the field, saying why and
+    what to rename it to; nothing is started."""
     srv = server_factory(identity_repo)
-    body = update_body({"s": {"model": "toy/sleepy.pt", "replicas": 2}, "s.r1": "toy/identity.pt"},
-                       {"t": ["s"]})
-    err = rest_error(srv, "POST", "/system/update", body)
-    assert err.status == 400 and err.body["field"] == "blocks[1].name", err.body
-    assert "replica 1 of block 's'" in err.body["error"], err.body
+    for replicas in (1, 2):
+        body = update_body({"s": {"model": "toy/sleepy.pt", "replicas": replicas}, "s.r1": "toy/identity.pt"},
+                           {"t": ["s"]})
+        err = rest_error(srv, "POST", "/system/update", body)
+        assert err.status == 400 and err.body["field"] == "blocks[1].name", (replicas, err.body)
+        assert "replica 1 of block 's'" in err.body["error"] and "rename" in err.body["error"], err.body
+        assert "\n" not in err.body["error"], err.body
+    # reserved whether or not a block of that stem is declared
+    err = rest_error(srv, "POST", "/system/update", update_body({"x.r12": "toy/identity.pt"}, {"t": ["x.r12"]}))
+    assert err.status == 400 and err.body["field"] == "blocks[0].name", err.body
+    assert srv.call("GET", "/system")["blocks"] == []
     err = rest_error(srv, "POST", "/system/update", _body(0))
     assert err.status == 400 and err.body["field"] == "blocks[1].replicas", err.body
+
+
+def test_names_that_only_look_like_replicas_are_accepted():
+    from blockflow.schema import UpdateError, validate_update
+    for name in ("s.r", "s.rx", "s.r1a", "r1", "s-r1", "s.R1"):
+        assert name in validate_update({"blocks": [{"name": name, "model": "m.pt"}]}).blocks
+    with pytest.raises(UpdateError) as info:
+        validate_update({"blocks": [{"name": "s.r3", "model": "m.pt"}]})
+    assert info.value.field == "blocks[0].name" and "'s-r3'" in info.value.message, info.value
 
 
 def test_a_killed_replica_loses_nothing_and_the_others_serve(server_factory, identity_repo):
