@@ -62,6 +62,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, NoReturn
 
+import setproctitle
 import zmq
 
 from blockflow import settings
@@ -291,6 +292,27 @@ class ChildProcess:
     def cmd_ping(self, args: dict) -> dict:
         return {"pid": os.getpid()}
 
+    # -- how ps, top and py-spy name it ----------------------------------------------------------
+    def title(self) -> str:
+        """This process's command line as ``ps -f`` and ``py-spy`` show it (``set_title``)."""
+        return f"blockflow {self.label}"
+
+    def set_title(self, command_line: bool) -> None:
+        """Name this process after its role and name (issue 42 item 13), from its main thread:
+
+        - its short name (comm: ``ps -e``, ``top``; 15 bytes), always: ``bf:<name>``, which the
+          threads it starts afterwards inherit (``bf:b2``, ``bf:@dispatcher``, ``bf:@grp``);
+        - its command line (``ps -f``, ``top -c``, ``py-spy``) with ``command_line``: a child
+          forked from the forkserver shows the forkserver's (``python -c from multiprocessing.
+          forkserver import main ...``) otherwise. One started with a command line of its own
+          (``python -m blockflow.blocks.process``: by hand, the Ray launcher) keeps that one.
+
+        setproctitle writes the command line over the process's argv (and sets comm to its first
+        15 bytes, "blockflow block" for every block: hence the short name set after it)."""
+        if command_line:
+            setproctitle.setproctitle(self.title())
+        setproctitle.setthreadtitle(f"bf:{self.name}")
+
     def cmd_stop(self, args: dict) -> dict:
         self.request_stop()
         return {"stopping": True}
@@ -369,9 +391,11 @@ class ChildProcess:
         return ""
 
 
-def serve(cls: type[ChildProcess], spec) -> int:
-    """Steps 1 to 6 of a child's life (module docstring); returns its exit code."""
+def serve(cls: type[ChildProcess], spec, forked: bool = False) -> int:
+    """Steps 1 to 6 of a child's life (module docstring); returns its exit code. ``forked``: it
+    was forked from the forkserver, whose command line it shows until ``set_title`` replaces it."""
     child = cls(spec)
+    child.set_title(command_line=forked)
     logging.basicConfig(level=settings.LOG_LEVEL,
                         format=f"%(asctime)s %(levelname)s [{child.log_tag}] %(message)s")
     child.install_signal_handlers()

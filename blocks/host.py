@@ -28,6 +28,7 @@ import os
 import threading
 import time
 
+import setproctitle
 import torch
 import zmq
 
@@ -56,6 +57,7 @@ class _Member:
         """Block.run() on this thread, as serve() runs it in a process of its own."""
         from blockflow.childproc import BootError
         b = self.block
+        setproctitle.setthreadtitle(f"bf:{b.name}")  # top -H: its threads, started from here, inherit it
         try:
             b.init_process()
         except BootError as exc:
@@ -80,6 +82,17 @@ class BlockHost(ChildProcess):
         super().__init__(spec, spec.name, f"shared process {spec.name}", spec.name)
         self.members: dict[str, _Member] = {}
         self.register("host", self.cmd_host)
+        #: whether serve() replaced the command line (forked from the forkserver): then it follows the members
+        self.titled = False
+
+    def title(self) -> str:
+        """``blockflow group grp: b3, b4, h``: the group and the blocks it hosts now."""
+        members = ", ".join(sorted({m.block.name for m in self.members.values()}))
+        return f"blockflow group {self.name.removeprefix('@')}" + (f": {members}" if members else "")
+
+    def set_title(self, command_line: bool) -> None:
+        self.titled = command_line
+        super().set_title(command_line)
 
     def init_process(self) -> None:
         if self.spec.threads:
@@ -106,6 +119,7 @@ class BlockHost(ChildProcess):
             torch.set_num_threads(spec.threads)
         member = self.members[key] = _Member(Block(spec))
         member.thread.start()
+        self.set_title(self.titled)
         return {"hosting": key, "pid": os.getpid()}
 
     def last_heard(self) -> float:
@@ -134,6 +148,7 @@ class BlockHost(ChildProcess):
             log.info("%s: %s has stopped%s", self.label, key, " (crashed)" if m.crashed else "")
             if self.ctrl is not None:
                 self.ctrl.send(dumps({"t": "gone", "member": key, "crashed": m.crashed}))
+            self.set_title(self.titled)
 
     def answer_held(self) -> None:
         """Stop every member: each answers what it holds and closes its own sockets."""
@@ -155,8 +170,8 @@ class BlockHost(ChildProcess):
 
 
 def serve_host(spec: HostSpec) -> None:
-    """Entry point of a shared process spawned by the manager: ends it with its exit code."""
-    exit_with(serve(BlockHost, spec))
+    """Entry point of a shared process the manager forks from the forkserver: ends it with its exit code."""
+    exit_with(serve(BlockHost, spec, forked=True))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -810,8 +810,8 @@ def _return_address(raw) -> tuple[int, str] | None:
 
 
 def serve_block(spec: BlockSpec) -> None:
-    """Entry point of a block process spawned by the manager: ends it with its exit code."""
-    exit_with(serve(Block, spec))
+    """Entry point of a block process the manager forks from the forkserver: ends it with its exit code."""
+    exit_with(serve(Block, spec, forked=True))
 
 
 def main(argv: list[str] | None = None) -> int:

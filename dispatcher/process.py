@@ -523,8 +523,8 @@ class Dispatcher(ChildProcess):
 
 
 def serve_dispatcher(spec: DispatcherSpec) -> None:
-    """Entry point of the dispatcher process spawned by the manager: ends it with its exit code."""
-    exit_with(serve(Dispatcher, spec))
+    """Entry point of the dispatcher process the manager forks from the forkserver: ends it with its exit code."""
+    exit_with(serve(Dispatcher, spec, forked=True))
 
 
 def main(argv: list[str] | None = None) -> int:
