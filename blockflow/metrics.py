@@ -55,7 +55,8 @@ COMMAND_TIMEOUT = 1.0
 #: The labels of a per-process family: the declared block (``@dispatcher`` for the dispatcher) and
 #: the replica ("0" unless the block has several: blockflow/schema.py, ``replicas``).
 BLOCK_LABELS = ["block", "replica"]
-#: Seconds of records behind the "last minute" figures of ``GET /status`` (``blockflow status``).
+#: Seconds of records behind the "last minute" figures of ``GET /status`` (``blockflow status``); a
+#: process younger than that is measured over its own time (``_row``).
 RECENT_S = 60.0
 
 
@@ -124,19 +125,24 @@ class _Series:
             self.recent.append((float(ts), ms))
 
     def last_minute(self, now: float, since: float | None = None) -> dict:
-        """Requests per second, error count and p50/p99 (ms) of the records that arrived in
-        the last RECENT_S seconds; the rate counts over the part of the window the process
-        existed (``since``: its start, wall clock)."""
+        """Requests, requests per second, error count and p50/p99 (ms) of the records that arrived
+        in the last RECENT_S seconds and not before ``since``, and ``window_s``, the seconds they
+        cover. ``since``: the wall-clock instant the process a row names began to be sent
+        requests (``serving_since``), so that a respawned or replaced process counts only what
+        it served itself, over the time it could serve; None: the whole window."""
         while self.recent and self.recent[0][0] < now - RECENT_S:
             self.recent.popleft()
-        window = max(min(RECENT_S, now - since) if since else RECENT_S, 1.0)
-        ok = sorted(ms for _, ms in self.recent if ms is not None)
+        start = now - RECENT_S if since is None else min(max(now - RECENT_S, since), now)
+        mine = [ms for ts, ms in self.recent if ts >= start]
+        ok = sorted(ms for ms in mine if ms is not None)
 
         def pct(q: float) -> float | None:
             return round(ok[min(int(q * len(ok)), len(ok) - 1)], 3) if ok else None
 
-        return {"requests_per_s": round(len(self.recent) / window, 3), "errors": len(self.recent) - len(ok),
-                "p50_ms": pct(0.50), "p99_ms": pct(0.99), "window_s": round(window, 1)}
+        # a rate over less than a second says little: at most one request's worth per second
+        return {"requests": len(mine), "requests_per_s": round(len(mine) / max(now - start, 1.0), 3),
+                "errors": len(mine) - len(ok), "p50_ms": pct(0.50), "p99_ms": pct(0.99),
+                "window_s": round(now - start, 1)}
 
 
 class BlockFlowCollector:
@@ -244,14 +250,21 @@ class BlockFlowCollector:
 
     @staticmethod
     def _row(child: dict, name: str, ping: dict | None, now: float, series: _Series) -> dict:
+        """The row of one process. Its figures count the records of its own incarnation: those
+        that arrived since the manager began to route requests to it (``serving_since``); the
+        records of the process it replaced share its log and name and are left out, but for the
+        requests in flight when an update switched over (milliseconds). A process that was
+        never routed to (still starting) has none. In Ray mode a block's records carry its
+        node's clock and ``serving_since`` the manager's: the cut is as good as their agreement."""
         started = child.get("started") if child.get("status") == "ready" else None
+        since = child.get("serving_since")
         row = {"process": name, "block": child.get("block", name), "replica": child.get("replica"),
                "group": child.get("process"),
                "status": child.get("status"), "pid": child.get("pid"), "node": child.get("node"),
                "next_hops": child.get("next_hops") or {}, "waiting_for_node": child.get("waiting_for_node"),
                "device": child.get("device", "cpu" if name != DISPATCHER else "-"),
                "restarts": child.get("restarts", 0), "uptime_s": round(now - started, 1) if started else None,
-               "last_exit": child.get("last_exit"), **series.last_minute(now, started)}
+               "last_exit": child.get("last_exit"), **series.last_minute(now, now if since is None else since)}
         if isinstance(ping, dict):
             row["queue"] = ping.get("queue")
         return row

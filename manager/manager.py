@@ -143,6 +143,9 @@ class Child:
     started: float = field(default_factory=time.time)
     spawned_at: float = field(default_factory=time.monotonic)
     ready_at: float = 0.0            # monotonic; silence is counted from here
+    #: wall clock: since when requests are routed to this process (READY for a respawn, the switch
+    #: for a process an update started); GET /status counts its KPI records from here (metrics.py)
+    serving_since: float | None = None
     stop_asked: float | None = None  # monotonic, when stop_later() asked it to stop
     gone: bool = False               # exited and cleaned up after
     block: str = ""                  # the declared block this process is a replica of
@@ -162,7 +165,7 @@ class Child:
         d = {"name": self.name, "pid": self.process.pid, "node": self.process.node, "status": self.status,
              "endpoint": self.endpoint,
              "restarts": self.restarts, "incarnation": self.incarnation, "last_exit": self.last_exit,
-             "failure": self.failure, "started": self.started}
+             "failure": self.failure, "started": self.started, "serving_since": self.serving_since}
         if self.decl is not None:
             d.update(self.decl.as_dict())
             d["block"], d["replica"] = self.block, self.replica
@@ -469,6 +472,7 @@ class Manager:
 
     def mark_ready(self, c: Child, info: dict) -> None:
         c.status, c.endpoint, c.ready_info, c.ready_at = "ready", info["endpoint"], info, time.monotonic()
+        c.serving_since = time.time()  # publish() routes to it next; an update's switch() says so again
 
     def stop_later(self, children) -> None:
         """Ask each child to stop; reap_children() escalates to SIGTERM and SIGKILL."""
@@ -895,6 +899,9 @@ class Manager:
             self.update_body = {**self.update_body, "blocks": kept} if kept else None
         self.version += 1
         op.diff = {**op.plan.as_diff(), "tasks": diff_tasks(old_tasks, self.tasks).as_dict()}
+        now = time.time()
+        for c in op.new.values():  # ready for a while, sent requests from this publish on
+            c.serving_since = now
         op.acks = self.publish(draining=op.retired)
         op.switched = time.monotonic()
         op.phase = "draining"

@@ -169,3 +169,22 @@ def test_a_lost_or_doubled_stage_fails_the_check(server_factory, identity_repo, 
         collector._read_block(run_dir, "d")
         with pytest.raises(AssertionError, match="the stages sum to"):
             assert_stages_add_up(_block_samples(collector, "d"), "d")
+
+
+def test_status_figures_count_from_when_the_process_was_first_sent_requests():
+    """GET /status's per-process figures (issue 42 item 2): records before ``since`` (the process
+    this one replaced, same log) are left out, and the rate is over the seconds since then."""
+    from blockflow.metrics import _Series
+    s = _Series()
+    for ts in (100.0, 101.0, 102.0):
+        s.remember({"ts": ts}, 50.0)  # the old process's, slow
+    for ts in (110.0, 111.0):
+        s.remember({"ts": ts}, 2.0)
+    s.remember({"ts": 111.5}, None)  # an error
+    assert s.last_minute(112.0, since=109.0) == {"requests": 3, "requests_per_s": 1.0, "errors": 1,
+                                                 "p50_ms": 2.0, "p99_ms": 2.0, "window_s": 3.0}
+    assert s.last_minute(112.0, since=112.0) == {"requests": 0, "requests_per_s": 0.0, "errors": 0,
+                                                 "p50_ms": None, "p99_ms": None, "window_s": 0.0}
+    whole = s.last_minute(112.0)
+    assert (whole["requests"], whole["p99_ms"], whole["window_s"]) == (6, 50.0, 60.0), whole
+    assert s.last_minute(171.2, since=109.0)["requests"] == 1  # a minute later: the last minute only
