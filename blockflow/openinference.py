@@ -9,10 +9,13 @@
 
 A model is a task; its one version is "1". A task whose first block takes several tensors has
 inputs ``input_0``, ``input_1``, ... (its manifest's ``input_shapes``); one whose last block
-returns several has outputs ``output_0``, ... for a tuple, or the dict's keys (tensormq/bundle.py). Tensors travel as JSON (``data``: the flattened
-values) or with the binary-data extension (``Inference-Header-Content-Length``: the JSON header,
-then the raw little-endian row-major bytes of each input whose ``parameters.binary_data_size``
-says how many). The REST process forwards each request to the dispatcher with BlockFlow's own
+returns several has outputs ``output_0``, ... for a tuple, or the dict's keys (tensormq/bundle.py).
+A request names its inputs as the metadata lists them, each once, in any order; any other name is
+refused with 400 (a block no manifest describes takes ``input``, or ``input_0``, ... for several).
+Tensors travel as JSON (``data``: the values, flattened or in nested lists) or with the
+binary-data extension (``Inference-Header-Content-Length``: the JSON header, then the raw
+little-endian row-major bytes of each input whose ``parameters.binary_data_size`` says how
+many). The REST process forwards each request to the dispatcher with BlockFlow's own
 ``Client`` (one per process, thread-safe), so the tensor takes the same path as any client's.
 With a token configured, infer is a POST like the others: ``Authorization: Bearer <token>``.
 
@@ -46,6 +49,7 @@ TORCH_TO_DATATYPE = {v: k for k, v in DATATYPES.items()}
 MANIFEST_DTYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "float64": "FP64",
                    "uint8": "UINT8", "int64": "INT64", "int32": "INT32"}
 MAX_TENSOR_BYTES = settings.MAX_TENSOR_BYTES
+_NOT_SERVED = object()  # V2._declared_inputs: no such task now
 #: Largest request body: the largest tensor the data plane takes plus room for the JSON header.
 MAX_BODY = MAX_TENSOR_BYTES + (1 << 20)
 #: HTTP status for the error codes a BlockFlow client can get.
@@ -58,6 +62,62 @@ STATUS = {ErrorCode.BAD_REQUEST: 400, ErrorCode.BAD_INPUT: 400, ErrorCode.UNKNOW
 def fail(code: int, message: str):
     from blockflow.rest import fail as rest_fail
     rest_fail(code, message)
+
+
+def declared_tensors(entry: dict | None, what: str) -> list[tuple[str, list[int]]]:
+    """(name, shape) of each ``what`` ("input" or "output") a manifest entry declares, as
+    GET /v2/models/{task} lists them (-1: any size): ``input``/``output`` for one tensor,
+    ``input_0``, ... or the output dict's keys for several; one of any shape without an entry."""
+    def dims(d):
+        return [-1, *d[1:]] if isinstance(d, list) and d else [-1]
+
+    entry = entry or {}
+    shapes = entry.get(f"{what}_shapes")
+    if not shapes:
+        return [(what, dims(entry.get(f"{what}_shape")))]
+    names = entry.get("output_keys") if what == "output" else None
+    names = names or [f"{what}_{i}" for i in range(len(shapes))]
+    return [(n, dims(d)) for n, d in zip(names, shapes)]
+
+
+def _name_list(names: list) -> str:
+    """``input 'a'`` or ``inputs 'a', 'b'``, for an error message."""
+    shown = ", ".join(repr(n) if isinstance(n, str) and len(n) <= 40 else _show(n) for n in names[:8])
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    return f"input{'s' if len(names) != 1 else ''} {shown or 'none'}{more}"
+
+
+def _show(value) -> str:
+    """A JSON value of a request, short, for an error message."""
+    if isinstance(value, dict):
+        return "an object"
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def why_not_values(data: list, datatype: str) -> str:
+    """Why ``torch.tensor`` refused ``data``, in the protocol's words instead of torch's or
+    numpy's: the first entry that is not a number, nested lists that are not regular (an entry
+    unlike the first one at its depth), else a value out of the datatype's range."""
+    def kind(length):
+        return "a number" if length is None else f"a list of {length}"
+
+    first = {}  # depth -> (path, length of the first entry there, None for a number)
+    stack = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, list):
+            length = len(value)
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in reversed(list(enumerate(value))))
+        elif isinstance(value, (int, float)):  # true/false too: torch takes them as 1/0
+            length = None
+        else:
+            return f"data{path} is {_show(value)}; {datatype} data holds numbers only, flattened or in nested lists"
+        seen_path, seen = first.setdefault(depth, (path, length))
+        if seen != length:
+            return (f"data{path} is {kind(length)} but data{seen_path} is {kind(seen)}; send the values flattened, "
+                    "or in nested lists of equal lengths")
+    return f"a value is out of the range of {datatype}; send values that {datatype} holds"
 
 
 class _Infer:
@@ -84,15 +144,25 @@ class _Infer:
         return body, binary
 
     @staticmethod
-    def inputs(body: dict, binary: bytes):
-        """The request's value: one tensor for one input, else a tuple in input order (inputs
-        named ``input_0``, ``input_1``, ... as the metadata names them are put in that order);
-        binary inputs take their bytes from the binary section one after another."""
+    def input_specs(body: dict) -> list[dict]:
+        """The request's input tensor objects, 1 to MAX_MEMBERS of them."""
         from blockflow.tensormq.bundle import MAX_MEMBERS  # with torch: see the module's docstring
         inputs = body.get("inputs")
         if not isinstance(inputs, list) or not 1 <= len(inputs) <= MAX_MEMBERS or not all(
                 isinstance(i, dict) for i in inputs):
             fail(400, f"inputs: send 1 to {MAX_MEMBERS} input tensor objects in 'inputs'")
+        return inputs
+
+    @staticmethod
+    def inputs(inputs: list[dict], binary: bytes, task: str, expected: list[str] | None):
+        """The request's value: one tensor for one input, else a tuple in the order of
+        ``expected``, the input names the request must carry (each once, in any order; see
+        ``V2.input_names``); binary inputs take their bytes from the binary section one after
+        another. ``expected`` is None for a task not served now: the dispatcher answers that."""
+        names = [spec.get("name") for spec in inputs]
+        if expected is not None and sorted(map(str, names)) != sorted(expected):
+            fail(400, f"inputs: task {task} takes {_name_list(expected)}, got {_name_list(names)}; name the inputs "
+                      f"as GET /v2/models/{task} lists them")
         tensors, offset = [], 0
         for i, spec in enumerate(inputs):
             t, offset = _Infer.tensor(spec, binary, offset, f"inputs[{i}]")
@@ -101,10 +171,8 @@ class _Infer:
             fail(400, f"the binary section has {len(binary)} bytes but the inputs' binary_data_size add up to {offset}")
         if len(tensors) == 1:
             return tensors[0]
-        names = [spec.get("name") for spec in inputs]
-        positional = [f"input_{i}" for i in range(len(names))]
-        if sorted(map(str, names)) == positional:
-            tensors = [t for _, t in sorted(zip(names, tensors), key=lambda p: int(p[0].rsplit("_", 1)[1]))]
+        if expected is not None:
+            tensors = [tensors[names.index(n)] for n in expected]
         return tuple(tensors)
 
     @staticmethod
@@ -139,8 +207,8 @@ class _Infer:
             fail(400, f"{where}.data: missing; send the values (flattened or nested) or use the binary-data extension")
         try:
             t = torch.tensor(data, dtype=dtype)
-        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-            fail(400, f"{where}.data: not {datatype} values ({str(exc)[:200]})")
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            fail(400, f"{where}.{why_not_values(data, datatype)}")
         if t.numel() != count:
             fail(400, f"{where}.data: {t.numel()} values, but shape {shape} needs {count}")
         return t.reshape(shape), offset
@@ -200,6 +268,8 @@ class V2:
         self.manager = manager
         self._client = None
         self._client_lock = threading.Lock()
+        #: (update version, {task: input names its manifest declares, or None}): _declared_inputs
+        self._input_names: tuple[int, dict[str, list[str] | None]] = (-1, {})
         cherrypy.engine.subscribe("stop", self.close)
 
     # -- routing -----------------------------------------------------------------------------
@@ -254,34 +324,62 @@ class V2:
         return {"name": task, "ready": True}
 
     def _metadata(self, task: str, path: list[str], system: dict) -> dict:
-        blocks = {b["name"]: b for b in system["blocks"]}
-        first = self._manifest_entry(blocks.get(path[0], {}).get("model"))
-        last = self._manifest_entry(blocks.get(path[-1], {}).get("model"))
-
-        def dims(d):
-            return [-1, *d[1:]] if isinstance(d, list) and d else [-1]
-
-        def tensors(entry, what):
-            """(name, shape) of each input or output: several where the manifest lists them."""
-            entry = entry or {}
-            shapes = entry.get(f"{what}_shapes")
-            if not shapes:
-                return [(what, dims(entry.get(f"{what}_shape")))]
-            names = entry.get("output_keys") if what == "output" else None
-            names = names or [f"{what}_{i}" for i in range(len(shapes))]
-            return [(n, dims(d)) for n, d in zip(names, shapes)]
+        first, last = self._end_entries(path, system)
 
         def dtype(entry):
             return MANIFEST_DTYPES.get((entry or {}).get("dtype"), "FP32")
 
         return {"name": task, "versions": ["1"], "platform": "blockflow",
-                "inputs": [{"name": n, "datatype": dtype(first), "shape": d} for n, d in tensors(first, "input")],
-                "outputs": [{"name": n, "datatype": dtype(last), "shape": d} for n, d in tensors(last, "output")],
+                "inputs": [{"name": n, "datatype": dtype(first), "shape": d}
+                           for n, d in declared_tensors(first, "input")],
+                "outputs": [{"name": n, "datatype": dtype(last), "shape": d}
+                            for n, d in declared_tensors(last, "output")],
                 "parameters": {"path": list(path)}}
+
+    def _end_entries(self, path: list[str], system: dict) -> tuple[dict | None, dict | None]:
+        """The manifest entries of the file a task's path starts with and the one it ends with
+        (a fused block runs several files: its first takes the input, its last makes the output)."""
+        blocks = {b["name"]: b for b in system["blocks"]}
+
+        def files(block):
+            model = blocks.get(block, {}).get("model")
+            return model if isinstance(model, list) else [model]
+
+        return self._manifest_entry(files(path[0])[0]), self._manifest_entry(files(path[-1])[-1])
+
+    def input_names(self, task: str, count: int) -> list[str] | None:
+        """The names a request with ``count`` inputs to ``task`` must give them: those its first
+        block's manifest entry declares (GET /v2/models/{task} lists them); without an entry,
+        ``input`` for one and ``input_0``, ``input_1``, ... for several. None for a task not
+        served now (the dispatcher answers that request)."""
+        declared = self._declared_inputs(task)
+        if declared is _NOT_SERVED:
+            return None
+        if declared is not None:
+            return declared
+        return ["input"] if count == 1 else [f"input_{i}" for i in range(count)]
+
+    def _declared_inputs(self, task: str):
+        """The input names the manifest entry of ``task``'s first file declares, None without
+        an entry, _NOT_SERVED for a task not served. Read once per task and update version."""
+        version, known = self._input_names
+        if version == self.manager.version and task in known:
+            return known[task]
+        system = self.manager.snapshot()
+        path = next((t["path"] for t in system["tasks"] if t["id"] == task), None)
+        if path is None:
+            return _NOT_SERVED
+        entry = self._end_entries(path, system)[0]
+        names = [n for n, _ in declared_tensors(entry, "input")] if entry else None
+        if version != system["version"]:
+            known = {}
+            self._input_names = (system["version"], known)
+        known[task] = names
+        return names
 
     def _manifest_entry(self, model: str | None) -> dict | None:
         """The manifest entry of a block file, for shapes only (loading checks the sha256)."""
-        if not model:
+        if not isinstance(model, str) or not model:
             return None
         manifest = os.path.join(str(self.manager.repo), os.path.dirname(model), "manifest.json")
         try:
@@ -300,7 +398,8 @@ class V2:
         if len(raw) > MAX_BODY:
             fail(413, f"body is larger than {MAX_BODY} bytes")
         body, binary = _Infer.parse(raw, cherrypy.request.headers.get("Inference-Header-Content-Length"))
-        x = _Infer.inputs(body, binary)
+        specs = _Infer.input_specs(body)
+        x = _Infer.inputs(specs, binary, task, self.input_names(task, len(specs)))
         from blockflow.client import BlockFlowError
         try:
             y = self.client().infer(task, x)

@@ -88,9 +88,22 @@ def test_v2_rejects_malformed_requests_with_json_errors(server_factory, identity
         (json.dumps({"inputs": [dict(good["inputs"][0], datatype="BYTES")]}).encode(), {}, 400, "datatype"),
         (json.dumps({"inputs": [dict(good["inputs"][0], shape=[3])]}).encode(), {}, 400, "needs 3"),
         (json.dumps({"inputs": [dict(good["inputs"][0], shape=[-1])]}).encode(), {}, 400, "shape"),
-        (json.dumps({"inputs": [dict(good["inputs"][0], data=["x", "y"])]}).encode(), {}, 400, "not FP32"),
+        # in our words (what is wrong, what is expected), not numpy's ("too many dimensions 'str'")
+        (json.dumps({"inputs": [dict(good["inputs"][0], data=["x", "y"])]}).encode(), {}, 400,
+         'inputs[0].data[0] is "x"; FP32 data holds numbers only'),
+        (json.dumps({"inputs": [dict(good["inputs"][0], data=[[1.0], [2.0, 3.0]])]}).encode(), {}, 400,
+         "data[1] is a list of 2 but data[0] is a list of 1; send the values flattened"),
+        (json.dumps({"inputs": [dict(good["inputs"][0], datatype="UINT8", data=[1, 300])]}).encode(), {}, 400,
+         "out of the range of UINT8"),
+        # the task's input is 'input' (GET /v2/models/t): any other name, or a second one, is refused
+        (json.dumps({"inputs": [dict(good["inputs"][0], name="image")]}).encode(), {}, 400,
+         "task t takes input 'input', got input 'image'; name the inputs as GET /v2/models/t lists them"),
+        # (no manifest describes toy/identity.pt: several inputs are input_0, input_1, ...)
+        (json.dumps({"inputs": [good["inputs"][0], good["inputs"][0]]}).encode(), {}, 400,
+         "takes inputs 'input_0', 'input_1', got inputs 'input', 'input'"),
+        (json.dumps({"inputs": [dict(good["inputs"][0], name=None)]}).encode(), {}, 400, "got input null"),
         (json.dumps(good).encode(), {"Inference-Header-Content-Length": "9999"}, 400, "does not fit"),
-        (json.dumps({"inputs": [{"name": "i", "shape": [2], "datatype": "FP32",
+        (json.dumps({"inputs": [{"name": "input", "shape": [2], "datatype": "FP32",
                                  "parameters": {"binary_data_size": 8}}]}).encode() + b"\0" * 4,
          {"Inference-Header-Content-Length": None}, 400, "binary_data_size"),
     ]
@@ -101,6 +114,7 @@ def test_v2_rejects_malformed_requests_with_json_errors(server_factory, identity
         assert status == want, (body[:80], status, answer)
         assert hdrs["Content-Type"].startswith("application/json")
         assert words in json.loads(answer)["error"], answer
+        assert "dimensions" not in json.loads(answer)["error"], answer  # numpy's words
     status, _, answer = post(srv, "/v2/models/t/versions/7/infer", json.dumps(good).encode(), {})
     assert status == 404
     # the data plane still serves
