@@ -112,6 +112,18 @@ def check_token():
 cherrypy.tools.blockflow_auth = cherrypy.Tool("before_handler", check_token, priority=20)
 
 
+def no_length_means_empty():
+    """A request with neither Content-Length nor Transfer-Encoding has an empty body (RFC 9112,
+    section 6.3), as ``curl -X POST URL`` sends it; CherryPy would answer 411 Length Required."""
+    req = cherrypy.request
+    if "Content-Length" not in req.headers and "Transfer-Encoding" not in req.headers:
+        req.headers["Content-Length"] = "0"
+        req.body.length = 0
+
+
+cherrypy.tools.blockflow_empty_body = cherrypy.Tool("on_start_resource", no_length_means_empty)
+
+
 @cherrypy.expose
 class SystemUpdate:
     def __init__(self, manager: Manager):
@@ -348,6 +360,7 @@ def app_config(token: str | None) -> dict:
             "request.dispatch": cherrypy.dispatch.MethodDispatcher(),
             "error_page.default": json_error_page,
             "tools.blockflow_auth.on": True,
+            "tools.blockflow_empty_body.on": True,
             "tools.encode.on": True,
             "request.show_tracebacks": False,
             # bodies are JSON, read by read_json(); never let CherryPy parse a form body into

@@ -7,6 +7,7 @@ deletion rules, the per-block endpoints, health, the token, and the ResNet50 sha
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import signal
 import tempfile
 import threading
 import time
+import urllib.parse
 
 import psutil
 import pytest
@@ -48,6 +50,20 @@ def rest_error(server, method, path, body=None, **kw) -> RestError:
     return err
 
 
+
+
+def post_without_length(server, path: str) -> tuple[int, dict | None]:
+    """POST as ``curl -X POST URL`` sends it: no body, and no Content-Length header either."""
+    u = urllib.parse.urlsplit(server.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        conn.putrequest("POST", path)
+        conn.endheaders()  # a plain request sends no Content-Length (conn.request would add one)
+        resp = conn.getresponse()
+        raw = resp.read()
+        return resp.status, json.loads(raw) if raw.startswith(b"{") else {"not_json": raw[:200]}
+    finally:
+        conn.close()
 
 
 def block_of(system: dict, name: str) -> dict | None:
@@ -504,6 +520,11 @@ def test_block_endpoints_health_and_json_errors(server_factory, identity_repo):
     assert rest_error(srv, "GET", "/blocks/d/kpi").status == 405  # it writes logs out: a POST
     kpi = srv.call("POST", "/blocks/d/kpi")
     assert kpi["name"] == "d" and kpi["count"] >= n
+    # as the 405 says and curl sends it: no body, no Content-Length (was 411 Length Required)
+    status, kpi = post_without_length(srv, "/blocks/d/kpi")
+    assert status == 200 and kpi["name"] == "d" and kpi["count"] >= n, (status, kpi)
+    status, err = post_without_length(srv, "/system/update")  # a JSON refusal that says what to send
+    assert status == 415 and "application/json" in err["error"], (status, err)
     assert kpi["latency_ms"]["inf"]["mean"] > 0 and kpi["latency_ms"]["total"]["mean"] >= kpi["latency_ms"]["inf"]["mean"]
 
     assert srv.call("POST", "/blocks/d/monitor", {"enabled": False}) == {"enabled": False}
