@@ -57,17 +57,17 @@ from blockflow.tensormq import bundle
 
 # checking a file against its manifest needs no torch (the manager does it for every update):
 # it lives in verify.py, and these names stay importable from here
-from blockflow.blocks.verify import (MANIFEST, BlockFileError, check_digest, file_signature, read_manifest,  # noqa: F401
-                                    resolve, sha256_file, verify_block)
+from blockflow.blocks.verify import (MANIFEST, RESNET_SPLITS, RESNETS, SUFFIX, BlockFileError,  # noqa: F401
+                                    check_digest, file_signature, read_manifest, remake_hint, resolve,
+                                    sha256_file, verify_block)
 
 log = logging.getLogger("blockflow.blocks.repository")
 
-MODELS = ("resnet18", "resnet50", "resnet152")
+MODELS = RESNETS
 METHODS = ("script", "trace")
 #: File formats: TorchScript archives (``.pt``) or torch.export programs (``.pt2``).
 FORMATS = ("torchscript", "export")
-SUFFIX = {"torchscript": ".pt", "export": ".pt2"}
-SPLITS = (1, 2, 4)
+SPLITS = RESNET_SPLITS
 FULL = "full"
 INPUT_SHAPE = (3, 224, 224)
 
@@ -571,7 +571,8 @@ def load_block(repo: str | os.PathLike, relpath: str,
     return open_block(repo, relpath, device)[0]
 
 
-def _load_program(path: Path, dev: torch.device, entry: dict | None, data: bytes | None = None) -> nn.Module:
+def _load_program(path: Path, dev: torch.device, entry: dict | None, data: bytes | None = None,
+                  repo: str | os.PathLike | None = None) -> nn.Module:
     """A ``.pt2`` file (or the bytes read from it) as a callable module on ``dev`` (no torch.jit involved)."""
     try:
         program = torch.export.load(io.BytesIO(data) if data is not None else str(path))
@@ -579,7 +580,7 @@ def _load_program(path: Path, dev: torch.device, entry: dict | None, data: bytes
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise BlockFileError(
             f"block file {path} is not a loadable torch.export program ({reason}); "
-            f"re-export it with `blockflow export --format export --model {path.parent.name}`", path) from exc
+            f"{remake_hint(path, repo)}", path) from exc
     mod = program.module()
     if dev.type != "cpu":
         mod = mod.to(dev)
@@ -633,23 +634,24 @@ def _open_one(repo, relpath: str, device: str, verified: dict | None):
     if entry is not None:
         expected = str(entry.get("sha256", ""))
         if not (verified and verified.get("signature") == signature and verified.get("sha256") == expected):
-            check_digest(path, hashlib.sha256(data).hexdigest(), expected)
-    return load_bytes(path, data, dev, entry), entry
+            check_digest(path, hashlib.sha256(data).hexdigest(), expected, repo)
+    return load_bytes(path, data, dev, entry, repo), entry
 
 
-def load_bytes(path: Path, data: bytes, dev: torch.device, entry: dict | None = None) -> nn.Module:
+def load_bytes(path: Path, data: bytes, dev: torch.device, entry: dict | None = None,
+               repo: str | os.PathLike | None = None) -> nn.Module:
     """The module in ``data``, the bytes of block file ``path``: a ``.pt2`` program's module or
-    an eval-mode TorchScript module, on ``dev``; a :class:`BlockFileError` when it is neither."""
+    an eval-mode TorchScript module, on ``dev``; a :class:`BlockFileError` when it is neither
+    (saying how to make it again; ``repo``, the repository as the user named it, for its paths)."""
     if path.suffix == SUFFIX["export"]:
-        return _load_program(path, dev, entry, data)
+        return _load_program(path, dev, entry, data, repo)
     try:
         mod = torch.jit.load(io.BytesIO(data), map_location=dev)
     except Exception as exc:  # the loader raises RuntimeError/ValueError/...
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise BlockFileError(
             f"block file {path} is not a loadable TorchScript file ({reason}); "
-            f"replace it with a torch.jit.save'd module or re-export it with "
-            f"`blockflow export --model {path.parent.name}`", path) from exc
+            f"{remake_hint(path, repo)}", path) from exc
     return mod.eval()
 
 
