@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+from typing import NoReturn
 
 import cherrypy
 from cherrypy.process import plugins
@@ -20,11 +22,36 @@ from cherrypy.process import plugins
 from blockflow import settings
 from blockflow.manager.manager import Manager, UpdateFailed
 from blockflow.schema import UpdateError
-from blockflow.manager.state import StateDir
+from blockflow.manager.state import StateDir, StateDirInUse, UnsafePath
 
 from .rest import Root, app_config
 
 log = logging.getLogger("blockflow.server")
+
+
+class _NoCherryPyTime(logging.Filter):
+    """CherryPy starts each error-log line with its own time (``[27/Nov/2026:17:31:55] ENGINE
+    ...``); the log format already has one."""
+
+    TIME = re.compile(r"\[\d+/\w+/\d+:\d\d:\d\d:\d\d\] ")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = self.TIME.sub("", record.msg, count=1)
+        return True
+
+
+def _route_cherrypy_logs(loggers, quiet: bool) -> None:
+    """CherryPy's loggers go through Python logging only, once per line: its own screen log
+    (``log.screen``) is off, since it printed every line a second time beside the root handler.
+    They carry their own INFO level: hold them to the level the user chose (BLOCKFLOW_LOG), the
+    access log to WARNING when quiet."""
+    root_level = logging.getLogger().getEffectiveLevel()
+    for logs in loggers:
+        logs.error_log.setLevel(root_level)
+        logs.access_log.setLevel(max(root_level, logging.WARNING) if quiet else root_level)
+        if not any(isinstance(f, _NoCherryPyTime) for f in logs.error_log.filters):
+            logs.error_log.addFilter(_NoCherryPyTime())
 
 
 class ManagerPlugin(plugins.SimplePlugin):
@@ -66,11 +93,26 @@ class ManagerPlugin(plugins.SimplePlugin):
                 pass
 
 
+def refuse(exc: Exception) -> NoReturn:
+    """End ``blockflow serve`` with one line on stderr and exit code 1 (cli.Exit.FAILED), before
+    the engine starts (once it has, a start listener's failure is a traceback and exit 70).
+
+    A SystemExit, not cli.UserError: under ``python -m blockflow.cli`` the CLI catches
+    ``__main__.UserError``, a class other than the ``blockflow.cli.UserError`` this module would
+    import, so that one would end as an "unexpected" error with code 70."""
+    raise SystemExit(f"blockflow serve: {exc}") from None
+
+
 def serve(host: str = "127.0.0.1", port: int = 8080, dispatcher_host: str = "127.0.0.1",
           dispatcher_port: int = 5580, repo: str = "model_repo", state_dir: str | None = None,
           token: str | None = None, ready_file: str | None = None, window: int | None = None,
           quiet: bool = False, restore: bool = True, ray_address: str | None = None) -> None:
     state = StateDir(state_dir)
+    try:
+        # before the engine: a start listener that fails makes CherryPy print a traceback and exit 70
+        state.claim()
+    except (StateDirInUse, UnsafePath) as exc:
+        refuse(exc)
     manager = Manager(repo, state, f"tcp://{dispatcher_host}:{dispatcher_port}", token=token,
                       window=window or settings.WINDOW, ray_address=ray_address)
     cherrypy.config.update({
@@ -81,7 +123,7 @@ def serve(host: str = "127.0.0.1", port: int = 8080, dispatcher_host: str = "127
         # reads at most MAX_BODY + 1 bytes and answers a larger body with a JSON 413
         "server.max_request_body_size": 0,
         "engine.autoreload.on": False,
-        "log.screen": not quiet,
+        "log.screen": False,  # through Python logging only (_route_cherrypy_logs)
         "checker.on": False,
         "environment": "production",
     })
@@ -90,13 +132,8 @@ def serve(host: str = "127.0.0.1", port: int = 8080, dispatcher_host: str = "127
     httpserver, bind_addr = cherrypy.server.httpserver_from_self()
     httpserver.expiration_interval = 0.05
     cherrypy.server.httpserver, cherrypy.server.bind_addr = httpserver, bind_addr
-    # CherryPy's loggers carry their own INFO level and propagate to the root handler:
-    # hold them to the level the user chose (BLOCKFLOW_LOG), the access log to WARNING when quiet
     app = cherrypy.tree.mount(Root(manager), "/", app_config(token))
-    root_level = logging.getLogger().getEffectiveLevel()
-    for logs in (cherrypy.log, app.log):
-        logs.error_log.setLevel(root_level)
-        logs.access_log.setLevel(max(root_level, logging.WARNING) if quiet else root_level)
+    _route_cherrypy_logs((cherrypy.log, app.log), quiet)
     plugin = ManagerPlugin(cherrypy.engine, manager, ready_file, "", restore=restore)
     plugin.subscribe()
     if hasattr(cherrypy.engine, "signal_handler"):
@@ -118,3 +155,4 @@ def serve(host: str = "127.0.0.1", port: int = 8080, dispatcher_host: str = "127
             json.dump(info, f)
         os.replace(tmp, ready_file)
     cherrypy.engine.block()
+    state.release()

@@ -290,6 +290,7 @@ class Manager:
         self.state.prepare()
         self.state.clean_leftovers()
         self.state.sweep_orphans()
+        self.version = self.state.recorded_version()  # versions only grow across restarts, --fresh too
         if self.ray_address:
             from .ray_launcher import RayLauncher
             self.launcher = RayLauncher(self.ray_address)

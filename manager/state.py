@@ -3,6 +3,7 @@
 Layout (every directory 0700)::
 
     <state-dir>/state.json     what runs now (the thesis's active_blocks_info file)
+    <state-dir>/server.lock    held (flock) by the server using the directory; its pid inside
     <state-dir>/sock/          ipc socket files of blocks, dispatcher and controller
     <state-dir>/runs/<stamp>/  KPI logs of one server run
     /dev/shm/blockflow-<uid>-<12 random hex>/       TensorMQ slots (tensormq/shm.py)
@@ -28,6 +29,7 @@ directories of this user whose server is gone and whose slot files all name dead
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -47,6 +49,8 @@ log = logging.getLogger("blockflow.state")
 
 #: Beside a slot directory: which state directory and server process it belongs to.
 OWNER_SUFFIX = ".owner"
+#: In the state directory: the lock its server holds (StateDir.claim).
+LOCK_FILE = "server.lock"
 #: A slot directory without an owner record (made by older BlockFlow) is swept only this old.
 UNOWNED_GRACE_S = 600.0
 _SERVER_SHM = re.compile(r"blockflow-(\d+)-[0-9a-f]{12}")
@@ -63,6 +67,11 @@ def default_state_dir() -> str:
 
 class UnsafePath(PermissionError):
     """Something that is not ours sits where BlockFlow would create or use a directory."""
+
+
+class StateDirInUse(RuntimeError):
+    """Another live BlockFlow server uses the state directory: it holds its lock, or (a server
+    that takes no lock) state.json records it."""
 
 
 _DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
@@ -148,6 +157,7 @@ class StateDir:
         self._shm: str | None = None       # made by prepare(); see Note [Nothing planted ...]
         self._previous_shm: str | None = None
         self.run_dir: str | None = None
+        self._lock_fd: int | None = None   # LOCK_FILE, held from claim() to release() or exit
 
     @property
     def shm(self) -> str | None:
@@ -209,18 +219,71 @@ class StateDir:
         except (FileNotFoundError, json.JSONDecodeError):
             return {}
 
+    def recorded_version(self) -> int:
+        """The update version state.json records (0 without one). A server continues from it,
+        with ``--fresh`` too, so that the versions an optimiser reads only grow."""
+        version = self.load().get("version")
+        return version if isinstance(version, int) and not isinstance(version, bool) and version > 0 else 0
+
+    def claim(self) -> None:
+        """Make the state directory and hold its lock (LOCK_FILE) while this process lives, or
+        raise StateDirInUse naming the server that holds it (UnsafePath: a directory not ours).
+
+        ``blockflow serve`` claims before anything starts, so a refusal is one line. The kernel
+        drops a flock when its holder dies, kill -9 included, so a dead server never keeps its
+        successor out; and two servers started at the same moment cannot both pass, as they
+        could when state.json, written once the dispatcher is up, was the only record."""
+        if self._lock_fd is not None:
+            return
+        _private_dir(self.root)
+        dir_fd = _open_own_dir(self.root)
+        try:
+            fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 20).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StateDirInUse(self._in_use(holder)) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+        try:
+            self.check_unused()  # a server that holds no lock (an older BlockFlow's)
+        except StateDirInUse:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Let go of the lock claim() holds (a process that exits lets go of it anyway)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def check_unused(self) -> None:
+        """Raise StateDirInUse while another live server records itself in state.json."""
+        server = self.load().get("server")
+        if isinstance(server, dict) and server.get("pid") != os.getpid() and _same_process(server):
+            raise StateDirInUse(self._in_use(server["pid"]))
+
+    def _in_use(self, pid) -> str:
+        return (f"another BlockFlow server (pid {pid}) is using the state directory {self.root}; stop it, "
+                "or choose another --state-dir")
+
     def clean_leftovers(self) -> dict:
         """Kill processes a dead predecessor left, remove its sockets and slots."""
+        try:
+            self.check_unused()
+        except StateDirInUse:
+            self.remove_runtime(sockets=False)  # our fresh slot directory; the other server's stays
+            raise
         old = self.load()
         killed = []
         procs = list((old.get("blocks") or {}).values())
         if old.get("dispatcher"):
             procs.append(old["dispatcher"])
-        server = old.get("server")
-        if server and server.get("pid") != os.getpid() and _same_process(server):
-            self.remove_runtime(sockets=False)  # our fresh slot directory; the other server's stays
-            raise RuntimeError(f"another BlockFlow server (pid {server['pid']}) is using {self.root}; "
-                               "stop it or choose another --state-dir")
         for rec in procs:
             if rec.get("pid") and _same_process(rec):
                 try:
