@@ -263,7 +263,8 @@ def outermost(cuts: dict[str, int]) -> list[str]:
 
 
 def resolve_cuts(gm: fx.GraphModule, cuts: list[str], model: str) -> list[int]:
-    """Positions of ``cuts`` in program order; :class:`CutError` names the first bad one."""
+    """Positions of ``cuts``, which must be given in program order (block1 ends at the first);
+    :class:`CutError` names the first bad one, or the order to give them in."""
     positions = cut_positions(gm)
     valid = valid_cuts(gm)
     shaped = _shaped(gm)
@@ -282,6 +283,12 @@ def resolve_cuts(gm: fx.GraphModule, cuts: list[str], model: str) -> list[int]:
         if pos in seen:
             raise CutError(f"cut {cut!r} is the same place as cut {seen[pos]!r}; give each place once")
         seen[pos] = cut
+    if list(seen) != sorted(seen):
+        # refused, not reordered: block1 ends at the first cut, so a silent reordering would
+        # number the files otherwise than the user wrote them
+        order = [seen[p] for p in sorted(seen)]
+        raise CutError(f"cuts {', '.join(cuts)} are out of order: {model} runs {' before '.join(order)}; "
+                       f"give them in that order: {' '.join('--cut ' + c for c in order)}")
     return sorted(seen)
 
 
@@ -534,8 +541,7 @@ def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None
     if not cuts:
         cuts = balance(gm, blocks, example)
         log.info("balanced cuts for %d blocks of %s: %s", blocks, name, " ".join(cuts) or "(none)")
-    positions = resolve_cuts(gm, cuts, model)
-    ordered = [next(c for c in cuts if cut_positions(gm)[c] == p) for p in positions]
+    positions = resolve_cuts(gm, cuts, model)  # in program order, as given (or refused)
     parts = split(gm, positions)
     outs = chain(parts, example)
     with torch.no_grad():
@@ -550,13 +556,13 @@ def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None
     inputs = [example, *outs[:-1]]
     jobs = [(repo.FULL, gm, example, want, None)]
     jobs += [(f"block{i}", mod, x, y, cut) for i, (mod, x, y, cut)
-             in enumerate(zip(parts, inputs, outs, [*ordered, None]), 1)]
+             in enumerate(zip(parts, inputs, outs, [*cuts, None]), 1)]
     entries = {}
     for bname, mod, x, y, cut in jobs:
         fname, entry = _write_block(model_dir, bname, mod, x, y, fmt, method, seed)
         entries[fname] = dict(entry, cut=cut)
-    manifest_path = _merge_manifest(model_dir, name, seed, model, ordered, entries)
-    return {"manifest": str(manifest_path), "name": name, "cuts": ordered}
+    manifest_path = _merge_manifest(model_dir, name, seed, model, cuts, entries)
+    return {"manifest": str(manifest_path), "name": name, "cuts": cuts}
 
 
 def _write_block(model_dir: Path, bname: str, mod: nn.Module, x, y, fmt: str, method: str,
