@@ -81,17 +81,30 @@ BLOCK_NAMES: dict[int, tuple[str, ...]] = {
 
 _VARIANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_]*$")
 
-# BlockFlow is built on TorchScript on purpose (one self-contained file per
-# block, loadable from C++/any process without the Python source).  Torch >=
-# 2.12 warns on every jit call; silence exactly those messages so real warnings
-# stay visible.  A module-level filter (not catch_warnings) because block
-# servers load files from several threads and catch_warnings is not
-# thread-safe.
-warnings.filterwarnings(
-    "ignore",
-    message=r"`torch\.jit\.(script|trace|save|load)` is deprecated",
-    category=FutureWarning,
-)
+#: What torch (2.12+) says on every TorchScript call BlockFlow makes (``torch.jit.trace`` of a
+#: module also says it for ``trace_method``).  TorchScript is deprecated upstream but still one of
+#: the two block formats written and served (README, "Block formats", says which is the default
+#: and why), so BlockFlow's own calls keep exactly this message quiet; any other warning shows.
+JIT_DEPRECATION = r"`torch\.jit\.(script|trace|trace_method|save|load)` is deprecated"
+
+
+def _quiet_jit_deprecation() -> None:
+    """Make sure the filter ignoring :data:`JIT_DEPRECATION` is in the filter list in force now;
+    called right before each of BlockFlow's torch.jit calls.
+
+    Not only at import: a host that imports this module inside ``warnings.catch_warnings()``
+    (pytest's collection does) loses an import-time filter when that block ends, and every later
+    call printed the deprecation again (53 times in ``make test``).  Not ``catch_warnings()`` around
+    the call either: block servers load files from several threads and catch_warnings swaps the
+    process-wide filter list, which is not thread-safe.  The filter is added once per filter list
+    (it is looked for first), so steady state changes nothing."""
+    for action, message, category, _module, _lineno in warnings.filters:
+        if action == "ignore" and category is FutureWarning and getattr(message, "pattern", None) == JIT_DEPRECATION:
+            return
+    warnings.filterwarnings("ignore", message=JIT_DEPRECATION, category=FutureWarning)
+
+
+_quiet_jit_deprecation()  # for callers of torch.jit after importing this module (tools, experiments)
 
 
 # --------------------------------------------------------------------------
@@ -494,6 +507,7 @@ def compile_to_bytes(mod: nn.Module, method: str, example: torch.Tensor | tuple[
     the positional inputs of a block that takes several tensors; ``strict=False``
     lets ``trace`` record a module that returns a dict or a list."""
     mod.eval()
+    _quiet_jit_deprecation()  # TorchScript is deprecated upstream, still a format BlockFlow writes
     if method == "script":
         compiled = torch.jit.script(mod)
     else:
@@ -645,6 +659,7 @@ def load_bytes(path: Path, data: bytes, dev: torch.device, entry: dict | None = 
     (saying how to make it again; ``repo``, the repository as the user named it, for its paths)."""
     if path.suffix == SUFFIX["export"]:
         return _load_program(path, dev, entry, data, repo)
+    _quiet_jit_deprecation()  # TorchScript is deprecated upstream, still a format BlockFlow serves
     try:
         mod = torch.jit.load(io.BytesIO(data), map_location=dev)
     except Exception as exc:  # the loader raises RuntimeError/ValueError/...
