@@ -16,7 +16,15 @@ as Table 4.2; torch.export programs (seconds to load each) with --export, and in
 imported, as the served blocks are, instead of starting a fresh interpreter (2-3 s of torch import
 each): every block is still loaded alone in a process that has loaded no other model.
 
-    python -m experiments.offline_blocks [--quick] [--n N] [--threads T] [--device cpu|cuda]
+Where torch.export programs are measured (--export, --quick) the two formats that
+``blockflow export --format torchscript|export`` writes are also timed being written: the whole
+ResNet50 split into 4 blocks plus full (``export_model``, whose work runs in a fresh interpreter,
+as ``blockflow export``'s does), --export-rounds rounds (default 3), the two formats interleaved and
+their order alternating, the median per format and the ratio reported. --quick times one round of
+ResNet18's full model alone (the path, not a figure). README's "Block formats" chooses the default
+format from these figures (load time, first inference, latency, export time).
+
+    python -m experiments.offline_blocks [--quick] [--n N] [--threads T] [--device cpu|cuda] [--export]
 """
 from __future__ import annotations
 
@@ -24,8 +32,11 @@ import contextlib
 import json
 import logging
 import os
+import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from experiments import common
@@ -40,6 +51,12 @@ METHODS = ("script", "trace", "export")
 DEFAULT_METHODS = ("script", "trace")
 SUFFIX = {"script": ".pt", "trace": ".pt", "export": ".pt2"}
 QUICK_EXPORT = ("block1", "full")
+#: The formats ``blockflow export --format`` writes, timed writing the whole model (the labels of
+#: blocks/repository.py's FORMATS; torchscript with --method script, the CLI's default).
+FORMATS = ("torchscript", "export")
+#: What is exported when the export time is measured: (model, blocks); --quick: the path only.
+EXPORT_TIMED = ("resnet50", 4)
+QUICK_EXPORT_TIMED = ("resnet18", 1)
 
 
 def worker(args: dict) -> dict:
@@ -71,7 +88,11 @@ def worker(args: dict) -> dict:
             torch.cuda.synchronize(dev)
 
     with torch.inference_mode():
-        for _ in range(args["warmup"]):
+        t = time.perf_counter()
+        model(x)  # the first inference after loading: what a respawned block's first request waits for
+        sync()
+        first_ms = (time.perf_counter() - t) * 1e3
+        for _ in range(args["warmup"] - 1):
             model(x)
         sync()
         for _ in range(args["n"]):
@@ -84,7 +105,8 @@ def worker(args: dict) -> dict:
                 reserved.append(torch.cuda.memory_reserved(dev) / 2**20)
     mem = proc.memory_full_info()
     out = {"block": args["block"], "method": args["method"], "device": args["device"], "threads": args["threads"],
-           "n": args["n"], "warmup": args["warmup"], "load_s": load_s, "latency_ms": common.describe(times),
+           "n": args["n"], "warmup": args["warmup"], "load_s": load_s, "first_call_ms": first_ms,
+           "latency_ms": common.describe(times),
            "rss_before_load_mb": rss0 / 2**20, "rss_after_load_mb": rss_loaded / 2**20,
            "rss_after_inference_mb": mem.rss / 2**20, "uss_after_inference_mb": mem.uss / 2**20,
            "rss_load_delta_mb": (rss_loaded - rss0) / 2**20, "rss_total_delta_mb": (mem.rss - rss0) / 2**20,
@@ -137,6 +159,39 @@ class ForkedWorkers:
         stop_forkserver()  # and its resource tracker: nothing this run started outlives it
 
 
+def time_exports(model: str, blocks: int, rounds: int) -> dict:
+    """Seconds to write ``model`` split into ``blocks`` blocks plus full, in each format, as
+    ``blockflow export`` does (``export_model``: its work runs in a fresh interpreter, torch's
+    import included), into an empty directory each time. The formats alternate within a round and
+    their order alternates between rounds, so a machine shared with other work slows both alike."""
+    from blockflow.blocks.repository import export_model
+    samples: dict[str, list[float]] = {f: [] for f in FORMATS}
+    files: dict[str, dict[str, int]] = {}
+    order = []
+    with common.Progress(rounds * len(FORMATS), f"export {model} ({' and '.join(FORMATS)})") as bar:
+        for i in range(rounds):
+            this = list(FORMATS) if i % 2 == 0 else list(reversed(FORMATS))
+            order.append(this)
+            for fmt in this:
+                out = tempfile.mkdtemp(prefix=f"offline-blocks-export-{fmt}-")
+                try:
+                    t = time.perf_counter()
+                    export_model(model, out, blocks=blocks, fmt=fmt)
+                    samples[fmt].append(time.perf_counter() - t)
+                    d = os.path.join(out, model)
+                    files[fmt] = {f: os.path.getsize(os.path.join(d, f)) for f in sorted(os.listdir(d))
+                                  if f != "manifest.json"}
+                finally:
+                    shutil.rmtree(out, ignore_errors=True)
+                bar.update()
+    median = {f: statistics.median(v) for f, v in samples.items()}
+    return {"model": model, "blocks": blocks, "rounds": rounds, "order": order, "samples_s": samples,
+            "median_s": median, "files": files, "bytes": {f: sum(v.values()) for f, v in files.items()},
+            "export_over_torchscript": median["export"] / median["torchscript"],
+            "how": "export_model (blockflow export's work: a fresh interpreter, build, split, compile, write, "
+                   "sha256, manifest) into an empty directory; formats interleaved, order alternating per round"}
+
+
 def plot(rows: list[dict], out: str) -> None:
     plt = common.pyplot()
     scripted = [r for r in rows if r["method"] == "script" and r["block"] != "full"]
@@ -171,7 +226,10 @@ def main(argv=None) -> int:
     ap = common.parser(NAME, __doc__)
     common.add_pipeline_args(ap, "torch threads (default 1, as the served blocks)", transports=False)
     ap.add_argument("--worker", help=argparse_hidden())
-    ap.add_argument("--export", action="store_true", help="also torch.export programs (.pt2; on with --quick)")
+    ap.add_argument("--export", action="store_true", help="also torch.export programs (.pt2; on with --quick), "
+                                                          "and the time to export the whole model in each format")
+    ap.add_argument("--export-rounds", type=int, default=None,
+                    help="rounds of the export-time measurement, both formats each (default 3; --quick 1; 0: none)")
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -185,9 +243,14 @@ def main(argv=None) -> int:
     repos = {"script": common.ensure_repo(args.repo), "trace": common.traced_repo(args.repo)}
     if "export" in methods_run:
         repos["export"] = common.exported_repo(args.repo)
+    export_rounds = 0 if "export" not in methods_run else (
+        args.export_rounds if args.export_rounds is not None else (1 if args.quick else 3))
+    timed_model, timed_blocks = QUICK_EXPORT_TIMED if args.quick else EXPORT_TIMED
     settings = {"n": n, "warmup_runs_untimed": warmup, "threads": args.threads, "device": device,
                 "blocks": list(BLOCKS), "methods": list(methods_run), "quick": args.quick,
-                "isolation": "one fresh interpreter per (method, block)"}
+                "isolation": "one fresh interpreter per (method, block)", "export_rounds": export_rounds}
+    if export_rounds:
+        settings["export_timed"] = f"{timed_model}, blocks={timed_blocks}"
     env = common.env_info(settings)
     # --quick (a smoke run) loads only block1 and full as .pt2: each .pt2 load costs seconds of
     # torch.export machinery, and two of them exercise the path
@@ -201,6 +264,7 @@ def main(argv=None) -> int:
             rows.append((forked.run if forked else run_worker)(repos[method], block, method, n, warmup,
                                                                 args.threads, device))
             bar.update()
+    export_time = time_exports(timed_model, timed_blocks, export_rounds) if export_rounds else None
     times = {f"{r['method']}/{r['block']}": r.pop("times_ms") for r in rows}
     offline_sum = {}
     for m in methods_run:  # the sum of the blocks' means, when every block of the method was measured
@@ -209,7 +273,8 @@ def main(argv=None) -> int:
     full_mean = {m: next(r["latency_ms"]["mean"] for r in rows if r["method"] == m and r["block"] == "full")
                  for m in methods_run}
     common.write_json(args.out, NAME, {"env": env, "settings": settings, "rows": rows,
-                                       "offline_sum_ms": offline_sum, "full_model_ms": full_mean})
+                                       "offline_sum_ms": offline_sum, "full_model_ms": full_mean,
+                                       **({"export_time": export_time} if export_time else {})})
     common.write_csv(args.out, f"{NAME}_times.csv", ["method", "block", "i", "ms"],
                      ([k.split("/")[0], k.split("/")[1], i, v] for k, vs in times.items() for i, v in enumerate(vs)))
     plot(rows, args.out)
@@ -229,6 +294,11 @@ def main(argv=None) -> int:
     print("load time, s (" + ", ".join(BLOCKS) + "):")
     for m in methods_run:
         print(f"  {m:7s} " + "  ".join(f"{load[m][b]:.3f}" if b in load[m] else "  –  " for b in BLOCKS))
+    if export_time:
+        e = export_time
+        print(f"export time, {e['model']} blocks={e['blocks']}, median of {e['rounds']} interleaved round(s): "
+              + ", ".join(f"{f} {e['median_s'][f]:.1f} s ({e['bytes'][f] / 2**20:.0f} MB)" for f in FORMATS)
+              + f"; export/torchscript {e['export_over_torchscript']:.2f}x")
     return 0
 
 

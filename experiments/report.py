@@ -102,7 +102,22 @@ def offline_blocks_text(d: dict) -> str:
     text += (f" A block process's RSS is {_rng([r.get('rss_total_delta_mb') for r in script], 0, 'MB')} above the "
              "interpreter's own after its inferences; the thesis gives 394-478 MB of process VRAM per block "
              "(Table 4.2), about 370 MB of it the CUDA context.")
-    return text
+    return text + _export_time_text(d)
+
+
+def _into(blocks: int) -> str:
+    return f"into {blocks} blocks and full" if blocks > 1 else "as one file (full)"
+
+
+def _export_time_text(d: dict) -> str:
+    """The time to export the whole model in each format (where --export measured it)."""
+    e = d.get("export_time")
+    if not e:
+        return ""
+    med = e["median_s"]
+    return (f" Exporting {e['model']} {_into(e['blocks'])} (`blockflow export`, median of "
+            f"{e['rounds']} interleaved round(s)) takes {_f(med['torchscript'], 1)} s as TorchScript and "
+            f"{_f(med['export'], 1)} s as torch.export programs ({_f(e['export_over_torchscript'])}x).")
 
 
 # -- rtt (Table 4.3) ---------------------------------------------------------------------

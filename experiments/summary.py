@@ -352,24 +352,51 @@ def kserve(r: Results) -> str:
 
 
 def formats(r: Results) -> str:
+    """The two block formats side by side (README "Block formats"): what choosing the default rests on."""
     d = r("offline_blocks_formats") or r("offline_blocks")
     if d is None:
         return "not run"
     name = "offline_blocks_formats" if r("offline_blocks_formats") else "offline_blocks"
-    rows = []
+    exp = d.get("export_time") or {}
     label = {"script": "TorchScript (script)", "trace": "TorchScript (trace)", "export": "torch.export (`.pt2`)"}
+    fmt_of = {"script": "torchscript", "export": "export"}
+    rows, vals = [], {}
     for m in ("script", "export"):
         mine = [row for row in d["rows"] if row["method"] == m and row["block"] != "full"]
         if not mine:
             continue
-        loads = sorted(row["load_s"] for row in mine)
         b4 = next((row for row in mine if row["block"] == "block4"), None)
-        rows.append([label[m], f"{loads[len(loads) // 2]:.2f} s",
-                     f"{b4['rss_load_delta_mb']:.0f} MB" if b4 else "–",
-                     _ms(d["offline_sum_ms"].get(m), 0), _ms(d["full_model_ms"].get(m), 0)])
-    return (f"ResNet50, one fresh interpreter per block, 1 thread ({r.source(name)}):\n\n"
-            + _table(["format", "load time per block, median", "RSS added by loading block4",
+        firsts = [row["first_call_ms"] for row in mine if row.get("first_call_ms") is not None]
+        v = vals[m] = {"export": (exp.get("median_s") or {}).get(fmt_of[m]),
+                       "load": _median([row["load_s"] for row in mine]),
+                       "first": _median(firsts) if len(firsts) == len(mine) else None,
+                       "rss": b4["rss_load_delta_mb"] if b4 else None,
+                       "sum": d["offline_sum_ms"].get(m), "full": d["full_model_ms"].get(m)}
+        rows.append([label[m], _s(v["export"]), _s(v["load"], 2), _ms(v["first"], 0),
+                     "–" if v["rss"] is None else f"{v['rss']:.0f} MB", _ms(v["sum"], 0), _ms(v["full"], 0)])
+    if len(vals) == 2:
+        a, b = vals["export"], vals["script"]
+        rows.append(["torch.export / TorchScript"] + [_x(a[k] / b[k]) if a[k] and b[k] else "–"
+                                                      for k in ("export", "load", "first", "rss", "sum", "full")])
+    into = f" into {exp.get('blocks')} blocks and full" if (exp.get("blocks") or 1) > 1 else ", full alone"
+    how = (f"; exporting: the whole {exp.get('model', 'model')}{into} as "
+           f"`blockflow export` does, median of {exp.get('rounds')} interleaved round(s)" if exp else
+           "; the export time was not measured in this run")
+    return (f"ResNet50, one fresh interpreter per block, 1 thread ({r.source(name)}{how}):\n\n"
+            + _table(["format", "export, whole model", "load time per block, median",
+                      "first inference after loading, median per block", "RSS added by loading block4",
                       "sum of block mean latencies", "full model mean"], rows))
+
+
+def _median(values: list) -> float | None:
+    v = sorted(values)
+    if not v:
+        return None
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def _s(v, digits: int = 1) -> str:
+    return "–" if v is None else f"{v:.{digits}f} s"
 
 
 SECTIONS = {"measured-here": measured_here, "chaos": chaos, "fuzz": fuzz, "soak": soak, "kserve": kserve,
