@@ -18,6 +18,8 @@ import sys
 import urllib.error
 import warnings
 from blockflow import settings
+from blockflow.blocks import verify
+from blockflow.protocol import DISPATCHER
 
 
 class Exit(enum.IntEnum):
@@ -32,6 +34,9 @@ class Exit(enum.IntEnum):
     PORT_TAKEN = 6       #: a port to listen on is in use
     INTERNAL = 70        #: a bug: run again with -v and report the traceback
     INTERRUPTED = 130    #: Ctrl-C
+    #: whoever read the output closed the pipe first (``blockflow status --json | head``): the code
+    #: of a process killed by SIGPIPE (128 + 13), as ``cat`` or ``yes`` report it, and no message
+    CLOSED_PIPE = 141
 
 
 class UserError(Exception):
@@ -91,13 +96,19 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 #: The block format `blockflow export` writes unless told: see README "Block formats" for the figures.
 DEFAULT_FORMAT = "torchscript"
 #: The input `blockflow export --cut` traces and probes with unless told (batch first).
-DEFAULT_INPUT_SHAPE = "1,3,224,224"
+DEFAULT_INPUT_SHAPE = ",".join(str(d) for d in verify.DEFAULT_INPUT_SHAPE)
 
 
 def _export(args) -> int:
-    from blockflow.blocks.repository import MODELS, SPLITS, export_model
-    if args.cut or args.model not in MODELS or args.blocks not in (None, *SPLITS):
+    if args.cut or args.model not in verify.RESNETS:
         return _export_split(args)
+    if args.blocks not in (None, *verify.RESNET_SPLITS):  # refused before torch is imported
+        other = f"{args.model}_{args.blocks}"  # not the ResNet export's directory, which a split would rewrite
+        raise UserError(f"--blocks {args.blocks}: the ResNet export of {args.model} makes 4 (block1..block4 + head), "
+                        f"2 or 1 blocks; to split it otherwise name the cuts (e.g. --cut layer2 --cut layer3 --name "
+                        f"{other}) or balance them: --model torchvision.models:{args.model} --blocks {args.blocks} "
+                        f"--name {other}", Exit.USAGE)
+    from blockflow.blocks.repository import export_model
     if args.name or args.input_shape != DEFAULT_INPUT_SHAPE:
         raise UserError(f"--name and --input-shape apply to exports with --cut; {args.model} --blocks "
                         f"{args.blocks or 4} is the ResNet export, named {args.model}, input 1,3,224,224", Exit.USAGE)
@@ -238,7 +249,20 @@ def _status(args) -> int:
         print(json.dumps({"version": system.get("version"), "processes": rows, "tasks": system.get("tasks", []),
                           "run_dir": system.get("run_dir")}, indent=2))
         return 0
-    print(format_status(rows, system))
+    print(format_status(rows, system, wide=args.wide))
+    return 0
+
+
+def _down(args) -> int:
+    """DELETE /system: every block and task goes; the server keeps running, empty."""
+    token = args.token or settings.TOKEN
+    tasks = [t["id"] for t in rest_call("GET", args.url, "/system", token=token).get("tasks", [])]
+    res = rest_call("DELETE", args.url, "/system", token=token)
+    import textwrap
+    print(f"took the deployment down (version {res.get('version')})")
+    for what, names in (("processes", res.get("removed") or []), ("tasks", tasks)):
+        print(textwrap.fill(f"removed {what}: {', '.join(names) or '(none)'}", STATUS_WIDTH, subsequent_indent="  "))
+    print("the server runs on, empty: `blockflow update FILE` deploys again; stop it with Ctrl-C (SIGTERM)")
     return 0
 
 
@@ -257,31 +281,81 @@ def _node(row: dict) -> str:
     return node[:12] if len(node) == 56 and all(ch in "0123456789abcdef" for ch in node) else node
 
 
-def format_status(rows: list[dict], system: dict) -> str:
-    """``blockflow status`` for a person: one row per process, then the tasks and the run directory."""
-    def ms(v):
-        return "-" if v is None else f"{v:.1f}"
+def _cut(text: str, width: int) -> str:
+    """``text`` in ``width`` characters, cut in the middle, so that both ends stay: the block's name
+    and its replica (``resnet…al.r1``), a node id's start and end."""
+    if len(text) <= width:
+        return text
+    head = width // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
 
-    head = ("PROCESS", "BLOCK", "REPLICA", "GROUP", "STATUS", "PID", "NODE", "DEVICE", "RESTARTS", "UPTIME", "REQ/S",
-            "P50 MS", "P99 MS", "ERRORS", "NEXT HOPS", "LAST EXIT")
-    table = [head] + [(r["process"], r.get("block") or "-", "-" if r.get("replica") is None else str(r["replica"]),
-                       r.get("group") or "-", str(r["status"]), str(r.get("pid") or "-"), _node(r),
-                       str(r.get("device") or "-"),
-                       str(r.get("restarts", 0)), _duration(r.get("uptime_s")), f"{r['requests_per_s']:.1f}",
-                       ms(r.get("p50_ms")), ms(r.get("p99_ms")), str(r.get("errors", 0)),
-                       ",".join(f"{hop}:{kind}" for hop, kind in sorted((r.get("next_hops") or {}).items())) or "-",
-                       r.get("last_exit") or "-")
-                      for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(head) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in table]
+
+def _figure(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+#: The columns of ``blockflow status --wide``, in order, and how each cell is read from a /status row.
+STATUS_COLUMNS = {
+    "PROCESS": lambda r: str(r["process"]),
+    "BLOCK": lambda r: r.get("block") or "-",
+    "REPLICA": lambda r: "-" if r.get("replica") is None else str(r["replica"]),
+    "GROUP": lambda r: r.get("group") or "-",
+    "STATUS": lambda r: str(r["status"]),
+    "PID": lambda r: str(r.get("pid") or "-"),
+    "NODE": _node,
+    "DEVICE": lambda r: str(r.get("device") or "-"),
+    "RESTARTS": lambda r: str(r.get("restarts", 0)),
+    "UPTIME": lambda r: _duration(r.get("uptime_s")),
+    "REQ/S": lambda r: _figure(r.get("requests_per_s")),
+    "P50 MS": lambda r: _figure(r.get("p50_ms")),
+    "P99 MS": lambda r: _figure(r.get("p99_ms")),
+    "ERRORS": lambda r: str(r.get("errors", 0)),
+    "NEXT HOPS": lambda r: ",".join(f"{hop}:{kind}" for hop, kind in sorted((r.get("next_hops") or {}).items())) or "-",
+    "LAST EXIT": lambda r: r.get("last_exit") or "-",
+}
+#: What an operator reads first, the columns of plain ``blockflow status`` (NODE only where the
+#: processes run on more than one node, or wait for one). A replica's and a group's block are in
+#: the process name (``b2.r1``) and the shared PID; last exits are listed under the table.
+STATUS_NARROW = ("PROCESS", "STATUS", "PID", "NODE", "DEVICE", "RESTARTS", "UPTIME", "REQ/S", "P50 MS", "P99 MS",
+                 "ERRORS")
+#: The width plain ``blockflow status`` fits (``--wide`` does not try).
+STATUS_WIDTH = 100
+
+
+def format_status(rows: list[dict], system: dict, wide: bool = False) -> str:
+    """``blockflow status`` for a person: one row per process, then the tasks and the run directory.
+    Plain, it fits :data:`STATUS_WIDTH` columns (names too long for it are cut in the middle, "…");
+    ``wide`` shows every column and the whole legend."""
+    import textwrap
+    multi_node = len({r.get("node") for r in rows}) > 1 or any(r.get("waiting_for_node") for r in rows)
+    heads = list(STATUS_COLUMNS) if wide else [h for h in STATUS_NARROW if h != "NODE" or multi_node]
+    table = [heads] + [[STATUS_COLUMNS[h](r) for h in heads] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(heads))]
+    if not wide:  # too wide: cut the columns of names, the process's last, down to 8 characters each
+        excess = sum(widths) + 2 * (len(widths) - 1) - STATUS_WIDTH
+        for i in [heads.index(h) for h in ("NODE", "STATUS", "PROCESS") if h in heads]:
+            cut = max(0, min(excess, widths[i] - 8))
+            widths[i] -= cut
+            excess -= cut
+        table = [[_cut(c, w) for c, w in zip(row, widths)] for row in table]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
     window = max((r.get("window_s") or 0 for r in rows), default=0)
-    lines.append(f"(REQ/S, P50, P99 and ERRORS over the last {window:.0f} s; P50/P99 are the block's own "
-                 "arrival-to-departure time, the dispatcher's end to end; blocks of one GROUP share one process "
-                 "and its PID; NODE is the machine a process runs on; NEXT HOPS says how its tensors travel to "
-                 "each next block: handles on one node, bytes with ZeroMQ, tcp (bytes over CURVE TCP) to another node)")
+    if wide:
+        legend = (f"(REQ/S, P50, P99 and ERRORS over the last {window:.0f} s; P50/P99 are the block's own "
+                  "arrival-to-departure time, the dispatcher's end to end; blocks of one GROUP share one process "
+                  "and its PID; NODE is the machine a process runs on; NEXT HOPS says how its tensors travel to "
+                  "each next block: handles on one node, bytes with ZeroMQ, tcp (bytes over CURVE TCP) to another "
+                  "node)")
+        lines += textwrap.wrap(legend, STATUS_WIDTH)
+    else:
+        lines += [f"last exit of {r['process']}: {r['last_exit']}"[:STATUS_WIDTH] for r in rows if r.get("last_exit")]
+        legend = (f"(REQ/S, P50, P99, ERRORS: the last {window:.0f} s; P50/P99: time in the block, end to end for "
+                  f"{DISPATCHER}; --wide adds BLOCK, REPLICA, GROUP, NODE, NEXT HOPS, LAST EXIT)")
+        lines += textwrap.wrap(legend, STATUS_WIDTH)
     lines.append(f"version {system.get('version')}; tasks:")
     for t in system.get("tasks", []):
-        lines.append(f"  {t['id']}: {' -> '.join(t['path'])}")
+        lines += textwrap.wrap(f"{t['id']}: {' -> '.join(t['path'])}", STATUS_WIDTH, initial_indent="  ",
+                               subsequent_indent="      ", break_on_hyphens=False)
     if not system.get("tasks"):
         lines.append("  (none: POST an update with `blockflow update FILE`)")
     lines.append(f"run dir: {system.get('run_dir')}")
@@ -419,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
         "blockflow.Client), read KPIs (`blockflow kpi`)."))
     p.add_argument("-v", "--verbose", "--debug", action="store_true",
                    help="debug logging, and a traceback when something fails (also accepted after the subcommand)")
+    p.add_argument("--version", action="version", version=f"blockflow {package_version()}",
+                   help="print the installed blockflow version and exit")
     # -v after the subcommand too; SUPPRESS keeps a subcommand from resetting a -v given before it
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", "--debug", action="store_true", default=argparse.SUPPRESS,
@@ -455,7 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default="model_repo", help="model repository directory")
     e.add_argument("--variant", help="also export task-specialised copies under this name (another seed; "
                                      "ResNet export only)")
-    e.add_argument("--variant-blocks", help="comma-separated blocks to specialise, e.g. block4,head")
+    e.add_argument("--variant-blocks", help="with --variant (ResNet export only): comma-separated blocks to "
+                                            "specialise, e.g. block4,head")
     e.add_argument("--seed", type=int, default=0, help="seed of the weights (they are not trained)")
     e.set_defaults(fn=_export)
 
@@ -510,7 +587,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--token", default=settings.TOKEN, help="bearer token, when the server has one (BLOCKFLOW_TOKEN)")
     st.add_argument("--json", action="store_true", help="print the same as JSON, for scripts (GET /status rows, "
                                                         "tasks, version, run directory)")
+    st.add_argument("--wide", action="store_true", help=f"every column (BLOCK, REPLICA, GROUP, NODE, NEXT HOPS, "
+                                                        f"LAST EXIT) and the whole legend; without it the table "
+                                                        f"fits {STATUS_WIDTH} columns")
     st.set_defaults(fn=_status)
+
+    dn = sub.add_parser("down", help="take the deployment down: remove every block and task of a running server "
+                                     "(DELETE /system) and print what went; the server keeps running, empty")
+    dn.add_argument("--url", default="http://127.0.0.1:8080", help="the server's REST URL")
+    dn.add_argument("--token", help="bearer token, when the server has one (default: BLOCKFLOW_TOKEN)")
+    dn.set_defaults(fn=_down)
 
     ld = sub.add_parser("load", help="send requests for a task for --duration seconds (synchronous clients or "
                                      "Poisson arrivals) and print throughput, latency and the server's errors")
@@ -536,10 +622,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--plot", metavar="FILE.png", help="also draw each block's mean components as stacked bars")
     k.set_defaults(fn=_kpi)
 
-    d = sub.add_parser("demo", help="end to end: export, serve, deploy two tasks, send requests, print KPIs")
-    d.add_argument("--repo", default="model_repo", help="model repository (exported there when missing)")
-    d.add_argument("--config", default=None, help="update to apply (default: configs/resnet50_shared.json)")
-    d.add_argument("--requests", type=int, default=20, help="requests per task")
+    d = sub.add_parser("demo", help="end to end: serve on free ports, apply an update (--config), send requests "
+                                    "to each of its tasks, print latency and per-block KPIs, stop")
+    d.add_argument("--repo", default="model_repo", help="model repository (ResNet files the update names are "
+                                                        "exported there when missing)")
+    d.add_argument("--config", default=None, help="the update to apply (default: configs/resnet50_shared.json, "
+                                                  "two tasks sharing ResNet50's block1-3)")
+    d.add_argument("--requests", type=int, default=20, help="requests per task, each a 1x3x224x224 tensor")
     d.add_argument("--keep", action="store_true",
                    help="keep the server's state directory (KPI logs under its run directory); removed by default")
     d.set_defaults(fn=_demo)
@@ -575,13 +664,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def stdout_is_closed() -> bool:
+    """Whether stdout is a pipe (or socket) nobody reads any more: poll reports an error on it."""
+    import select
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fileno (captured), or closed
+        return False
+
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's, as pip recorded it)."""
+    from importlib import metadata
+    try:
+        return metadata.version("blockflow")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else settings.LOG_LEVEL,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.jit")
     try:
-        return int(args.fn(args) or 0)
+        try:
+            code = int(args.fn(args) or 0)
+            sys.stdout.flush()  # here, so that a closed pipe is seen below and not at the interpreter's exit
+            return code
+        except BrokenPipeError:
+            if not stdout_is_closed():  # a socket's EPIPE: an error like any other
+                raise
+            # The reader went away (`blockflow status --json | head`): nothing is wrong, and nobody
+            # reads on. Point stdout at /dev/null so the interpreter's last flush does not fail
+            # again (the recipe of Python's signal module docs), and exit quietly.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return int(Exit.CLOSED_PIPE)
     except UserError as exc:
         if args.verbose:
             logging.getLogger("blockflow.cli").exception("blockflow %s failed", args.cmd)

@@ -1,8 +1,9 @@
 """``blockflow demo`` (what ``make demo`` runs): the whole system, end to end, in about a minute.
 
-Export the ResNet50 blocks if missing, start ``blockflow serve`` on free ports, POST
-configs/resnet50_shared.json (two tasks sharing block1-3), send requests for both tasks through
-the dispatcher, print per-task latency and the per-block KPI table, shut down cleanly.
+Start ``blockflow serve`` on free ports, POST an update (``--config``; by default
+configs/resnet50_shared.json, two tasks sharing ResNet50's block1-3, whose files are exported
+first when missing), send requests for each of its tasks through the dispatcher, print per-task
+latency and the per-block KPI table, shut down cleanly.
 """
 from __future__ import annotations
 
@@ -57,6 +58,21 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> int:
     return proc.wait()
 
 
+def export_missing_resnet50(repo: str, update: dict) -> None:
+    """Export the ResNet50 blocks (with the "x" variant of block4 and head, as the default
+    config uses them) when the update names a resnet50/ file the repository lacks; any other
+    missing file is the server's to refuse, naming it."""
+    files = [m for b in update.get("blocks", []) if isinstance(b, dict)
+             for m in ([b.get("model")] if isinstance(b.get("model"), str) else b.get("model") or [])]
+    missing = [f for f in files if isinstance(f, str) and f.startswith("resnet50/")
+               and not os.path.exists(os.path.join(repo, f))]
+    if missing:
+        from blockflow.blocks.repository import export_model
+        fmt = "export" if missing[0].endswith(".pt2") else "torchscript"  # the format the update names
+        print(f"exporting ResNet50 blocks into {repo} (seeded weights, once): the update names {missing[0]}")
+        export_model("resnet50", repo, blocks=4, method="script", variants={"x": ["block4", "head"]}, fmt=fmt)
+
+
 def run_demo(repo: str = "model_repo", config: str | None = None, requests: int = 20, keep: bool = False) -> int:
     """Serve, deploy, send, print the KPI table. The server's state directory (run directory with
     the KPI logs, sockets) is a fresh temporary one, removed at the end unless ``keep``."""
@@ -66,12 +82,9 @@ def run_demo(repo: str = "model_repo", config: str | None = None, requests: int 
     from .kpi import format_table, percentile, summarize_block
     from .restclient import call
 
-    if not os.path.exists(os.path.join(repo, "resnet50", "block4-x.pt")):
-        from blockflow.blocks.repository import export_model
-        print(f"exporting ResNet50 blocks into {repo} (seeded weights, once)")
-        export_model("resnet50", repo, blocks=4, method="script", variants={"x": ["block4", "head"]})
     with open(config or DEFAULT_CONFIG) as f:
         update = json.load(f)
+    export_missing_resnet50(repo, update)
     state_dir = tempfile.mkdtemp(prefix="blockflow-demo-")
     t0 = time.monotonic()
     # the server's own log only when something goes wrong (BLOCKFLOW_LOG=INFO shows it all)

@@ -12,7 +12,8 @@ import pytest
 
 from blockflow.cli import EXPERIMENT_NAMES, Exit
 
-SUBCOMMANDS = ["export", "serve", "update", "status", "load", "kpi", "demo", "bench", "block", "dispatcher"]
+SUBCOMMANDS = ["export", "manifest", "serve", "update", "status", "down", "load", "kpi", "demo", "bench", "block",
+               "dispatcher"]
 TOY_UPDATE = {"blocks": [{"name": "a", "model": "toy/identity.pt"}, {"name": "d", "model": "toy/double.pt"}],
               "tasks": [{"id": "t", "path": ["a", "d"]}]}
 
@@ -129,10 +130,13 @@ def test_load_and_kpi_against_a_server(server_factory, identity_repo, tmp_path):
     res = blockflow("status", "--url", srv.url)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0].split()[:8] == ["PROCESS", "BLOCK", "REPLICA", "GROUP", "STATUS", "PID", "NODE", "DEVICE"], \
-        res.stdout
+    assert lines[0].split()[:4] == ["PROCESS", "STATUS", "PID", "DEVICE"], res.stdout  # one node: no NODE column
     assert [line.split()[0] for line in lines[1:4]] == ["@dispatcher", "a", "d"], res.stdout
     assert "  t: a -> d" in lines, res.stdout
+    res = blockflow("status", "--url", srv.url, "--wide")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split()[:8] == ["PROCESS", "BLOCK", "REPLICA", "GROUP", "STATUS", "PID", "NODE", "DEVICE"], \
+        res.stdout
 
     for b in ("a", "d"):
         srv.call("POST", f"/blocks/{b}/kpi")  # flush the KPI logs
