@@ -105,3 +105,14 @@ def test_the_suites_filter_is_blockflows():
     with open(Path(ROOT) / "pyproject.toml", "rb") as f:
         filters = tomllib.load(f)["tool"]["pytest"]["ini_options"]["filterwarnings"]
     assert f"ignore:{repository.JIT_DEPRECATION}:FutureWarning" in filters, filters
+
+
+def test_the_default_format_is_one_this_torch_still_has():
+    """TorchScript stays the default while torch has it (README, "Block formats", says why); the
+    torch that drops it fails here first: make export the default in the same change as the pin."""
+    from blockflow.cli import DEFAULT_FORMAT
+    assert DEFAULT_FORMAT in repository.FORMATS
+    if DEFAULT_FORMAT == "torchscript":
+        missing = [f for f in ("script", "trace", "save", "load") if not callable(getattr(torch.jit, f, None))]
+        assert not missing, (f"torch {torch.__version__} has no torch.jit.{', '.join(missing)}: set DEFAULT_FORMAT = "
+                             "'export' in blockflow/cli.py and re-export repositories with --format export")
