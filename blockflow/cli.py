@@ -93,7 +93,10 @@ def check_port_free(host: str, port: int, flag: str) -> None:
             raise
 
 
-#: The block format `blockflow export` writes unless told: see README "Block formats" for the figures.
+#: The block format `blockflow export` writes unless told: TorchScript, though deprecated upstream, because
+#: a block loads in a fraction of a second against seconds for a .pt2 program (README "Block formats").
+#: It becomes "export" when the torch pin moves to a release without torch.jit
+#: (tests/test_format_warnings.py fails until then).
 DEFAULT_FORMAT = "torchscript"
 #: The input `blockflow export --cut` traces and probes with unless told (batch first).
 DEFAULT_INPUT_SHAPE = ",".join(str(d) for d in verify.DEFAULT_INPUT_SHAPE)
@@ -238,13 +241,13 @@ def _serve(args) -> int:
 
 def _update(args) -> int:
     body = read_json_file(args.file)
-    print(json.dumps(rest_call("POST", args.url, "/system/update", body, args.token), indent=2))
+    print(json.dumps(rest_call("POST", args.url, "/system/update", body, args.token or settings.TOKEN), indent=2))
     return 0
 
 
 def _status(args) -> int:
-    rows = rest_call("GET", args.url, "/status", token=args.token)["processes"]
-    system = rest_call("GET", args.url, "/system", token=args.token)
+    rows = rest_call("GET", args.url, "/status", token=args.token or settings.TOKEN)["processes"]
+    system = rest_call("GET", args.url, "/system", token=args.token or settings.TOKEN)
     if args.json:
         print(json.dumps({"version": system.get("version"), "processes": rows, "tasks": system.get("tasks", []),
                           "run_dir": system.get("run_dir")}, indent=2))
@@ -341,7 +344,8 @@ def format_status(rows: list[dict], system: dict, wide: bool = False) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
     window = max((r.get("window_s") or 0 for r in rows), default=0)
     if wide:
-        legend = (f"(REQ/S, P50, P99 and ERRORS over the last {window:.0f} s; P50/P99 are the block's own "
+        legend = (f"(REQ/S, P50, P99 and ERRORS over the last {window:.0f} s, or since a younger process was first "
+                  "sent requests (each row's window_s in --json); P50/P99 are the block's own "
                   "arrival-to-departure time, the dispatcher's end to end; blocks of one GROUP share one process "
                   "and its PID; NODE is the machine a process runs on; NEXT HOPS says how its tensors travel to "
                   "each next block: handles on one node, bytes with ZeroMQ, tcp (bytes over CURVE TCP) to another "
@@ -349,7 +353,7 @@ def format_status(rows: list[dict], system: dict, wide: bool = False) -> str:
         lines += textwrap.wrap(legend, STATUS_WIDTH)
     else:
         lines += [f"last exit of {r['process']}: {r['last_exit']}"[:STATUS_WIDTH] for r in rows if r.get("last_exit")]
-        legend = (f"(REQ/S, P50, P99, ERRORS: the last {window:.0f} s; P50/P99: time in the block, end to end for "
+        legend = (f"(REQ/S, P50, P99, ERRORS: the last {window:.0f} s or the process's life if shorter; P50/P99: time in the block, end to end for "
                   f"{DISPATCHER}; --wide adds BLOCK, REPLICA, GROUP, NODE, NEXT HOPS, LAST EXIT)")
         lines += textwrap.wrap(legend, STATUS_WIDTH)
     lines.append(f"version {system.get('version')}; tasks:")
@@ -577,14 +581,14 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("update", help="POST a system update (JSON file) to a running server and print its answer")
     u.add_argument("file", help="the update: blocks and tasks as JSON, e.g. configs/resnet50_shared.json")
     u.add_argument("--url", default="http://127.0.0.1:8080", help="the server's REST URL")
-    u.add_argument("--token", default=settings.TOKEN, help="bearer token, when the server has one (BLOCKFLOW_TOKEN)")
+    u.add_argument("--token", help="bearer token, when the server has one (default: $BLOCKFLOW_TOKEN)")
     u.set_defaults(fn=_update)
 
     st = sub.add_parser("status", help="print a running server's processes as a table (status, pid, device, "
                                        "restarts, uptime, and the last minute's requests/s and p50/p99), its "
                                        "tasks and run directory")
     st.add_argument("--url", default="http://127.0.0.1:8080", help="the server's REST URL")
-    st.add_argument("--token", default=settings.TOKEN, help="bearer token, when the server has one (BLOCKFLOW_TOKEN)")
+    st.add_argument("--token", help="bearer token, when the server has one (default: $BLOCKFLOW_TOKEN)")
     st.add_argument("--json", action="store_true", help="print the same as JSON, for scripts (GET /status rows, "
                                                         "tasks, version, run directory)")
     st.add_argument("--wide", action="store_true", help=f"every column (BLOCK, REPLICA, GROUP, NODE, NEXT HOPS, "
@@ -740,4 +744,7 @@ def explain(exc: Exception) -> tuple[Exit, str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m blockflow.cli` runs this file as __main__: take main() from the package's module, so
+    # that UserError raised by other modules (blockflow.cli.UserError) is the class main() catches.
+    from blockflow.cli import main as _package_main
+    sys.exit(_package_main())

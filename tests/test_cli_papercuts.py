@@ -236,3 +236,17 @@ def test_readme_shows_the_operator_a_status_that_fits_version_and_down():
     status = next(block.split("```")[0] for block in shots if block.startswith("PROCESS "))
     assert max(len(line) for line in status.splitlines()) <= STATUS_WIDTH, status
     assert "blockflow --version" in using and "blockflow down" in using, using[:500]
+
+
+def test_help_never_prints_the_token(monkeypatch, capsys):
+    """`status --help` and `update --help` printed BLOCKFLOW_TOKEN's value as the --token default:
+    a secret on the screen (and in a shared terminal's scroll-back) for asking how a command works."""
+    from blockflow import settings
+    from blockflow.cli import main
+    monkeypatch.setattr(settings, "TOKEN", "s3cret-t0ken")
+    for cmd in ("status", "update", "down", "serve", "load"):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        out = capsys.readouterr().out
+        assert "--token" in out, (cmd, out)
+        assert "s3cret-t0ken" not in out, (cmd, out)
