@@ -18,10 +18,13 @@ A ``StandalonePipeline`` (real dispatcher and block processes, real ZeroMQ socke
 - to the dispatcher's result socket: forged results (request ids no request uses), which are
   dropped.
 
-Every ``--every`` frames a correct request goes through the client and must return 2x. RSS of
-the dispatcher and blocks is sampled as it goes; growth is measured from the end of warm-up
-(the first fifth) to the end. At the end every process must still answer a ping, exit 0 on
-stop and leave no socket or slot behind.
+Every ``--every`` frames a correct request goes through the client and must return 2x. RSS and
+open descriptors of the dispatcher and blocks are sampled as it goes; growth is measured from
+the end of warm-up (the first fifth) to the end. Descriptors may grow by what the next hops the
+frames forge cost the block (a socket, and a window of slot files once a tensor goes there:
+``fd_budget``); which hops get a tensor differs from run to run even with one seed, since the
+frames carry this run's pid and temporary directory, where the bit flips land. At the end every
+process must still answer a ping, exit 0 on stop and leave no socket or slot behind.
 
     python -m experiments.fuzz [--frames 10000] [--seed 1] [--every 25]
 
@@ -54,6 +57,8 @@ SHARE_DISPATCHER, SHARE_RESULTS = 0.5, 0.05
 SHARE_FORGED_RETURN = 0.002
 #: Request ids used for forged results: far above anything the dispatcher hands out in a run.
 FORGED_RID_BASE = 10 ** 12
+#: Request ids of the barrier messages (``barrier`` in run_fuzz): above the forged ones.
+BARRIER_RID_BASE = 2 * FORGED_RID_BASE
 REPLY_TIMEOUT_MS = 15000
 #: Marker that a pickle payload would create if anything ever unpickled it.
 MARKER_ENV = "BLOCKFLOW_FUZZ_MARKER"
@@ -236,9 +241,55 @@ def _fds(pids) -> int:
     return n
 
 
+def _fd_kinds(pids, slot_dir: str) -> dict[str, int]:
+    """What the processes' descriptors are (Linux: /proc/PID/fd), so that a failed bound says
+    what grew: ``slot`` files (every mapped slot keeps one: CPython's mmap holds a duplicate of
+    the file's descriptor until it is closed), ``eventfd`` (one per ZeroMQ socket, its mailbox),
+    ``socket``, ``pipe``, ``other``."""
+    kinds: dict[str, int] = {}
+    for pid in pids:
+        try:
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in names:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            kind = ("slot" if target.startswith(slot_dir + "/") else "eventfd" if target == "anon_inode:[eventfd]"
+                    else "socket" if target.startswith("socket:") else "pipe" if target.startswith("pipe:")
+                    else "other")
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def fds_per_hop(window: int) -> int:
+    """Descriptors a block may keep for one next hop, a forged one too (until MAX_UNLISTED_HOPS
+    of them make it close the oldest, tensormq/transport.py): a ZeroMQ socket (its mailbox's
+    eventfd, and a connection or an attempt at one) and, once a tensor goes there by handle, the
+    edge's whole window of slot files (tensormq/shm.py), each mapping holding a descriptor."""
+    return window + 2
+
+
+#: Descriptors that may come or go between two samples whatever is sent (a connection being
+#: made or closed, a slot being grown).
+FD_SLACK = 8
+
+
+def fd_budget(summary: dict) -> int:
+    """How many descriptors the dispatcher and blocks may gain from the end of warm-up to the
+    end of a run: what the next hops that frames named after warm-up may cost (``fds_per_hop``
+    each), and FD_SLACK. A leak (a descriptor per frame, per request, per refused handle) exceeds
+    it: tests/test_fuzz.py plants one."""
+    return fds_per_hop(summary["window"]) * summary["foreign_hops_after_warm"] + FD_SLACK
+
+
 def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str | None = None,
-             progress=None) -> dict:
-    """Fuzz a fresh pipeline with ``frames`` frames; returns the summary (see the module doc)."""
+             progress=None, env: dict | None = None) -> dict:
+    """Fuzz a fresh pipeline with ``frames`` frames; returns the summary (see the module doc).
+    ``env``: more environment for the dispatcher and blocks (tests plant a leak with it)."""
+    from blockflow import settings
     from blockflow.client import BlockFlowError, Client
     from blockflow.protocol import DISPATCHER, RETURN_HOP
     from blockflow.standalone import StandalonePipeline
@@ -252,8 +303,10 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
     base = tempfile.mkdtemp(prefix="bfz-") if own else workdir
     repo = toy_repo(os.path.join(base, "repo"))
     marker = os.path.join(base, "PICKLE_WAS_EXECUTED")
-    env = {"BLOCKFLOW_LOG": os.environ.get("BLOCKFLOW_LOG", "ERROR")}
-    pipe = StandalonePipeline(repo, BLOCKS, TASKS, threads=1, workdir=os.path.join(base, "p"), env=env)
+    env = {"BLOCKFLOW_LOG": os.environ.get("BLOCKFLOW_LOG", "ERROR"), **(env or {})}
+    pipe_window = settings.WINDOW
+    pipe = StandalonePipeline(repo, BLOCKS, TASKS, threads=1, window=pipe_window, workdir=os.path.join(base, "p"),
+                              env=env)
     ctx = zmq.Context()
     socks = []
 
@@ -270,7 +323,7 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
               "dispatcher_missing_replies": 0, "block_expected_replies": 0, "block_replies": 0,
               "block_error_replies": 0, "block_missing_replies": 0, "block_unexpected_replies": 0,
               "forged_return_frames": 0, "block_replies_uncertain": 0, "shm_handles_sent": 0, "correct_requests": 0, "correct_ok": 0,
-              "correct_failed": 0}
+              "correct_failed": 0, "barriers": 0, "handles_reclaimed": 0}
     failures: list[str] = []
     pool = mapper = None
     t0 = time.monotonic()
@@ -290,6 +343,7 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
         client = Client(pipe.address, timeout=30)
         mut = Mutator(rng, marker, pipe.shm)
         maybe_rids: set = set()   # rids whose path a mutation pointed partly elsewhere
+        foreign_hops: dict[str, int] = {}  # address other than ours a frame named -> the last frame that did
 
         def release_handle(header: dict) -> None:
             x = header.get("x")
@@ -314,6 +368,7 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
             for slot in pool.edges.get(ret_addr, []):
                 if slot.state == IN_FLIGHT:
                     slot.force_free()
+                    counts["handles_reclaimed"] += 1
 
         def wait_block_reply(rid) -> dict | None:
             """The answer for ``rid`` at our return address (anything else is unexpected)."""
@@ -332,6 +387,31 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
                 counts["block_unexpected_replies"] += 1
                 failures.append(f"block answered rid {h.get('rid')!r} while rid {rid} was awaited")
             return None
+
+        def barrier() -> None:
+            """Return once block d has handled every frame sent to it before: a correct message
+            answered at our return address, after them (one inference thread, in order).
+
+            A frame answered elsewhere, or not at all, gives no sign of when the block is done
+            with it; without this, ``reclaim_refused`` after it could free the frame's slot while
+            the block had yet to open it, and the block then refused a valid message as stale
+            instead of running it (1 slot of ~230 reclaimed differed between two runs)."""
+            counts["barriers"] += 1
+            b_rid = BARRIER_RID_BASE + counts["barriers"]
+            desc, payload = encode_bytes(torch.ones(1))
+            push.send_multipart([json.dumps({"v": 1, "t": "data", "rid": b_rid, "task": "t",
+                                             "path": [[RETURN_HOP, ret_addr]], "hops": [],
+                                             "x": desc.to_json()}).encode(), bytes(payload)])
+            if wait_block_reply(b_rid) is None:
+                failures.append(f"block {TARGET_BLOCK} did not answer barrier {b_rid}")
+
+        def note_hops(i: int, addresses) -> None:
+            """Remember the addresses other than ours that frame ``i`` may make the block send to
+            (a hop of its path, its return address): each costs the block a socket to it and,
+            once a tensor goes there by handle, a window of slots (``fd_budget``)."""
+            for a in addresses:
+                if isinstance(a, str) and a != ret_addr:
+                    foreign_hops[a] = i
 
         def correct_request(i: int) -> None:
             counts["correct_requests"] += 1
@@ -363,6 +443,7 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
             if forged:
                 counts["forged_return_frames"] += 1
                 path = [[RETURN_HOP, f"ipc:///nonexistent-bfz/{rng.randrange(1 << 30)}.sock"]]
+                note_hops(i, [path[0][1]])
             x = mut.tensor()
             header = {"v": 1, "t": "data", "rid": rid, "task": "t", "path": path, "hops": []}
             if forged:
@@ -411,6 +492,7 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
             except WireError:
                 path = json.loads(frames[0])["path"]
             hops = {hop[1] for hop in path}
+            note_hops(i, hops | {ra[1]})
             if hops != {ret_addr}:
                 # a flipped bit made a hop of the path point elsewhere: a valid message is
                 # forwarded there (and answered by nobody); an invalid one is answered here
@@ -421,6 +503,7 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
         sample_every = max(50, frames // 40)
         rss: list[tuple[int, float]] = []
         fds: list[tuple[int, int]] = []
+        fd_kinds: list[dict[str, int]] = []
         proc_pids = list(pids.values())
         rid = 0
         slow: list[dict] = []   # frames that took over a second to handle (what and how long)
@@ -431,6 +514,7 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
             if i % sample_every == 0:
                 rss.append((i, _rss_mb(proc_pids)))
                 fds.append((i, _fds(proc_pids)))
+                fd_kinds.append(_fd_kinds(proc_pids, pipe.shm))
                 if progress:
                     progress(i, frames)
             roll = rng.random()
@@ -472,7 +556,9 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
                 slow_from = (i, started, repr(fr[0][:160]))
                 if fr and isinstance(fr, list):
                     push.send_multipart(fr)
-                if expect:
+                if not expect:
+                    barrier()  # nothing at our return address says when the block is done with it
+                else:
                     want = _return_address(fr[0])[0]
                     counts["block_expected_replies"] += 1
                     got = wait_block_reply(want)
@@ -486,7 +572,7 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
                         counts["block_error_replies"] += got.get("t") == "error"
                 reclaim_refused()
         correct_request(frames)
-        time.sleep(0.5)
+        barrier()  # whatever block d sent us before it has arrived now
         while pull.poll(200):  # nothing may arrive that nobody asked for
             h = json.loads(pull.recv_multipart()[0])
             release_handle(h)
@@ -497,6 +583,7 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
             failures.append(f"an answer nobody waited for: rid {h.get('rid')!r}")
         rss.append((frames, _rss_mb(proc_pids)))
         fds.append((frames, _fds(proc_pids)))
+        fd_kinds.append(_fd_kinds(proc_pids, pipe.shm))
 
         crashes = []
         for name, p in pipe.procs.items():
@@ -523,7 +610,8 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
             shutil.rmtree(base, ignore_errors=True)
 
     warm = next((v for i, v in rss if i >= frames // 5), rss[0][1])
-    warm_fds = next((v for i, v in fds if i >= frames // 5), fds[0][1])
+    warm_at = next((k for k, (i, _) in enumerate(fds) if i >= frames // 5), 0)
+    warm_fds, warm_frame = fds[warm_at][1], fds[warm_at][0]
     summary = {
         "seed": seed, "frames": frames, "seconds": round(time.monotonic() - t0, 1), **counts,
         "crashes": len({c.split()[0] for c in crashes} | {n for n, c in stopped["codes"].items() if c != 0}),
@@ -534,7 +622,9 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
         "rss_mb": {"warm": round(warm, 1), "end": round(rss[-1][1], 1), "max": round(max(v for _, v in rss), 1),
                    "samples": [(i, round(v, 1)) for i, v in rss]},
         "rss_growth_pct": round((rss[-1][1] - warm) / warm * 100, 2),
-        "fds": {"warm": warm_fds, "end": fds[-1][1]},
+        "fds": {"warm": warm_fds, "end": fds[-1][1], "kinds_warm": fd_kinds[warm_at], "kinds_end": fd_kinds[-1]},
+        "window": pipe_window, "foreign_hops": len(foreign_hops),
+        "foreign_hops_after_warm": sum(1 for last in foreign_hops.values() if last >= warm_frame),
         "dispatcher_stats": dstats, "slow_frames": slow[:20], "slow_count": len(slow), "failures": failures[:20], "failure_count": len(failures),
     }
     return summary
@@ -546,7 +636,8 @@ def _format(s: dict) -> str:
             f"{s['block_frames']} -> {s['block_replies']}/{s['block_expected_replies']} answers due, "
             f"results {s['result_frames']}; correct {s['correct_ok']}/{s['correct_requests']}; crashes "
             f"{s['crashes']}; RSS {s['rss_mb']['warm']} -> {s['rss_mb']['end']} MB "
-            f"({s['rss_growth_pct']:+.2f}%); failures {s['failure_count']}; left {s['left_behind']}; "
+            f"({s['rss_growth_pct']:+.2f}%); descriptors {s['fds']['warm']} -> {s['fds']['end']} (budget "
+            f"{fd_budget(s)}); failures {s['failure_count']}; left {s['left_behind']}; "
             f"pickle executed: {s['pickle_executed']}")
 
 
@@ -570,7 +661,8 @@ def main(argv=None) -> int:
     write_json(args.out, "fuzz", {"env": env_info({"frames": frames, "seed": args.seed, "every": args.every}),
                                   "summary": s})
     ok = (s["crashes"] == 0 and s["failure_count"] == 0 and not s["pickle_executed"]
-          and s["left_behind"] == {"slots": [], "sockets": []} and s["correct_ok"] == s["correct_requests"])
+          and s["left_behind"] == {"slots": [], "sockets": []} and s["correct_ok"] == s["correct_requests"]
+          and s["fds"]["end"] - s["fds"]["warm"] <= fd_budget(s))
     return 0 if ok else 1
 
 
