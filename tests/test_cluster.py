@@ -306,10 +306,20 @@ def test_chaos_with_a_node_removed_and_rejoining(cluster, model_repo):
     report = run_chaos(model_repo, duration=30.0, rate=5.0, seed=149, fault_every=4.0, cluster=ClusterNodes(*cluster),
                        nodes=CLUSTER_NODES, kinds=("remove_node", "kill_block", "update"), quiet_s=15.0)
     assert report["faults"][0]["kind"] == "remove_node", report["faults"]
-    # a removed node's tasks are refused (``unavailable``) until it is back and its blocks have
-    # started again, about 11 s here: 40% of a 30 s run (59% answered in one run, 37% in a 24 s one)
-    assert_one_reply_each(report, ok_share=0.3)
     assert_recovered(report)
+    # A removed node's tasks are refused (``unavailable``) until a node with its resource is back
+    # and its blocks have started again: 11 s in one run, 17 s in another (2-core machine, make
+    # test's exclusive phase), so a fixed share of answered requests measures the machine's load
+    # (59% answered in one run, 26% in the other). The share asked is half of the run left after
+    # that outage, as measured by this run.
+    removal = report["faults"][0]
+    assert removal["outcome"].startswith("recovered"), removal  # seed 149: the node's tasks are kept
+    outage_ends = removal["t"] + removal["recovery_s"]
+    after = max(0.0, 1.0 - outage_ends / report["duration_s"])
+    print(f"\nnode removed at {removal['t']:.1f}s, its tasks served again {removal['recovery_s']:.1f}s later: "
+          f"{report['ok']} of {report['sent']} answered, {after:.0%} of the run after the outage")
+    assert after > 0.1, f"the removed node's tasks served again only at {outage_ends:.1f}s of the run"
+    assert_one_reply_each(report, ok_share=after / 2)
 
 
 def test_a_partition_that_heals_leaves_no_block_running_twice(server, cluster, model_repo):
