@@ -293,6 +293,16 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
                 counts["deadline_expired"] += r.status == DEADLINE
             else:
                 counts["errors"][r.status] = counts["errors"].get(r.status, 0) + 1
+        # how each task ended: its replies in the order the requests were sent, counted back from
+        # the last until the first that was not a result (a task whose blocks never came back: 0)
+        counts["final_streak"] = {}
+        for task in sorted({r.task for r in run.records}):
+            streak = 0
+            for r in sorted((r for r in run.records if r.task == task), key=lambda r: r.sent, reverse=True):
+                if not r.ok:
+                    break
+                streak += 1
+            counts["final_streak"][task] = streak
         recovery_outcomes(faults, run)
         final = call("GET", f"{url}/system")
         batched = _batch_sizes(url, final) if batching else {}

@@ -309,17 +309,19 @@ def test_chaos_with_a_node_removed_and_rejoining(cluster, model_repo):
     assert_recovered(report)
     # A removed node's tasks are refused (``unavailable``) until a node with its resource is back
     # and its blocks have started again: 11 s in one run, 17 s in another (2-core machine, make
-    # test's exclusive phase), so a fixed share of answered requests measures the machine's load
-    # (59% answered in one run, 26% in the other). The share asked is half of the run left after
-    # that outage, as measured by this run.
+    # test's exclusive phase), and a node's removal is first seen by the requests after it only
+    # once Ray calls the node dead, so neither the share of answered requests (59%, 26%, 34% in
+    # three runs) nor the first answer after the removal says whether serving came back whole.
+    # What holds whatever the load: each task's last requests, sent once every fault is over,
+    # are all answered with results.
     removal = report["faults"][0]
     assert removal["outcome"].startswith("recovered"), removal  # seed 149: the node's tasks are kept
-    outage_ends = removal["t"] + removal["recovery_s"]
-    after = max(0.0, 1.0 - outage_ends / report["duration_s"])
-    print(f"\nnode removed at {removal['t']:.1f}s, its tasks served again {removal['recovery_s']:.1f}s later: "
-          f"{report['ok']} of {report['sent']} answered, {after:.0%} of the run after the outage")
-    assert after > 0.1, f"the removed node's tasks served again only at {outage_ends:.1f}s of the run"
-    assert_one_reply_each(report, ok_share=after / 2)
+    print(f"\nnode removed at {removal['t']:.1f}s: {report['ok']} of {report['sent']} answered, errors "
+          f"{report['errors']}; each task's last run of results {report['final_streak']}")
+    assert_one_reply_each(report, ok_share=0.0)
+    assert set(report["final_streak"]) == {"classify", "special"}, report["final_streak"]
+    assert all(n >= 5 for n in report["final_streak"].values()), \
+        f"a task did not end serving (its last requests were refused): {report['final_streak']}"
 
 
 def test_a_partition_that_heals_leaves_no_block_running_twice(server, cluster, model_repo):
