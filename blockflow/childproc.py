@@ -298,7 +298,7 @@ class ChildProcess:
         return f"blockflow {self.label}"
 
     def set_title(self, command_line: bool) -> None:
-        """Name this process after its role and name (issue 42 item 13), from its main thread:
+        """Name this process after its role and name, from its main thread:
 
         - its short name (comm: ``ps -e``, ``top``; 15 bytes), always: ``bf:<name>``, which the
           threads it starts afterwards inherit (``bf:b2``, ``bf:@dispatcher``, ``bf:@grp``);

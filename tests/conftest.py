@@ -8,7 +8,6 @@ import signal
 import sys
 import tempfile
 import time
-import warnings
 
 import psutil
 import pytest
@@ -16,8 +15,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-
-warnings.filterwarnings("ignore", category=FutureWarning, module="torch.jit")
 
 # Every Ray these tests start (tests/test_cluster.py, the peers' smoke test) stays on the loopback:
 # with this, Ray 2.60 gives every node, the head's GCS included, 127.0.0.1 instead of this
