@@ -38,6 +38,19 @@ def _procs(srv) -> dict[str, tuple[int, int]]:
     return {b["name"]: (b["pid"], b["incarnation"]) for b in srv.call("GET", "/system")["blocks"]}
 
 
+def _received(srv, name: str) -> dict[str, int]:
+    """How the block's inputs came (its ping): ``local`` from a block of its own process, by
+    reference (blocks/handover.py), ``shm``/``cuda`` as slot handles, ``bytes`` in the message."""
+    return srv.call("GET", f"/blocks/{name}/ping")["received"]
+
+
+def _whole_model(model_repo, xs) -> list[torch.Tensor]:
+    from blockflow.blocks.repository import load_block
+    full = load_block(model_repo, f"{MODEL}/full.pt")
+    with torch.inference_mode():
+        return [full(x) for x in xs]
+
+
 def _answers(srv, xs) -> dict[str, list[torch.Tensor]]:
     with Client(srv.dispatcher, timeout=60) as c:
         futures = {t: [c.submit(t, x) for x in xs] for t in TASKS}  # both tasks at once, through shared blocks
@@ -59,6 +72,22 @@ def test_a_group_answers_as_separate_processes_and_its_blocks_change_one_by_one(
     grouped = _answers(srv, xs)
     for t in TASKS:
         assert all(torch.equal(a, b) for a, b in zip(separate[t], grouped[t])), t
+    for a, b in zip(_whole_model(model_repo, xs), grouped["classify"]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+    # inside the group no hand-over takes a socket or a slot: every block after b1 got each of its
+    # inputs from its neighbour by reference; b1 gets them from the dispatcher, in slots
+    through = {n: sum(len(xs) for p in TASKS.values() if n in p) for n in BLOCKS}
+    assert _received(srv, "b1") == {"shm": through["b1"]}
+    assert {n: _received(srv, n) for n in BLOCKS if n != "b1"} == {n: {"local": through[n]} for n in BLOCKS
+                                                                    if n != "b1"}
+    hops = {b["name"]: b["next_hops"] for b in srv.call("GET", "/system")["blocks"]}
+    assert hops["b2"] == {"b3": "in_process"} and hops["h"] == {"@dispatcher": "handles"}, hops
+    # ... and each member still logs its own KPIs, the hand-over's components included (near 0)
+    for name in ("b2", "h"):
+        kpi = srv.call("POST", f"/blocks/{name}/kpi")
+        assert kpi["count"] == 2 * through[name], kpi  # the separate process's requests, then the group's
+        lat = kpi["latency_ms"]
+        assert all(lat[k]["p50"] is not None for k in ("wait", "deser", "dev", "inf", "share", "fwd", "total"))
 
     # replacing one block of the group leaves its neighbours alone
     res = srv.call("POST", "/system/update", _body(everything, {"b3": {"max_inference_s": 30}}), timeout=120)
@@ -67,11 +96,17 @@ def test_a_group_answers_as_separate_processes_and_its_blocks_change_one_by_one(
     assert {n: after[n] for n in BLOCKS if n != "b3"} == {n: procs[n] for n in BLOCKS if n != "b3"}
     assert after["b3"][0] == procs["b3"][0] and after["b3"][1] == procs["b3"][1] + 1, (procs, after)
     assert _answers(srv, xs[:1])["special"][0].equal(separate["special"][0])
+    assert _received(srv, "b3") == {"local": 2}  # the new b3 is handed over to, and hands over, in-process
+    assert _received(srv, "b4x") == {"local": through["b4x"] + 1}
     # one block leaves the group for a process of its own: only it changes
     res = srv.call("POST", "/system/update", _body({n: "g" for n in BLOCKS if n != "hx"}), timeout=120)
     assert sorted(res["diff"]["replaced"]) == ["b3", "hx"], res  # b3 loses its max_inference_s again
     final = _procs(srv)
     assert final["hx"][0] != procs["hx"][0] and final["b1"] == procs["b1"], (procs, final)
+    assert _answers(srv, xs[:1])["special"][0].equal(separate["special"][0])
+    assert _received(srv, "hx") == {"shm": 1}  # out of the process: a slot and a socket again
+    hops = {b["name"]: b["next_hops"] for b in srv.call("GET", "/system")["blocks"]}
+    assert hops["b4x"] == {"hx": "handles"} and hops["b3"] == {"b4": "in_process", "b4x": "in_process"}, hops
     system = srv.call("GET", "/system")
     assert {b["name"]: b.get("process") for b in system["blocks"]}["b1"] == "g"
     status = {r["process"]: r for r in srv.call("GET", "/status")["processes"]}
