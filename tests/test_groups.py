@@ -190,3 +190,34 @@ def test_a_group_on_a_gpu_answers_as_separate_processes(server_factory, model_re
         for t in TASKS:
             for a, b in zip(separate[t], grouped[t]):
                 assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (t, (a - b).abs().max())
+
+
+def test_a_forged_path_does_not_reach_a_neighbour_in_the_process(server_factory, identity_repo):
+    """Inside a group a block hands over to the address its message's path names next, as it
+    would send there, and the path is the dispatcher's: a request for task ``t`` (a, then d
+    outside) that also carries a path naming ``s``, a's neighbour in the process, is answered by
+    a and d alone, and s never sees it."""
+    srv = server_factory(identity_repo)
+    body = {"blocks": [{"name": "a", "model": "toy/identity.pt", "process": "g"},
+                       {"name": "s", "model": "toy/double.pt", "process": "g"},
+                       {"name": "d", "model": "toy/double.pt"}],
+            "tasks": [{"id": "t", "path": ["a", "d"]}, {"id": "u", "path": ["a", "s"]}]}
+    srv.call("POST", "/system/update", body, timeout=60)
+    system = {b["name"]: b for b in srv.call("GET", "/system")["blocks"]}
+    assert system["a"]["next_hops"] == {"d": "handles", "s": "in_process"}, system["a"]
+    x = torch.arange(8.0).reshape(1, 8)
+    from blockflow.protocol import RETURN_HOP
+    from blockflow.tensormq.transport import bytes_fields
+    forged = [["s", system["s"]["endpoint"]], [RETURN_HOP, system["s"]["endpoint"]]]
+    with Client(srv.dispatcher, timeout=30) as c:
+        fields, payloads = bytes_fields(x)
+        fut = c._request({"op": "infer", "task": "t", **fields, "timeout": 30, "path": forged}, payloads, 30, False)
+        try:
+            assert torch.equal(fut.result(30), x * 2)  # a (identity), then d (double): not s
+            through_d = 1
+        except BlockFlowError as exc:
+            assert exc.code == "bad_request", exc  # refused is as good: s still never sees it
+            through_d = 0
+        assert _received(srv, "s") == {} and srv.call("GET", "/blocks/s/ping")["served"] == 0
+        assert torch.equal(c.infer("u", x), x * 2)  # the path that names s does reach it, by reference
+    assert _received(srv, "s") == {"local": 1} and _received(srv, "d") == ({"shm": 1} if through_d else {})
