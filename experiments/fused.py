@@ -1,6 +1,6 @@
 """Fused blocks against the monolithic model (issue 11; the thesis's B12/B34 fusion, section 4.3).
 
-    python -m experiments.fused [--quick] [--n N] [--out DIR] [--series NAME ...]
+    python -m experiments.fused [--quick] [--n N] [--out DIR] [--series NAME ...] [--device cuda]
 
 One ``blockflow serve``, three deployments of the same ResNet50 ``classify`` path in turn, each with
 one torch thread per block and the tensormq transport:
@@ -23,6 +23,11 @@ from their hop records, against the monolithic model; the rest, and of it the wa
 client's send to the first block and the way out from the last block to the client), and each
 block process's RSS and USS after the run: the measured fused processes the memory model
 (``experiments/memory_model.py``) can use.
+
+``--device cuda`` puts every block on the GPU and runs the monolithic model as one CUDA graph
+(its input copied in, its output copied to the host, as a client gets it): with ``--series "one
+group"`` that is issue 40's GPU goal for a group (p50 <= 1.3x the whole model as one CUDA graph,
+in the same run; ``make gpu-check STEPS=groups``).
 """
 import os
 import time
@@ -39,22 +44,22 @@ GOALS = {"five blocks": 1.20, "two fused": 1.15, "one fused": 1.05, "one group":
 GROUP_TASK = "grouped"
 
 
-def update_for(blocks, model: str = "resnet50", process: str | None = None) -> dict:
+def update_for(blocks, model: str = "resnet50", process: str | None = None, device: str = "cpu") -> dict:
     decl = []
     for name, stems in blocks:
         files = [f"{model}/{s}.pt" for s in stems]
-        decl.append({"name": name, "model": files[0] if len(files) == 1 else files, "threads": 1})
+        decl.append({"name": name, "model": files[0] if len(files) == 1 else files, "threads": 1, "device": device})
         if process is not None:
             decl[-1]["process"] = process
     return {"transport": "tensormq", "protocol": "ipc", "blocks": decl,
             "tasks": [{"id": common.TASK, "path": [n for n, _ in blocks]}]}
 
 
-def group_update(model: str = "resnet50") -> dict:
+def group_update(model: str = "resnet50", device: str = "cpu") -> dict:
     """The five blocks as five processes (task common.TASK) and, renamed ``g<name>``, in one
     shared process ``g`` (task GROUP_TASK), in one update."""
-    body = update_for(SERIES["five blocks"], model)
-    grouped = update_for([(f"g{name}", stems) for name, stems in SERIES["five blocks"]], model, process="g")
+    body = update_for(SERIES["five blocks"], model, device=device)
+    grouped = update_for([(f"g{name}", stems) for name, stems in SERIES["five blocks"]], model, "g", device)
     body["blocks"] += grouped["blocks"]
     body["tasks"].append({"id": GROUP_TASK, "path": grouped["tasks"][0]["path"]})
     return body
@@ -130,6 +135,22 @@ def measure_group(server, full, x, n: int, quick: bool) -> dict:
     return row
 
 
+def graphed(full, x, device: str):
+    """``full`` as one CUDA graph on ``device``: a callable that copies a host input in, replays
+    and copies the output back (experiments/gpu_floor.py's mono_graph row)."""
+    import torch
+
+    from .gpu_floor import _capture
+    static_in = x.to(device)
+    graph, static_out = _capture(lambda: full(static_in), torch.cuda.Stream(device))
+
+    def run(x):
+        static_in.copy_(x)
+        graph.replay()
+        return static_out.cpu()
+    return run
+
+
 def plot(result: dict, out: str) -> None:
     plt = common.pyplot()
     names = list(result["series"])
@@ -152,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = common.parser("fused", __doc__)
     ap.add_argument("--series", action="append", choices=list(SERIES) + ["one group"],
                     help="run only this series (repeat for several; default: all)")
+    ap.add_argument("--device", default="cpu", help="the blocks' device; on cuda the monolithic model is one CUDA graph")
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
     import torch
@@ -159,19 +181,23 @@ def main(argv: list[str] | None = None) -> int:
     n = args.n or (8 if args.quick else 200)
     out = common.results_dir(args.out)
     repo = common.ensure_repo(args.repo)
-    full = torch.jit.load(os.path.join(repo, "resnet50", "full.pt")).eval()
+    full = torch.jit.load(os.path.join(repo, "resnet50", "full.pt"), map_location=args.device).eval()
     x = common.input_tensor()
+    if args.device != "cpu":
+        with torch.inference_mode():
+            full = graphed(full, x, args.device)
     # --quick (the smoke test) runs the two-fused deployment only: one update, a few requests
     names = args.series or (["two fused"] if args.quick else [*SERIES, "one group"])
     series = {s: SERIES.get(s, SERIES["five blocks"]) for s in names}
-    settings = {"n": n, "quick": args.quick, "threads": 1, "batch": 1, "transport": "tensormq",
+    settings = {"n": n, "quick": args.quick, "threads": 1, "batch": 1, "transport": "tensormq", "device": args.device,
                 "client": "1 synchronous client, each request followed by full.pt in the client process",
                 "series": {s: [[name, stems] for name, stems in blocks] for s, blocks in series.items()}}
     result = {"experiment": "fused", "env": common.env_info(settings), "settings": settings, "series": {}}
     with common.blockflow_server(repo) as server:
         for label, blocks in series.items():
             grouped = label == "one group"
-            res = server.update(group_update() if grouped else update_for(blocks))
+            res = server.update(group_update(device=args.device) if grouped
+                                else update_for(blocks, device=args.device))
             common.log.info("%s: update applied in %.2fs", label, res["seconds"])
             row = measure_group(server, full, x, n, args.quick) if grouped else measure(server, full, x, n, args.quick)
             row["update_s"] = res["seconds"]
