@@ -176,9 +176,10 @@ def _infer(c, x):
 
 @pytest.mark.cuda
 def test_a_group_on_a_gpu_answers_as_separate_processes(server_factory, model_repo):
-    """On a GPU the blocks of a group hand over through slots of their own process, which CUDA
-    cannot open by IPC (tensormq/cuda_ipc.py, "Slots of this process"): seen on an H100, every
-    request through a group's second block failed. One CUDA context instead of seven."""
+    """On a GPU the blocks of a group hand over by reference, ordered by a plain CUDA event
+    (blocks/handover.py); before that they handed over through slots of their own process, which
+    CUDA cannot open by IPC (tensormq/cuda_ipc.py, "Slots of this process"): seen on an H100, every
+    request through a group's second block failed then. One CUDA context instead of seven."""
     srv = server_factory(model_repo)
     xs = [torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     srv.call("POST", "/system/update", _body({}, device="cuda:0"), timeout=180)
@@ -190,6 +191,9 @@ def test_a_group_on_a_gpu_answers_as_separate_processes(server_factory, model_re
         for t in TASKS:
             for a, b in zip(separate[t], grouped[t]):
                 assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (t, (a - b).abs().max())
+    through = {n: 2 * sum(len(xs) for p in TASKS.values() if n in p) for n in BLOCKS}
+    assert {n: _received(srv, n) for n in BLOCKS if n != "b1"} == {n: {"local": through[n]} for n in BLOCKS
+                                                                    if n != "b1"}
 
 
 def test_a_forged_path_does_not_reach_a_neighbour_in_the_process(server_factory, identity_repo):
@@ -221,3 +225,26 @@ def test_a_forged_path_does_not_reach_a_neighbour_in_the_process(server_factory,
         assert _received(srv, "s") == {} and srv.call("GET", "/blocks/s/ping")["served"] == 0
         assert torch.equal(c.infer("u", x), x * 2)  # the path that names s does reach it, by reference
     assert _received(srv, "s") == {"local": 1} and _received(srv, "d") == ({"shm": 1} if through_d else {})
+
+
+def test_an_inbox_refuses_hand_overs_once_its_block_stops():
+    """A block closes its inbox before it answers what it holds: what got in is given back to
+    it to answer, a later hand-over fails at once (HopGone: the request is answered
+    block_failed), and the address no longer leads to it."""
+    from blockflow.blocks.handover import INBOXES, Handed, Inbox
+    from blockflow.tensormq.shm import HopGone
+    woken = []
+    inbox = Inbox("b", lambda: woken.append(1))
+    inbox.open(["ipc:///tmp/never-bound-b.sock", None])
+    try:
+        assert INBOXES["ipc:///tmp/never-bound-b.sock"] is inbox
+        x = torch.ones(2)
+        inbox.put("header", Handed.of(x, None, None))
+        assert woken == [1] and inbox.items[0][1].take(None) == (x, None)
+        assert [h for h, _ in inbox.close()] == ["header"]
+        assert "ipc:///tmp/never-bound-b.sock" not in INBOXES
+        with pytest.raises(HopGone, match="block b stopped"):
+            inbox.put("late", Handed.of(x, None, None))
+        assert woken == [1] and not inbox.items
+    finally:
+        inbox.close()
