@@ -248,3 +248,26 @@ def test_an_inbox_refuses_hand_overs_once_its_block_stops():
         assert woken == [1] and not inbox.items
     finally:
         inbox.close()
+
+
+def test_a_block_of_a_group_batches_what_its_neighbour_hands_over(server_factory, identity_repo):
+    """a (identity) hands d its input as it came, in the dispatcher's slot, whose release duty goes
+    along (blocks/handover.py); d batches such inputs and gives every slot back: all answered right,
+    and the dispatcher's slots are free again (its window would run out otherwise)."""
+    import json
+    srv = server_factory(identity_repo)
+    body = {"blocks": [{"name": "a", "model": "toy/identity.pt", "process": "g"},
+                       {"name": "d", "model": "toy/double.pt", "process": "g",
+                        "batching": {"max_batch": 8, "max_queue_delay_us": 200_000}}],
+            "tasks": [{"id": "t", "path": ["a", "d"]}]}
+    srv.call("POST", "/system/update", body, timeout=60)
+    xs = [torch.full((1, 64), float(i)) for i in range(12)]
+    with Client(srv.dispatcher, timeout=60) as c:
+        for _ in range(3):  # more requests than the dispatcher's window of slots towards a
+            futs = [c.submit("t", x) for x in xs]
+            assert all(torch.equal(f.result(60), x * 2) for f, x in zip(futs, xs))
+    assert _received(srv, "d") == {"local": 36}
+    srv.call("POST", "/blocks/d/kpi")  # writes d's records out
+    with open(os.path.join(srv.call("GET", "/system")["run_dir"], "d.latency.jsonl")) as f:
+        sizes = [json.loads(line).get("requests_in_batch", 1) for line in f if line.strip()]
+    assert len(sizes) == 36 and max(sizes) > 1, f"d never batched: {sizes}"
