@@ -80,13 +80,15 @@ class Handed:
         else:  # a bundle reaches its receiver as it would over the wire: a tuple or a dict
             members, keys = flatten(y, "the block's output")
             y = assemble(members, keys)
+        event = None
         if stream is not None and any(t.is_cuda for t in members):
             y = apply(lambda t: t.clone() if t.is_cuda else t, y)
+            members = [y] if isinstance(y, torch.Tensor) else flatten(y)[0]
             event = torch.cuda.Event()
             event.record(stream)
-            return cls(y, None, event)
+        # a host member may still live in the input's shared-memory slot: the slot goes along
         keep = lease is not None and any(lease.contains(t) for t in members)
-        return cls(y, lease if keep else None, None)
+        return cls(y, lease if keep else None, event)
 
     def take(self, stream):
         """(value, lease) for the receiving block, whose CUDA stream (or None) is ``stream``."""
