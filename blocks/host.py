@@ -5,7 +5,8 @@ one interpreter, one torch and, on a GPU, one CUDA context, instead of paying fo
 every hosted block is the same ``Block`` a block process runs (blocks/process.py), with its own
 inference, control and monitor threads, its own data socket, mailbox, TensorMQ pools, queue
 and KPI log, and its own DEALER to the controller under its own identity: the manager pings,
-updates, replaces and retires each one as it does a block process. Only what is process-wide
+updates, replaces and retires each one as it does a block process. One member hands its output
+to the next one in the process by reference, not through their sockets (blocks/handover.py). Only what is process-wide
 is the host's: signals, the parent watch, glibc's heap settings and torch's thread pool.
 
     manager ──host {spec}──> [DEALER] host main thread ──starts──> member thread: Block.run()

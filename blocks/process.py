@@ -67,6 +67,7 @@ from blockflow.tensormq.bundle import first
 from blockflow.tensormq.wire import DataHeader, WireError, check_path, dumps, loads_data_header
 
 from .batching import BatchPolicy, DelayController, plan_batches, run_batch
+from .handover import INBOXES, Handed, Inbox
 from .heap import keep_freed_memory
 from .kpilog import KpiLog
 from .monitor import ResourceSampler
@@ -136,6 +137,14 @@ class Block(ChildProcess):
         self.outputs: dict[tuple, int] = {}
         #: how many slots to lend for an output: learnt once for the model, whatever the shape
         self.lend_count = 1
+        #: a block in a shared process: what its neighbours there hand it, and their inboxes by
+        #: address (Note [Hand-over inside a process] in blocks/handover.py); a block of its own
+        #: process has no neighbour
+        self.inbox: Inbox | None = None
+        self.neighbours: dict[str, Inbox] = {}
+        #: the wake-up socket is the control thread's, and the neighbours' inference threads' in
+        #: a shared process: each use holds this lock (ZeroMQ sockets are not thread-safe)
+        self.wake_lock = threading.Lock()
         self.register("store", self.cmd_store)
         self.register("monitor", self.cmd_monitor)
         self.register("update", self.cmd_update)
@@ -226,6 +235,10 @@ class Block(ChildProcess):
         self.transport.result_keys = os.path.join(spec.sock_dir, RESULT_KEYS)  # results over TCP: CURVE
         self.threads = [threading.Thread(target=self.control_loop, name=f"{self.name}-control", daemon=True),
                         threading.Thread(target=self.monitor_loop, name=f"{self.name}-monitor", daemon=True)]
+        if spec.hosted:  # its neighbours hand over by reference from now on (blocks/handover.py)
+            self.inbox = Inbox(self.name, self.wake)
+            self.inbox.open([self.endpoint, self.tcp_endpoint])
+            self.neighbours = INBOXES
         self.open_control()  # last: see ChildProcess.open_control
 
     def listen_between_nodes(self) -> str:
@@ -284,7 +297,8 @@ class Block(ChildProcess):
             if self.ctrl is not None:
                 self.ctrl.close(linger=0)
             self.mail_out.close(linger=0)
-            self.waker.close(linger=0)
+            with self.wake_lock:
+                self.waker.close(linger=0)
 
     # commands the control thread answers itself (ChildProcess answers "ping" and "stop" too)
     def cmd_ping(self, args: dict) -> dict:
@@ -316,11 +330,15 @@ class Block(ChildProcess):
         return answer
 
     def wake(self) -> None:
-        """End the inference thread's wait on its data socket now (control thread)."""
-        try:
-            self.waker.send(b"", zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # wake-ups already pending: the inference thread is about to go around anyway
+        """End the inference thread's wait on its data socket now (control thread, and in a
+        shared process the inference threads that hand this block a request)."""
+        with self.wake_lock:
+            if self.waker.closed:
+                return  # stopping: the inference thread answers what it holds without waiting
+            try:
+                self.waker.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # wake-ups already pending: the inference thread is about to go around anyway
 
     def post_to_inference(self, kind: str, args: dict, timeout: float) -> Later:
         """Post a command to the inference thread's mailbox; the reply goes when it answers, or
@@ -467,6 +485,8 @@ class Block(ChildProcess):
         """Check one message's envelope once; accept it into the backlog, or answer an error."""
         arrival, arrival_wall = time.perf_counter(), time.time()
         if len(frames) == 1 and not len(frames[0]):
+            if self.inbox is not None and self.inbox.items:  # a neighbour handed a request over
+                self.admit_handed(arrival, arrival_wall)
             return  # the control thread's wake-up (Note [One wait per hop])
         try:
             header = loads_data_header(frames[0])  # typed and checked: Note [Typed header] in wire.py
@@ -493,6 +513,22 @@ class Block(ChildProcess):
         self.backlog.append((arrival, arrival_wall, header, frames))
         if self.batcher is not None:
             self.batcher.arrived(arrival)
+
+    def admit_handed(self, arrival: float, arrival_wall: float) -> None:
+        """Accept what neighbours in this process handed over (blocks/handover.py), with the
+        same queue limit as messages: their headers were checked by the block that received them."""
+        items = self.inbox.items
+        while items:
+            header, handed = items.popleft()
+            if len(self.backlog) >= self.spec.max_queue:
+                handed.release()
+                self.send_quietly(header.path[-1][1], {
+                    "t": "error", "rid": header.rid, "block": self.name, "code": ErrorCode.OVERLOADED.value,
+                    "err": f"block {self.name} is overloaded: {self.spec.max_queue} requests already queued"})
+                continue
+            self.backlog.append((arrival, arrival_wall, header, handed))
+            if self.batcher is not None:
+                self.batcher.arrived(arrival)
 
     def send_quietly(self, address: str, header: dict) -> None:
         """An error reply (no tensor): best effort, a short wait, never raises."""
@@ -562,7 +598,7 @@ class Block(ChildProcess):
         x = req.x
         req.key = key = (x.dtype, x.shape)
         nbytes = self.outputs.get(key)
-        if not nbytes:
+        if not nbytes or req.header.path[0][1] in self.neighbours:  # a neighbour takes the tensor itself
             return []
         try:
             lent = self.transport.lend(req.header.path[0][1], nbytes, self.lend_count)
@@ -636,7 +672,10 @@ class Block(ChildProcess):
         req.t0 = time.perf_counter()
         runner = self.runner
         try:
-            if header.xs is not None:  # several tensors (tensormq/bundle.py): the slower, general way
+            if type(frames) is Handed:  # from a neighbour in this process: a reference (blocks/handover.py)
+                req.x_in, req.lease = frames.take(runner.stream)
+                self.transport.received["local"] = self.transport.received.get("local", 0) + 1
+            elif header.xs is not None:  # several tensors (tensormq/bundle.py): the slower, general way
                 req.x_in, req.lease = self.transport.decode_value(header.x, header.xs, header.keys, frames)
             else:
                 req.x_in, req.lease = self.transport.decode(header.x, frames)
@@ -680,7 +719,14 @@ class Block(ChildProcess):
                 header.t = "result"
             else:
                 header.path = path[1:]
-            if single:
+            neighbour = self.neighbours.get(next_addr) if self.neighbours else None
+            if neighbour is not None:  # in this process: the tensor itself (blocks/handover.py)
+                handed = Handed.of(y, lease, self.runner.stream)
+                header.x, header.keys = None, None
+                header.xs = None if isinstance(handed.value, torch.Tensor) else []  # [] : a bundle
+                if handed.lease is not None:
+                    lease = None  # its release duty goes with the tensor (req's too, once it is handed)
+            elif single:
                 # an output that is the input itself keeps the input's handle as it came
                 x_desc, payload = self.transport.encode(y, next_addr, lease,
                                                         same_as=header.x if y is x_in else None, made_in=made_in)
@@ -694,10 +740,15 @@ class Block(ChildProcess):
             t4 = time.perf_counter()
             hop["share"] = (t4 - t3) * 1e3 + req.lend_ms
             hop["t_out"] = round(t4, 6)  # Note [Hop timestamps] in blocks/kpilog.py
-            if single:
-                header.x = x_desc
-            self.transport.send(next_addr, header, payload)
-            x_desc = None
+            if neighbour is not None:
+                neighbour.put(header, handed)
+                if handed.lease is not None:
+                    req.lease = None
+            else:
+                if single:
+                    header.x = x_desc
+                self.transport.send(next_addr, header, payload)
+                x_desc = None
             t5 = time.perf_counter()
         except Exception as exc:
             self.fail(req, exc, x_desc)
@@ -764,10 +815,14 @@ class Block(ChildProcess):
     def answer_held(self) -> None:
         """Every request accepted or still waiting in the data socket is answered with an error
         and its slot released."""
+        if self.inbox is not None:  # first: a neighbour's hand-over from now on fails at once (HopGone)
+            self.backlog.extend((0.0, 0.0, header, handed) for header, handed in self.inbox.close())
         while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self.admit(recv_message(self.pull, zmq.NOBLOCK))
         while self.backlog:
-            header = self.backlog.popleft()[2]
+            _, _, header, frames = self.backlog.popleft()
+            if type(frames) is Handed:
+                frames.release()
             self.release_unused(header)
             self.send_quietly(header.path[-1][1], {"t": "error", "rid": header.rid, "block": self.name,
                                                       "code": ErrorCode.SHUTDOWN.value,

@@ -31,7 +31,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 STEP_LIMIT=${STEP_LIMIT:-570}
 SITE=${GPU_SITE:-/tmp/blockflow-site}
-ALL_STEPS="tests-fastpath tests-ipc tests-manager tests-pipeline tests-groups pipeline_latency hop_overhead batching vram throughput energy memory_model batch_scaling utilization multi_gpu report"
+ALL_STEPS="tests-fastpath tests-ipc tests-manager tests-pipeline tests-groups pipeline_latency hop_overhead groups batching vram throughput energy memory_model batch_scaling utilization multi_gpu report"
 STEPS=${*:-$ALL_STEPS}
 
 die() { echo "gpu-check: $*" >&2; exit 2; }
@@ -134,7 +134,7 @@ for step in $STEPS; do
     tests-pipeline)  # the data-plane promises with every block on the GPU
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
         --junitxml="$LOGS/$step.xml" tests/test_dataplane.py ;;
-    tests-groups)  # issue 28: blocks sharing one process on a GPU hand over through their own slots
+    tests-groups)  # issue 28: blocks sharing one process on a GPU (issue 40: they hand over by reference)
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
         --junitxml="$LOGS/$step.xml" tests/test_groups.py \
         tests/test_cuda_ipc.py::test_a_slot_of_this_process_is_opened_without_ipc_and_refused_once_closed ;;
@@ -143,6 +143,8 @@ for step in $STEPS; do
     hop_overhead)  # goal: a handle-forwarding hop <= 0.10 ms median (HOP_BATCHES=1: half the time)
       run_step "$step" "$PY" -m experiments.hop_overhead --device cuda:0 --stages block1,block4 --budget 1 \
         --batches "${HOP_BATCHES:-1,32}" "${OUTARG[@]}" ;;
+    groups)  # issue 40 item 4: ResNet50's 5 blocks in one process vs 5 processes vs full.pt as one CUDA graph (goal <= 1.3x)
+      run_step "$step" "$PY" -m experiments.fused --series "one group" --device cuda --n 300 "${OUTARG[@]}" ;;
     batching)  # issue 27 item 5: saturation unbatched vs dynamic batching (goal >= 3x)
       run_step "$step" "$PY" -m experiments.batching --device cuda --rates 400,800,1600,3200 --duration 4 \
         --rounds 2 --window 4 "${OUTARG[@]}" ;;

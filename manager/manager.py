@@ -1005,8 +1005,9 @@ class Manager:
 
     def hop_kinds(self, c: Child) -> dict[str, str]:
         """How ``c``'s tensors travel to each next hop of the tasks through it (GET /system):
-        ``handles`` on one node with TensorMQ, ``bytes`` with ZeroMQ, ``tcp`` (bytes over
-        CURVE TCP) to another node. The dispatcher is the hop after a path's last block."""
+        ``in_process`` to a block of the same shared process (the tensor itself: blocks/handover.py),
+        ``handles`` on one node with TensorMQ, ``bytes`` with ZeroMQ, ``tcp`` (bytes over CURVE
+        TCP) to another node. The dispatcher is the hop after a path's last block."""
         kinds = {}
         for path in self.tasks.values():
             for i, name in enumerate(path):
@@ -1017,7 +1018,9 @@ class Manager:
                     if n is None:
                         continue
                     hop = n.name if n.decl is not None else DISPATCHER
-                    if n.process.node != c.process.node:
+                    if c.host is not None and n.host is c.host:
+                        kinds[hop] = "in_process"
+                    elif n.process.node != c.process.node:
                         kinds[hop] = "tcp"
                     else:
                         kinds[hop] = "handles" if (c.decl.transport == "tensormq") else "bytes"

@@ -38,6 +38,19 @@ def _procs(srv) -> dict[str, tuple[int, int]]:
     return {b["name"]: (b["pid"], b["incarnation"]) for b in srv.call("GET", "/system")["blocks"]}
 
 
+def _received(srv, name: str) -> dict[str, int]:
+    """How the block's inputs came (its ping): ``local`` from a block of its own process, by
+    reference (blocks/handover.py), ``shm``/``cuda`` as slot handles, ``bytes`` in the message."""
+    return srv.call("GET", f"/blocks/{name}/ping")["received"]
+
+
+def _whole_model(model_repo, xs) -> list[torch.Tensor]:
+    from blockflow.blocks.repository import load_block
+    full = load_block(model_repo, f"{MODEL}/full.pt")
+    with torch.inference_mode():
+        return [full(x) for x in xs]
+
+
 def _answers(srv, xs) -> dict[str, list[torch.Tensor]]:
     with Client(srv.dispatcher, timeout=60) as c:
         futures = {t: [c.submit(t, x) for x in xs] for t in TASKS}  # both tasks at once, through shared blocks
@@ -59,6 +72,22 @@ def test_a_group_answers_as_separate_processes_and_its_blocks_change_one_by_one(
     grouped = _answers(srv, xs)
     for t in TASKS:
         assert all(torch.equal(a, b) for a, b in zip(separate[t], grouped[t])), t
+    for a, b in zip(_whole_model(model_repo, xs), grouped["classify"]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+    # inside the group no hand-over takes a socket or a slot: every block after b1 got each of its
+    # inputs from its neighbour by reference; b1 gets them from the dispatcher, in slots
+    through = {n: sum(len(xs) for p in TASKS.values() if n in p) for n in BLOCKS}
+    assert _received(srv, "b1") == {"shm": through["b1"]}
+    assert {n: _received(srv, n) for n in BLOCKS if n != "b1"} == {n: {"local": through[n]} for n in BLOCKS
+                                                                    if n != "b1"}
+    hops = {b["name"]: b["next_hops"] for b in srv.call("GET", "/system")["blocks"]}
+    assert hops["b2"] == {"b3": "in_process"} and hops["h"] == {"@dispatcher": "handles"}, hops
+    # ... and each member still logs its own KPIs, the hand-over's components included (near 0)
+    for name in ("b2", "h"):
+        kpi = srv.call("POST", f"/blocks/{name}/kpi")
+        assert kpi["count"] == 2 * through[name], kpi  # the separate process's requests, then the group's
+        lat = kpi["latency_ms"]
+        assert all(lat[k]["p50"] is not None for k in ("wait", "deser", "dev", "inf", "share", "fwd", "total"))
 
     # replacing one block of the group leaves its neighbours alone
     res = srv.call("POST", "/system/update", _body(everything, {"b3": {"max_inference_s": 30}}), timeout=120)
@@ -67,11 +96,17 @@ def test_a_group_answers_as_separate_processes_and_its_blocks_change_one_by_one(
     assert {n: after[n] for n in BLOCKS if n != "b3"} == {n: procs[n] for n in BLOCKS if n != "b3"}
     assert after["b3"][0] == procs["b3"][0] and after["b3"][1] == procs["b3"][1] + 1, (procs, after)
     assert _answers(srv, xs[:1])["special"][0].equal(separate["special"][0])
+    assert _received(srv, "b3") == {"local": 2}  # the new b3 is handed over to, and hands over, in-process
+    assert _received(srv, "b4x") == {"local": through["b4x"] + 1}
     # one block leaves the group for a process of its own: only it changes
     res = srv.call("POST", "/system/update", _body({n: "g" for n in BLOCKS if n != "hx"}), timeout=120)
     assert sorted(res["diff"]["replaced"]) == ["b3", "hx"], res  # b3 loses its max_inference_s again
     final = _procs(srv)
     assert final["hx"][0] != procs["hx"][0] and final["b1"] == procs["b1"], (procs, final)
+    assert _answers(srv, xs[:1])["special"][0].equal(separate["special"][0])
+    assert _received(srv, "hx") == {"shm": 1}  # out of the process: a slot and a socket again
+    hops = {b["name"]: b["next_hops"] for b in srv.call("GET", "/system")["blocks"]}
+    assert hops["b4x"] == {"hx": "handles"} and hops["b3"] == {"b4": "in_process", "b4x": "in_process"}, hops
     system = srv.call("GET", "/system")
     assert {b["name"]: b.get("process") for b in system["blocks"]}["b1"] == "g"
     status = {r["process"]: r for r in srv.call("GET", "/status")["processes"]}
@@ -141,9 +176,10 @@ def _infer(c, x):
 
 @pytest.mark.cuda
 def test_a_group_on_a_gpu_answers_as_separate_processes(server_factory, model_repo):
-    """On a GPU the blocks of a group hand over through slots of their own process, which CUDA
-    cannot open by IPC (tensormq/cuda_ipc.py, "Slots of this process"): seen on an H100, every
-    request through a group's second block failed. One CUDA context instead of seven."""
+    """On a GPU the blocks of a group hand over by reference, ordered by a plain CUDA event
+    (blocks/handover.py); before that they handed over through slots of their own process, which
+    CUDA cannot open by IPC (tensormq/cuda_ipc.py, "Slots of this process"): seen on an H100, every
+    request through a group's second block failed then. One CUDA context instead of seven."""
     srv = server_factory(model_repo)
     xs = [torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     srv.call("POST", "/system/update", _body({}, device="cuda:0"), timeout=180)
@@ -155,3 +191,83 @@ def test_a_group_on_a_gpu_answers_as_separate_processes(server_factory, model_re
         for t in TASKS:
             for a, b in zip(separate[t], grouped[t]):
                 assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (t, (a - b).abs().max())
+    through = {n: 2 * sum(len(xs) for p in TASKS.values() if n in p) for n in BLOCKS}
+    assert {n: _received(srv, n) for n in BLOCKS if n != "b1"} == {n: {"local": through[n]} for n in BLOCKS
+                                                                    if n != "b1"}
+
+
+def test_a_forged_path_does_not_reach_a_neighbour_in_the_process(server_factory, identity_repo):
+    """Inside a group a block hands over to the address its message's path names next, as it
+    would send there, and the path is the dispatcher's: a request for task ``t`` (a, then d
+    outside) that also carries a path naming ``s``, a's neighbour in the process, is answered by
+    a and d alone, and s never sees it."""
+    srv = server_factory(identity_repo)
+    body = {"blocks": [{"name": "a", "model": "toy/identity.pt", "process": "g"},
+                       {"name": "s", "model": "toy/double.pt", "process": "g"},
+                       {"name": "d", "model": "toy/double.pt"}],
+            "tasks": [{"id": "t", "path": ["a", "d"]}, {"id": "u", "path": ["a", "s"]}]}
+    srv.call("POST", "/system/update", body, timeout=60)
+    system = {b["name"]: b for b in srv.call("GET", "/system")["blocks"]}
+    assert system["a"]["next_hops"] == {"d": "handles", "s": "in_process"}, system["a"]
+    x = torch.arange(8.0).reshape(1, 8)
+    from blockflow.protocol import RETURN_HOP
+    from blockflow.tensormq.transport import bytes_fields
+    forged = [["s", system["s"]["endpoint"]], [RETURN_HOP, system["s"]["endpoint"]]]
+    with Client(srv.dispatcher, timeout=30) as c:
+        fields, payloads = bytes_fields(x)
+        fut = c._request({"op": "infer", "task": "t", **fields, "timeout": 30, "path": forged}, payloads, 30, False)
+        try:
+            assert torch.equal(fut.result(30), x * 2)  # a (identity), then d (double): not s
+            through_d = 1
+        except BlockFlowError as exc:
+            assert exc.code == "bad_request", exc  # refused is as good: s still never sees it
+            through_d = 0
+        assert _received(srv, "s") == {} and srv.call("GET", "/blocks/s/ping")["served"] == 0
+        assert torch.equal(c.infer("u", x), x * 2)  # the path that names s does reach it, by reference
+    assert _received(srv, "s") == {"local": 1} and _received(srv, "d") == ({"shm": 1} if through_d else {})
+
+
+def test_an_inbox_refuses_hand_overs_once_its_block_stops():
+    """A block closes its inbox before it answers what it holds: what got in is given back to
+    it to answer, a later hand-over fails at once (HopGone: the request is answered
+    block_failed), and the address no longer leads to it."""
+    from blockflow.blocks.handover import INBOXES, Handed, Inbox
+    from blockflow.tensormq.shm import HopGone
+    woken = []
+    inbox = Inbox("b", lambda: woken.append(1))
+    inbox.open(["ipc:///tmp/never-bound-b.sock", None])
+    try:
+        assert INBOXES["ipc:///tmp/never-bound-b.sock"] is inbox
+        x = torch.ones(2)
+        inbox.put("header", Handed.of(x, None, None))
+        assert woken == [1] and inbox.items[0][1].take(None) == (x, None)
+        assert [h for h, _ in inbox.close()] == ["header"]
+        assert "ipc:///tmp/never-bound-b.sock" not in INBOXES
+        with pytest.raises(HopGone, match="block b stopped"):
+            inbox.put("late", Handed.of(x, None, None))
+        assert woken == [1] and not inbox.items
+    finally:
+        inbox.close()
+
+
+def test_a_block_of_a_group_batches_what_its_neighbour_hands_over(server_factory, identity_repo):
+    """a (identity) hands d its input as it came, in the dispatcher's slot, whose release duty goes
+    along (blocks/handover.py); d batches such inputs and gives every slot back: all answered right,
+    and the dispatcher's slots are free again (its window would run out otherwise)."""
+    import json
+    srv = server_factory(identity_repo)
+    body = {"blocks": [{"name": "a", "model": "toy/identity.pt", "process": "g"},
+                       {"name": "d", "model": "toy/double.pt", "process": "g",
+                        "batching": {"max_batch": 8, "max_queue_delay_us": 200_000}}],
+            "tasks": [{"id": "t", "path": ["a", "d"]}]}
+    srv.call("POST", "/system/update", body, timeout=60)
+    xs = [torch.full((1, 64), float(i)) for i in range(12)]
+    with Client(srv.dispatcher, timeout=60) as c:
+        for _ in range(3):  # more requests than the dispatcher's window of slots towards a
+            futs = [c.submit("t", x) for x in xs]
+            assert all(torch.equal(f.result(60), x * 2) for f, x in zip(futs, xs))
+    assert _received(srv, "d") == {"local": 36}
+    srv.call("POST", "/blocks/d/kpi")  # writes d's records out
+    with open(os.path.join(srv.call("GET", "/system")["run_dir"], "d.latency.jsonl")) as f:
+        sizes = [json.loads(line).get("requests_in_batch", 1) for line in f if line.strip()]
+    assert len(sizes) == 36 and max(sizes) > 1, f"d never batched: {sizes}"
