@@ -184,6 +184,8 @@ class Block(ChildProcess):
             self.lender = outalloc.load()  # after the model: its weights are never made in a slot
             if self.lender is None:
                 log.info("block %s: outputs are copied into slots (%s)", self.name, outalloc.why_not())
+            else:  # the first request lends a slot too: the warm-up made an output like its own
+                self.outputs.update((k, n) for k, n in self.runner.outputs.items() if n)
         self.kpi = KpiLog(spec.run_dir, self.name)
         self.sampler = ResourceSampler(spec.device)
         if spec.monitor:
