@@ -33,6 +33,19 @@ waiting, and a refusal comes at most one inference late.
 Blocks make no routing decision: every message carries its remaining path, return address
 last.
 
+Note [Ready to serve]
+~~~~~~~~~~~~~~~~~~~~~
+What a first request would pay is done before a block serves, in two steps. Before READY, the
+warm-up (``BlockRunner.warm_up``) runs the model on every declared input shape as often as
+TorchScript's profiling executor needs to have optimised it (``warm_calls``), and remembers the
+size of what it made, so the output lender (Note [Outputs made in a slot]) lends a slot to the
+first request too. Once every new block of an update is READY and before the manager switches
+tasks to them (``Manager.prepare``), each process that is to send to a new block, and each new
+block, is sent a topology update with ``prepare``: its next hops under the new tasks. It connects
+a PUSH socket to each and, where tensors go by handle, makes that edge's window of slots, sized
+by its warm-up's output (the dispatcher by the task's input). experiments/first_request.py
+measures the first request after an update against a steady one.
+
 Note [One wait per hop]
 ~~~~~~~~~~~~~~~~~~~~~~~
 An idle block waits in ``recv`` on its data socket (timeout ``BEAT_INTERVAL``, its heartbeat),
@@ -184,7 +197,7 @@ class Block(ChildProcess):
             self.lender = outalloc.load()  # after the model: its weights are never made in a slot
             if self.lender is None:
                 log.info("block %s: outputs are copied into slots (%s)", self.name, outalloc.why_not())
-            else:  # the first request lends a slot too: the warm-up made an output like its own
+            else:  # the first request lends a slot too: its output's size is known (Note [Ready to serve])
                 self.outputs.update((k, n) for k, n in self.runner.outputs.items() if n)
         self.kpi = KpiLog(spec.run_dir, self.name)
         self.sampler = ResourceSampler(spec.device)
@@ -461,9 +474,21 @@ class Block(ChildProcess):
                     answer = {"result": {"dropped": self.transport.set_topology(args.get("live", []),
                                                                                  args.get("devices"),
                                                                                  args.get("near"))}}
+                    if args.get("prepare"):
+                        answer["result"]["prepared"] = self.prepare_hops(args["prepare"])
                 except Exception as exc:  # a bad update is the controller's error, not the end of the block
                     answer = {"error": f"{type(exc).__name__}: {exc}"}
                 self.mail_in.send(dumps({"seq": msg["seq"], **answer}))
+
+    def prepare_hops(self, hops: dict) -> list[str]:
+        """Open the sockets and slots towards the next hops an update is about to send this
+        block's outputs to (Note [Ready to serve]); slots (TensorMQ) are sized by the largest
+        output the warm-up made (``hops`` maps each address to None). Returns the addresses."""
+        nbytes = max(self.runner.outputs.values(), default=0) if self.spec.transport == "tensormq" else 0
+        device = str(self.device)
+        for address in hops:
+            self.transport.prepare(address, nbytes, device)
+        return list(hops)
 
     def admit(self, frames: list) -> None:
         """Check one message's envelope once; accept it into the backlog, or answer an error."""

@@ -245,8 +245,8 @@ class BlockRunner:
     def warm_up(self, shapes: list, dtype: torch.dtype = torch.float32) -> int:
         """Run the model (capturing its graphs on a GPU) per shape, before the block is ready,
         so no request pays a first call, TorchScript's optimisation or a capture; returns how
-        many shapes ran. ``outputs`` then holds what each made: the output lender's first
-        request, and the slots towards the next hops, are sized by it."""
+        many shapes ran. ``outputs`` then holds what each made (Note [Ready to serve] in
+        blocks/process.py)."""
         n = 0
         # a graph's capture makes its own eager calls first (CAPTURE_WARM_CALLS)
         calls = 1 if self.graphs is not None else warm_calls()
