@@ -43,8 +43,10 @@ first request too. Once every new block of an update is READY and before the man
 tasks to them (``Manager.prepare``), each process that is to send to a new block, and each new
 block, is sent a topology update with ``prepare``: its next hops under the new tasks. It connects
 a PUSH socket to each and, where tensors go by handle, makes that edge's window of slots, sized
-by its warm-up's output (the dispatcher by the task's input). experiments/first_request.py
-measures the first request after an update against a steady one.
+by its warm-up's output (the dispatcher by the task's input). Where tensors arrive as bytes
+(ZeroMQ), a block receives two messages of its input's size from itself before READY
+(``warm_receive``), so its I/O thread's receive buffers exist before a request needs them.
+experiments/first_request.py measures the first request after an update against a steady one.
 
 Note [One wait per hop]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -63,6 +65,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -101,6 +104,11 @@ MAX_LENT = 4
 #: Seconds between two looks for mappings of slots whose producer is gone (a retired block's
 #: files are unlinked; the consumer's mapping would pin their pages: SlotMapper.forget_unlinked).
 SWEEP_INTERVAL = 2.0
+#: Input buffers warmed before READY in ZeroMQ mode (warm_receive): a request's input is still
+#: held while the next one is received, so the I/O thread allocates two.
+RECEIVE_BUFFERS = 2
+#: How long warm_receive waits for each of its own messages (milliseconds).
+WARM_RECEIVE_TIMEOUT_MS = 2000
 #: Seconds the inference thread has to apply a topology update before the manager is told it failed.
 UPDATE_TIMEOUT = 10.0
 
@@ -239,9 +247,34 @@ class Block(ChildProcess):
         self.transport.stopping = self.stopping  # a stopping block waits for no slot
         self.tcp_endpoint = self.listen_between_nodes() if spec.bind_host else None
         self.transport.result_keys = os.path.join(spec.sock_dir, RESULT_KEYS)  # results over TCP: CURVE
+        if spec.transport == "zeromq":
+            self.warm_receive(max((k[0].itemsize * math.prod(k[1]) for k in self.runner.outputs), default=0))
         self.threads = [threading.Thread(target=self.control_loop, name=f"{self.name}-control", daemon=True),
                         threading.Thread(target=self.monitor_loop, name=f"{self.name}-monitor", daemon=True)]
         self.open_control()  # last: see ChildProcess.open_control
+
+    def warm_receive(self, nbytes: int) -> None:
+        """ZeroMQ mode, before READY: receive ``RECEIVE_BUFFERS`` messages of ``nbytes`` (the
+        largest warm-up input) from this block itself and drop them. A tensor that arrives as
+        bytes lands in a buffer that the context's I/O thread allocates from its own malloc
+        arena, which held nothing yet: without this the first requests fault those pages in
+        (Note [Ready to serve])."""
+        if not nbytes or self.endpoint is None:
+            return
+        push = self.ctx.socket(zmq.PUSH)
+        push.linger = 0
+        try:
+            push.connect(self.endpoint)
+            payload = bytes(nbytes)
+            for _ in range(RECEIVE_BUFFERS):
+                push.send(payload, copy=False)
+            held = []  # every buffer alive at once, as a request's input is while the next one arrives
+            for _ in range(RECEIVE_BUFFERS):
+                if not self.pull.poll(WARM_RECEIVE_TIMEOUT_MS):
+                    break
+                held.append(self.pull.recv(copy=False))
+        finally:
+            push.close(linger=0)
 
     def listen_between_nodes(self) -> str:
         """Ray mode: the data socket also listens on TCP at this node's address, as a CURVE
