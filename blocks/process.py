@@ -33,6 +33,21 @@ waiting, and a refusal comes at most one inference late.
 Blocks make no routing decision: every message carries its remaining path, return address
 last.
 
+Note [Ready to serve]
+~~~~~~~~~~~~~~~~~~~~~
+What a first request would pay is done before a block serves, in two steps. Before READY, the
+warm-up (``BlockRunner.warm_up``) runs the model on every declared input shape as often as
+TorchScript's profiling executor needs to have optimised it (``warm_calls``), and remembers the
+size of what it made, so the output lender (Note [Outputs made in a slot]) lends a slot to the
+first request too. Once every new block of an update is READY and before the manager switches
+tasks to them (``Manager.prepare``), each process that is to send to a new block, and each new
+block, is sent a topology update with ``prepare``: its next hops under the new tasks. It connects
+a PUSH socket to each and, where tensors go by handle, makes that edge's window of slots, sized
+by its warm-up's output (the dispatcher by the task's input). Where tensors arrive as bytes
+(ZeroMQ), a block receives two messages of its input's size from itself before READY
+(``warm_receive``), so its I/O thread's receive buffers exist before a request needs them.
+experiments/first_request.py measures the first request after an update against a steady one.
+
 Note [One wait per hop]
 ~~~~~~~~~~~~~~~~~~~~~~~
 An idle block waits in ``recv`` on its data socket (timeout ``BEAT_INTERVAL``, its heartbeat),
@@ -50,6 +65,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -89,6 +105,11 @@ MAX_LENT = 4
 #: Seconds between two looks for mappings of slots whose producer is gone (a retired block's
 #: files are unlinked; the consumer's mapping would pin their pages: SlotMapper.forget_unlinked).
 SWEEP_INTERVAL = 2.0
+#: Input buffers warmed before READY in ZeroMQ mode (warm_receive): a request's input is still
+#: held while the next one is received, so the I/O thread allocates two.
+RECEIVE_BUFFERS = 2
+#: How long warm_receive waits for each of its own messages (milliseconds).
+WARM_RECEIVE_TIMEOUT_MS = 2000
 #: Seconds the inference thread has to apply a topology update before the manager is told it failed.
 UPDATE_TIMEOUT = 10.0
 
@@ -193,6 +214,8 @@ class Block(ChildProcess):
             self.lender = outalloc.load()  # after the model: its weights are never made in a slot
             if self.lender is None:
                 log.info("block %s: outputs are copied into slots (%s)", self.name, outalloc.why_not())
+            else:  # the first request lends a slot too: its output's size is known (Note [Ready to serve])
+                self.outputs.update((k, n) for k, n in self.runner.outputs.items() if n)
         self.kpi = KpiLog(spec.run_dir, self.name)
         self.sampler = ResourceSampler(spec.device)
         if spec.monitor:
@@ -233,6 +256,8 @@ class Block(ChildProcess):
         self.transport.stopping = self.stopping  # a stopping block waits for no slot
         self.tcp_endpoint = self.listen_between_nodes() if spec.bind_host else None
         self.transport.result_keys = os.path.join(spec.sock_dir, RESULT_KEYS)  # results over TCP: CURVE
+        if spec.transport == "zeromq":
+            self.warm_receive(max((k[0].itemsize * math.prod(k[1]) for k in self.runner.outputs), default=0))
         self.threads = [threading.Thread(target=self.control_loop, name=f"{self.name}-control", daemon=True),
                         threading.Thread(target=self.monitor_loop, name=f"{self.name}-monitor", daemon=True)]
         if spec.hosted:  # its neighbours hand over by reference from now on (blocks/handover.py)
@@ -240,6 +265,29 @@ class Block(ChildProcess):
             self.inbox.open([self.endpoint, self.tcp_endpoint])
             self.neighbours = INBOXES
         self.open_control()  # last: see ChildProcess.open_control
+
+    def warm_receive(self, nbytes: int) -> None:
+        """ZeroMQ mode, before READY: receive ``RECEIVE_BUFFERS`` messages of ``nbytes`` (the
+        largest warm-up input) from this block itself and drop them. A tensor that arrives as
+        bytes lands in a buffer that the context's I/O thread allocates from its own malloc
+        arena, which held nothing yet: without this the first requests fault those pages in
+        (Note [Ready to serve])."""
+        if not nbytes or self.endpoint is None:
+            return
+        push = self.ctx.socket(zmq.PUSH)
+        push.linger = 0
+        try:
+            push.connect(self.endpoint)
+            payload = bytes(nbytes)
+            for _ in range(RECEIVE_BUFFERS):
+                push.send(payload, copy=False)
+            held = []  # every buffer alive at once, as a request's input is while the next one arrives
+            for _ in range(RECEIVE_BUFFERS):
+                if not self.pull.poll(WARM_RECEIVE_TIMEOUT_MS):
+                    break
+                held.append(self.pull.recv(copy=False))
+        finally:
+            push.close(linger=0)
 
     def listen_between_nodes(self) -> str:
         """Ray mode: the data socket also listens on TCP at this node's address, as a CURVE
@@ -477,9 +525,21 @@ class Block(ChildProcess):
                     answer = {"result": {"dropped": self.transport.set_topology(args.get("live", []),
                                                                                  args.get("devices"),
                                                                                  args.get("near"))}}
+                    if args.get("prepare"):
+                        answer["result"]["prepared"] = self.prepare_hops(args["prepare"])
                 except Exception as exc:  # a bad update is the controller's error, not the end of the block
                     answer = {"error": f"{type(exc).__name__}: {exc}"}
                 self.mail_in.send(dumps({"seq": msg["seq"], **answer}))
+
+    def prepare_hops(self, hops: dict) -> list[str]:
+        """Open the sockets and slots towards the next hops an update is about to send this
+        block's outputs to (Note [Ready to serve]); slots (TensorMQ) are sized by the largest
+        output the warm-up made (``hops`` maps each address to None). Returns the addresses."""
+        nbytes = max(self.runner.outputs.values(), default=0) if self.spec.transport == "tensormq" else 0
+        device = str(self.device)
+        for address in hops:
+            self.transport.prepare(address, nbytes, device)
+        return list(hops)
 
     def admit(self, frames: list) -> None:
         """Check one message's envelope once; accept it into the backlog, or answer an error."""

@@ -206,6 +206,9 @@ class BlockRunner:
         #: the block's own CUDA stream: blocks sharing a process (blocks/host.py) queue their
         #: work apart, and a block's sync waits for its own work only
         self.stream = torch.cuda.Stream(self.device) if self.on_gpu else None
+        #: (dtype, input shape) -> bytes of the one new tensor the warm-up made from such an
+        #: input; 0 where it made a view of its input or several tensors (a bundle)
+        self.outputs: dict[tuple, int] = {}
 
     def on_stream(self):
         """Context in which the block's thread queues its GPU work (nothing to do on a CPU)."""
@@ -240,12 +243,20 @@ class BlockRunner:
             torch.cuda.current_stream(self.device).synchronize()
 
     def warm_up(self, shapes: list, dtype: torch.dtype = torch.float32) -> int:
-        """Run the model (capturing its graphs on a GPU) once per shape, before the block is
-        ready, so no request pays a first call or a capture; returns how many shapes ran."""
+        """Run the model (capturing its graphs on a GPU) per shape, before the block is ready,
+        so no request pays a first call, TorchScript's optimisation or a capture; returns how
+        many shapes ran. ``outputs`` then holds what each made (Note [Ready to serve] in
+        blocks/process.py)."""
         n = 0
+        # a graph's capture makes its own eager calls first (CAPTURE_WARM_CALLS)
+        calls = 1 if self.graphs is not None else warm_calls()
         with SETUP_LOCK, torch.inference_mode(), self.on_stream():  # Note [One block sets up CUDA at a time]
             for shape in shapes:
-                self(zeros_like_shape(shape, dtype, self.device))
+                x = zeros_like_shape(shape, dtype, self.device)
+                for _ in range(calls):
+                    y = self(x)
+                if _key(x) is not None:
+                    self.outputs[_key(x)] = _made_bytes(x, y)
                 n += 1
             self.finish()
         return n
@@ -291,6 +302,29 @@ def _set_stack_limit(device: torch.device, want: int) -> dict:
         return {"stack_bytes": want, "was": int(before.value)} if rc == 0 else {"stack_bytes_error": f"CUresult {rc}"}
     except OSError as exc:  # no libcuda (cannot happen where torch found a GPU): nothing to trim
         return {"stack_bytes_error": str(exc)}
+
+
+def warm_calls() -> int:
+    """Calls of the model per shape before a block is ready, without a CUDA graph: TorchScript's
+    profiling executor records the first ``num_profiled_runs`` calls and optimises the graph on
+    the next one, which costs about as much as a call again (experiments/first_request.py
+    measures what a first request pays without it). Other models run as often: a call more
+    costs one warm-up call, not a request's."""
+    profiled = getattr(torch._C, "_jit_get_num_profiled_runs", None)
+    return (profiled() if profiled is not None else 1) + 1
+
+
+def _key(x) -> tuple | None:
+    return (x.dtype, x.shape) if isinstance(x, torch.Tensor) else None
+
+
+def _made_bytes(x, y) -> int:
+    """Bytes of ``y`` when it is one new contiguous tensor (not a view of the input ``x``), else 0."""
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or not y.is_contiguous():
+        return 0
+    if y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        return 0
+    return y.numel() * y.element_size()
 
 
 def zeros_like_shape(shape: list, dtype: torch.dtype, device):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import os
 import secrets
 import time
@@ -47,7 +48,7 @@ from blockflow.dispatcher.spec import DispatcherSpec
 from blockflow.tensormq.shm import ShmExhausted
 from blockflow.tensormq.transport import (RESULT_KEYS, Transport, bytes_fields, read_bytes_value, read_result_keys,
                                           receive_limit)
-from blockflow.tensormq.wire import TensorDesc, WireError, dumps, loads_header
+from blockflow.tensormq.wire import DTYPES, TensorDesc, WireError, dumps, loads_header
 
 log = logging.getLogger("blockflow.dispatcher")
 
@@ -481,8 +482,19 @@ class Dispatcher(ChildProcess):
     def cmd_update(self, args: dict) -> dict:
         if args.get("transport") in ("tensormq", "zeromq"):
             self.transport.mode = args["transport"]  # how requests reach their first block
-        return {"dropped": self.transport.set_topology(args.get("live", []), args.get("devices"),
-                                                       args.get("near"))}
+        answer = {"dropped": self.transport.set_topology(args.get("live", []), args.get("devices"),
+                                                         args.get("near"))}
+        if args.get("prepare"):  # Note [Ready to serve] in blocks/process.py
+            answer["prepared"] = self.prepare_hops(args["prepare"])
+        return answer
+
+    def prepare_hops(self, hops: dict) -> list[str]:
+        """Connect to the first blocks of tasks an update is about to switch to, and make their
+        slots for the tasks' inputs: ``hops`` maps each address to the input it will get
+        (``{"dtype", "shape"}``, as the task table's ``input``), or None to connect only."""
+        for address, spec in hops.items():
+            self.transport.prepare(address, _input_bytes(spec))
+        return list(hops)
 
     def cmd_fail(self, args: dict) -> dict:
         return {"failed": self.fail(list(args.get("blocks", [])), str(args.get("reason", "a block failed")))}
@@ -520,6 +532,17 @@ class Dispatcher(ChildProcess):
 
     def summary(self) -> str:
         return f" {self.stats}"
+
+
+def _input_bytes(spec) -> int:
+    """Bytes of one input like ``spec`` (a task's ``input``); 0 when it is not one tensor of a
+    known dtype and shape."""
+    if not isinstance(spec, dict) or spec.get("shapes") or spec.get("dtype") not in DTYPES:
+        return 0
+    shape = spec.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d > 0 for d in shape):
+        return 0
+    return math.prod(shape) * DTYPES[spec["dtype"]].itemsize
 
 
 def serve_dispatcher(spec: DispatcherSpec) -> None:

@@ -78,6 +78,9 @@ STOP_KILL_S = 5.0
 #: hung process is killed within HANG_TIMEOUT, which fails its acknowledgement at once; this is
 #: the bound for one that answers pings but not the update (its inference thread is busy).
 ACK_TIMEOUT = HANG_TIMEOUT
+#: Seconds an update waits for its processes to open their sockets and slots towards the new
+#: blocks before it switches tasks to them anyway (Note [Ready to serve] in blocks/process.py).
+PREPARE_TIMEOUT = 10.0
 
 
 class UpdateFailed(RuntimeError):
@@ -239,6 +242,8 @@ class Operation:
     retired: list[Child] = field(default_factory=list)
     diff: dict = field(default_factory=dict)
     acks: list[Future] = field(default_factory=list)
+    prepared: list[Future] | None = None        # acknowledgements of prepare(), once sent
+    prepare_sent: float = 0.0
     switched: float = 0.0
     outstanding: Future | None = None
     drained: bool = False
@@ -834,9 +839,14 @@ class Manager:
             failed = [c for c in op.new.values() if c.status == "failed"]
             if failed:
                 self.stop_later(op.new.values())  # roll back: the old blocks were never touched
+                if op.prepared is not None:
+                    self.publish()  # but for the sockets and slots prepare() opened towards the new ones
                 self.finish(op, error=UpdateFailed(failed[0].failure, failed[0].name))
             elif all(c.status == "ready" for c in op.new.values()):
-                self.switch(op)
+                if op.prepared is None:
+                    op.prepared, op.prepare_sent = self.prepare(op), time.monotonic()
+                if all(f.done() for f in op.prepared) or time.monotonic() - op.prepare_sent > PREPARE_TIMEOUT:
+                    self.switch(op)
         if op.phase == "draining":
             self.drain(op)
 
@@ -884,6 +894,53 @@ class Manager:
                         f"again once a node with {d.node!r} has joined, or place the block on another node",
                         d.name)
         return None
+
+    def prepare(self, op: Operation) -> list[Future]:
+        """Every new block is READY; before the switch, every new block and every process the
+        new tasks make send to a new block (the dispatcher to a new first block) connects to
+        its next hops and makes its slots towards them (Note [Ready to serve] in
+        blocks/process.py), so that no request pays for it. Returns the acknowledgements;
+        each wakes the supervisor. A process that does not answer in PREPARE_TIMEOUT only
+        leaves its first request to do it."""
+        procs = [op.new.get(n) or self.blocks.get(n) for n in op.processes]
+        by_block: dict[str, list[Child]] = {}
+        for c in procs:
+            if c is not None and c.status == "ready" and c.endpoint:
+                by_block.setdefault(c.block, []).append(c)
+        d = self.dispatcher
+        disp = d if d is not None and d.status == "ready" else None
+        results = disp.ready_info.get("results", []) if disp is not None else []
+        nexts: dict[Child, dict] = {}
+        for path in op.desired.tasks.values():
+            hops = [by_block.get(name, []) for name in path]
+            if disp is not None:
+                for c in hops[0]:
+                    entry = op.manifests.get(c.decl.files[0]) if op.transport == "tensormq" else None
+                    nexts.setdefault(disp, {})[c.endpoint] = _input_spec(entry)
+            for i, senders in enumerate(hops):
+                for c in senders:
+                    if i + 1 < len(hops):
+                        targets = [r.endpoint for r in hops[i + 1]]
+                    else:  # the dispatcher reaches the last block the way it is reached itself
+                        targets = [results[1] if c.endpoint.startswith("tcp://") and len(results) > 1
+                                   else results[0]] if results else []
+                    nexts.setdefault(c, {}).update(dict.fromkeys(targets))
+        new = {c.endpoint for c in op.new.values()}
+        live = [c.endpoint for c in [*self.blocks.values(), *op.new.values()] if c.status == "ready"] + list(results)
+        # the blocks being replaced still serve until the switch: their devices stay known
+        devices = {c.endpoint: c.decl.device for c in [*self.blocks.values(), *op.new.values()]
+                   if c.endpoint and c.decl is not None}
+        receivers = self.receivers(draining=list(op.new.values()))
+        futures = []
+        for c, hops in nexts.items():
+            if c not in op.new.values() and not new & set(hops):
+                continue  # it sends to no new block: nothing to prepare
+            args = {"live": live, "devices": devices, "prepare": hops, **self.routes_from(c, receivers)}
+            fut = self.controller.cast(c.ident, "update", args)
+            fut.add_done_callback(_log_refusal)
+            fut.add_done_callback(lambda _f: self.events.put(("wake", None)))
+            futures.append(fut)
+        return futures
 
     def switch(self, op: Operation) -> None:
         """Every new block is READY: make the desired state the current one."""

@@ -369,6 +369,14 @@ class SlotPool:
                 lent.append(s)
         return lent
 
+    def prepare(self, edge: str, nbytes: int) -> int:
+        """Make ``edge``'s window of slots for ``nbytes`` tensors now, before its first message
+        (Note [Ready to serve] in blocks/process.py); returns how many slots the edge has."""
+        if self._closed or nbytes <= 0:
+            return 0
+        self._try_acquire(edge, nbytes)  # nothing goes in flight: the slot it finds stays free
+        return len(self.edges.get(edge, ()))
+
     @staticmethod
     def holder(lent: list[Slot], tensor: torch.Tensor) -> int:
         """The index of the lent slot ``tensor`` lives in, -1 if none. Memory inside a slot is

@@ -349,6 +349,18 @@ class Transport:
             fields["keys"] = keys
         return fields, payloads
 
+    def prepare(self, address: str, nbytes: int = 0, device: str = "cpu") -> int:
+        """Connect the socket to ``address`` and, where tensors may go to it by handle, make its
+        slots for ``nbytes`` tensors made on ``device``, so that its first message waits for
+        neither (Note [Ready to serve] in blocks/process.py). Slots are made whatever ``mode``
+        is now: an update may change it with the same switch. Returns the slots of the edge."""
+        self.socket(address)
+        if not nbytes or self.pool is None or not self.handles_to(address):
+            return 0
+        target = self.hop_device(address)
+        gpu = device.startswith("cuda") and target.startswith("cuda")
+        return (self.cuda_pool(target) if gpu else self.pool).prepare(address, nbytes)
+
     def handles_to(self, address: str) -> bool:
         """Whether tensors to ``address`` may travel as handles: in Ray mode only to a hop on
         this node (``near``); else to one on this host (an ipc:// or loopback address)."""

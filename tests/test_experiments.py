@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -234,7 +235,7 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
 #: in EXPERIMENTS gets test_smoke.
 DETAILED = {"offline_blocks": "test_offline_blocks", "rtt": "test_rtt", "pipeline_latency": "test_pipeline_latency",
             "chaos": "tests/test_chaos.py", "fuzz": "tests/test_fuzz.py", "soak": "tests/test_soak.py",
-            "hop_overhead": "test_hop_overhead_bundle_rows"}
+            "hop_overhead": "test_hop_overhead_bundle_rows", "first_request": "test_first_request"}
 #: The smallest settings that still exercise each script's whole path (--quick is added); an
 #: experiment not named here (one added later) runs with --quick alone.
 SMOKE_ARGS = {
@@ -275,6 +276,28 @@ def test_smoke(name, tmp_path, resnet_repo, leak_check):
     if name in dict(SECTIONS):
         text = section(out, name)  # raises KeyError when a key the report reads is missing
         assert "not run" not in text and "|" in text, text
+
+
+def test_first_request(tmp_path, resnet_repo, leak_check):
+    """Per transport, the first request after each update over the steady median of the same
+    update, and where the first request's extra time went, per block and between blocks."""
+    out = str(tmp_path)
+    printed = run_experiment("first_request", out, "--updates", "2", "--n", "4")
+    data = load(out, "first_request")
+    check_provenance(data, "first_request")
+    assert_env(data, updates=2, n=4, quick=True, transports=["zeromq", "tensormq"])
+    assert set(data["series"]) == {"zeromq/cpu", "tensormq/cpu"}
+    for label, row in data["series"].items():
+        assert len(row["ratio"]) == len(row["rounds"]) == 2 and all(positive(r) for r in row["ratio"]), row["ratio"]
+        assert all(len(rows) == 4 for rows in row["rounds"])
+        assert row["ratio_median"] == statistics.median(row["ratio"])
+        for rows, first, steady in zip(row["rounds"], row["first_ms"], row["steady_ms"]):
+            assert first == rows[0]["rtt"] and steady == statistics.median(r["rtt"] for r in rows[2:])
+        parts = row["extra_ms"]
+        for b in ("b1", "b2", "b3", "b4", "h"):
+            assert {f"{b}.inf", f"{b}.share", f"{b}.deser"} <= set(parts), sorted(parts)
+        assert {"way_in", "way_out", "b1->b2", "b4->h"} <= set(parts)
+        assert f"{label}: first request / steady median = {row['ratio_median']:.2f}x" in printed
 
 
 def check_provenance(data: dict, name: str) -> None:
