@@ -26,6 +26,7 @@ EXPERIMENTS = [
     "rtt",               # Table 4.3
     "pipeline_latency",  # Figs 4.3-4.5
     "hop_overhead",      # per-hop cost of the data plane (identity blocks)
+    "hop_budget",        # where a request's time goes, step by step (issue 40)
     "batch_scaling",     # Figs 4.7-4.8
     "multiclient",       # Fig 4.11
     "throughput",        # Figs 4.12-4.13
@@ -53,6 +54,7 @@ CPU_SETTINGS = {
     "rtt": ["--n", "3000"],                                                   # 1.5
     "pipeline_latency": ["--duration", "20", "--variants", "default,no-trim,pinned"],  # 6 (3.5 of it variants)
     "hop_overhead": ["--budget", "3"],                                        # 4.5 (1 of it the bundle rows)
+    "hop_budget": [],                                                         # 1.5
     "batch_scaling": [],                                                      # 2 (3 s per series and batch)
     "multiclient": ["--clients", "1,2,4,8", "--duration", "8"],               # 2.5
     "throughput": ["--rates", "2,6,10,14,20", "--duration", "8"],             # 3
