@@ -222,14 +222,18 @@ def _in_block(hops_per_request) -> dict:
 # Every figure of a row is the median of its rounds' medians (``--rounds``, interleaved with the
 # floor's rounds, see ``measure``), and a figure that is a difference (a hop: one round trip
 # minus another, or one block's instant minus its predecessor's) carries the spread of those
-# rounds (``<key>_spread_ms``: the lowest and highest round). A difference below zero, or one
-# whose rounds spread over more than the figure itself, is noise and not a hop: it is reported
-# as not measured -- None in the JSON, with the reason under ``not_measured`` -- in the printed
-# tables and in no plot, never as a figure (a loaded 2-core machine printed a -1.278 ms hop at
-# 103 MB from the difference of two round trips).
-def rounds_figure(values) -> dict:
+# rounds (``<key>_spread_ms``: the lowest and highest round). A difference below zero is noise,
+# not a hop; so is a difference of two client round trips whose rounds spread over more than
+# the figure itself (the client-to-dispatcher transfer varies by more than a hop costs). Either
+# is reported as not measured -- None in the JSON, with the reason under ``not_measured`` -- in
+# the printed tables and in no plot, never as a figure (a loaded 2-core machine printed a
+# -1.278 ms hop at 103 MB from the difference of two round trips). The hop stamped inside the
+# blocks takes no client round trip: its spread is the load of the machine changing between
+# rounds, reported beside it, and only a negative one is refused.
+def rounds_figure(values, spread_rule: bool = True) -> dict:
     """A difference measured once per round: ``median`` (None when not measured), ``low``,
-    ``high``, ``rounds`` and ``why`` it is not measured (None when it is): Note [Not measured]."""
+    ``high``, ``rounds`` and ``why`` it is not measured (None when it is): Note [Not measured].
+    ``spread_rule``: a spread over more than the figure makes it not measured too."""
     vals = [v for v in values if v is not None]
     if not vals:
         return {"median": None, "low": None, "high": None, "rounds": 0, "why": "no samples"}
@@ -237,16 +241,16 @@ def rounds_figure(values) -> dict:
     why = None
     if med < 0:
         why = f"below zero ({med:.3f} ms): the noise of what is subtracted is larger than the hop"
-    elif high - low > med:
+    elif spread_rule and high - low > med:
         why = (f"its {len(vals)} rounds spread over {high - low:.3f} ms ({low:.3f} to {high:.3f}), more than "
                f"the figure ({med:.3f} ms)")
     return {"median": None if why else med, "low": low, "high": high, "rounds": len(vals), "why": why}
 
 
-def _set_figure(row: dict, key: str, values) -> None:
+def _set_figure(row: dict, key: str, values, spread_rule: bool = True) -> None:
     """``row[key]``: the rounds' figure of ``values`` (one per round), its spread beside it, and
     the reason under ``row["not_measured"][key]`` when it is not a figure."""
-    fig = rounds_figure(values)
+    fig = rounds_figure(values, spread_rule)
     row[key] = fig["median"]
     row[key.replace("_ms", "_spread_ms")] = [fig["low"], fig["high"]]
     if fig["why"]:
@@ -271,7 +275,7 @@ def _row(transport, kind, shape, device, chain, rounds, shapes=None) -> dict:
     row["per_hop_p99_ms"] = _pct(per_hop, 0.99) if row["per_hop_paired_median_ms"] is not None else None
     per_round = [_in_block(r[2]) for r in rounds]
     pooled = _in_block([h for r in rounds for h in r[2]])
-    _set_figure(row, "hop_median_ms", [q["hop_median_ms"] for q in per_round])
+    _set_figure(row, "hop_median_ms", [q["hop_median_ms"] for q in per_round], spread_rule=False)
     row["hop_p99_ms"] = pooled["hop_p99_ms"] if row["hop_median_ms"] is not None else None
     row["hop_gross_median_ms"] = _median_of([q["hop_gross_median_ms"] for q in per_round])
     row["hop_transit_ms"] = _median_of([q["hop_transit_ms"] for q in per_round])

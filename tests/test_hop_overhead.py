@@ -24,6 +24,9 @@ def test_a_difference_below_zero_is_not_measured():
 def test_a_difference_spread_wider_than_itself_is_not_measured():
     fig = ho.rounds_figure([0.1, 0.5, -0.3])  # median 0.1, rounds over 0.8 ms
     assert fig["median"] is None and "spread over 0.800 ms" in fig["why"]
+    # the hop stamped inside the blocks: its spread is reported, only a negative one refused
+    assert ho.rounds_figure([0.1, 0.5, -0.3], spread_rule=False)["median"] == 0.1
+    assert ho.rounds_figure([-0.1, -0.5, 0.3], spread_rule=False)["median"] is None
     # one round has no spread to judge by: only its sign counts
     assert ho.rounds_figure([0.3])["median"] == 0.3
     assert ho.rounds_figure([])["median"] is None
@@ -56,8 +59,14 @@ def test_rows_tables_and_plot_say_not_measured(tmp_path, capsys):
     assert noisy["hop_median_ms"] == pytest.approx(0.41)  # the stamps' hop is steady: a figure
     assert noisy["hop_median_spread_ms"] == pytest.approx([0.40, 0.42])
     floor = ho._row("tensormq", "floor", SHAPE, "cpu", 4, _rounds([1.0] * 3, [1.3] * 3, [0.10, 0.12, 0.11]))
-    spread = ho._row("tensormq", "copy", SHAPE, "cpu", 4, _rounds([1.0] * 3, [1.6] * 3, [0.05, 0.9, 0.3]))
-    assert spread["hop_median_ms"] is None and "spread over" in spread["not_measured"]["hop_median_ms"]
+    # round trips spread wider than their difference; the stamps' hop below zero (inf larger than the gap)
+    spread = ho._row("tensormq", "copy", SHAPE, "cpu", 4, _rounds([1.0, 1.0, 1.0], [1.2, 2.9, 1.3],
+                                                                    [-0.05, -0.02, 0.01]))
+    assert spread["per_hop_paired_median_ms"] is None
+    assert "spread over" in spread["not_measured"]["per_hop_paired_median_ms"]
+    assert spread["hop_median_ms"] is None and "below zero" in spread["not_measured"]["hop_median_ms"]
+    wide = ho._row("tensormq", "identity", SHAPE, "cpu", 4, _rounds([1.0] * 3, [2.0] * 3, [0.2, 0.9, 0.3]))
+    assert wide["hop_median_ms"] == pytest.approx(0.3) and wide["hop_median_spread_ms"] == pytest.approx([0.2, 0.9])
     spread["transport_ms"] = spread["hop_median_ms"]
     rows = [floor, noisy, spread]
     ho.vs_floor(rows)
