@@ -464,54 +464,19 @@ class SlotPool:
             self.retired.pop().close()
 
 
-# Note [Views kept per slot]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A consumer sees the same few handles of a slot over and over (one shape per edge, offset 0),
-# and making the tensor of one (``torch.as_strided``) is a call through torch's dispatcher: a few
-# microseconds warm, but in a block woken by its message, caches cold, the dearest part of a
-# handle's lookup (experiments/hop_budget.py, ``deser``). So each mapped slot keeps the tensor it
-# last handed out per (dtype, shape, stride, offset), and hands the same object out again while
-# it is still that view: the same address, shape and strides and no autograd flag (a model may
-# change its input's metadata in place: ``set_``, ``unsqueeze_``, ``requires_grad_``; then a new
-# view is made). Its memory is the slot's either way; the mapping's lifetime is unchanged (the
-# views go with ``drop``, as the per-dtype views do).
-#: Views a mapped slot keeps (Note [Views kept per slot]); more shapes than this start over.
-MAX_VIEWS = 8
-
-
 class Mapped:
     """One slot mapped by a consumer, with the views every handle of it reuses: its header
     words and its data area (as uint8 and per dtype). Made once per slot, not per message.
     ``drop()`` lets go of the views before it closes the mapping (a view would keep it open)."""
 
-    __slots__ = ("mm", "hdr", "data", "cap", "typed", "base", "views")
+    __slots__ = ("mm", "hdr", "data", "cap", "typed")
 
     def __init__(self, mm: mmap.mmap, data: torch.Tensor):
         self.mm = mm
         self.hdr = _header(mm)
         self.data = data  # uint8 over the data area
         self.cap = data.numel()  # its bytes
-        self.base = data.data_ptr()
         self.typed: dict[torch.dtype, torch.Tensor] = {}
-        #: (dtype, shape, stride, offset) -> the tensor last handed out for it (Note [Views kept per slot])
-        self.views: dict[tuple, torch.Tensor] = {}
-
-    def view(self, desc: TensorDesc, off: int) -> torch.Tensor | None:
-        """The tensor a checked handle names in this slot (None when the slot is not aligned for
-        its dtype): the one handed out for the same handle before, where it is still that view."""
-        key = (desc.dtype, desc.shape, desc.stride, off)
-        t = self.views.get(key)
-        if (t is not None and t.data_ptr() == self.base + off and not t.requires_grad and t.shape == desc.shape
-                and t.stride() == desc.stride):
-            return t
-        typed = self.as_dtype(desc.dtype)
-        if typed is None:
-            return None
-        t = torch.as_strided(typed, desc.shape, desc.stride, off // desc.dtype.itemsize)
-        if len(self.views) >= MAX_VIEWS:
-            self.views.clear()
-        self.views[key] = t
-        return t
 
     def as_dtype(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The data area viewed as ``dtype`` (None when its size is not a multiple of the item)."""
@@ -525,7 +490,6 @@ class Mapped:
     def drop(self) -> None:
         self.data = self.hdr = None
         self.typed = {}
-        self.views = {}
         try:
             self.mm.close()
         except BufferError:  # a tensor still views it; the mapping goes when that tensor does,
@@ -636,9 +600,10 @@ class SlotMapper:
         itemsize = desc.dtype.itemsize
         if off % itemsize or off + max(nbytes, span) > m.cap or span > nbytes:
             raise WireError(f"x.off/x.nbytes/x.shape describe memory outside slot {seg}")
-        tensor = m.view(desc, off)
-        if tensor is None:
+        typed = m.as_dtype(desc.dtype)
+        if typed is None:
             raise WireError(f"slot {seg} is not aligned for {dtype_name(desc.dtype)}")
+        tensor = torch.as_strided(typed, desc.shape, desc.stride, off // itemsize)
         return tensor, ShmLease(m, seg, gen, f)
 
     def close(self) -> None:
