@@ -26,6 +26,7 @@ EXPERIMENTS = [
     "rtt",               # Table 4.3
     "pipeline_latency",  # Figs 4.3-4.5
     "hop_overhead",      # per-hop cost of the data plane (identity blocks)
+    "hop_budget",        # where a request's time goes, step by step (issue 40)
     "first_request",     # the first request after an update against a steady one (issue 40)
     "batch_scaling",     # Figs 4.7-4.8
     "multiclient",       # Fig 4.11
@@ -54,6 +55,7 @@ CPU_SETTINGS = {
     "rtt": ["--n", "3000"],                                                   # 1.5
     "pipeline_latency": ["--duration", "20", "--variants", "default,no-trim,pinned"],  # 6 (3.5 of it variants)
     "hop_overhead": ["--budget", "3"],                                        # 4.5 (1 of it the bundle rows)
+    "hop_budget": [],                                                         # 1.5
     "first_request": [],                                                      # 1.5 (5 updates per transport)
     "batch_scaling": [],                                                      # 2 (3 s per series and batch)
     "multiclient": ["--clients", "1,2,4,8", "--duration", "8"],               # 2.5

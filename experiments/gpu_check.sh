@@ -31,7 +31,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 STEP_LIMIT=${STEP_LIMIT:-570}
 SITE=${GPU_SITE:-/tmp/blockflow-site}
-ALL_STEPS="tests-fastpath tests-ipc tests-manager tests-pipeline tests-groups pipeline_latency hop_overhead groups batching vram throughput energy memory_model batch_scaling utilization multi_gpu report"
+ALL_STEPS="tests-fastpath tests-ipc tests-manager tests-pipeline tests-groups pipeline_latency hop_overhead hop_budget groups batching vram throughput energy memory_model batch_scaling utilization multi_gpu report"
 STEPS=${*:-$ALL_STEPS}
 
 die() { echo "gpu-check: $*" >&2; exit 2; }
@@ -145,6 +145,8 @@ for step in $STEPS; do
         --batches "${HOP_BATCHES:-1,32}" "${OUTARG[@]}" ;;
     groups)  # issue 40 item 4: ResNet50's 5 blocks in one process vs 5 processes vs full.pt as one CUDA graph (goal <= 1.3x)
       run_step "$step" "$PY" -m experiments.fused --series "one group" --device cuda --n 300 "${OUTARG[@]}" ;;
+    hop_budget)  # issue 40 item 1: the per-hop budget on the GPU (add --profile DIR where py-spy is installed)
+      run_step "$step" "$PY" -m experiments.hop_budget --device cuda:0 --rounds 5 --n 200 "${OUTARG[@]}" ;;
     batching)  # issue 27 item 5: saturation unbatched vs dynamic batching (goal >= 3x)
       run_step "$step" "$PY" -m experiments.batching --device cuda --rates 400,800,1600,3200 --duration 4 \
         --rounds 2 --window 4 "${OUTARG[@]}" ;;

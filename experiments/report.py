@@ -341,11 +341,18 @@ def hop_overhead(d: dict) -> str:
         return _table(["block", "transport", "device", "shape", "MB", "per-hop median ms", "per-hop p99 ms",
                        "block compute ms", "transport ms (median minus compute)"], rows)
     rows = [[r.get("block", "identity"), r["transport"], r.get("device", "cpu"), "x".join(str(v) for v in r["shape"]),
-             _f(r["mbytes"], 2), _f(r.get("hop_median_ms"), 3), _f(r.get("hop_p99_ms"), 3),
+             _f(r["mbytes"], 2), _hop_fig(r, "hop_median_ms"), _hop_fig(r, "hop_p99_ms"),
              _f(r.get("hop_transit_ms"), 3), _f(r.get("hop_share_ms"), 3), _f(r.get("hop_inf_ms"), 3),
-             _f(r.get("hops_measured"), 0), _f(r["per_hop_paired_median_ms"], 3)] for r in d["rows"]]
+             _f(r.get("hops_measured"), 0), _hop_fig(r, "per_hop_paired_median_ms")] for r in d["rows"]]
     return _table(["block", "transport", "device", "shape", "MB", "hop median ms", "hop p99 ms", "transit ms",
                    "share ms", "block compute ms", "hops measured", "round trips: per-hop median ms"], rows)
+
+
+def _hop_fig(r: dict, key: str) -> str:
+    """A hop figure of experiments/hop_overhead.py, or "not measured" (its Note [Not measured])."""
+    if key in r.get("not_measured", {}) or (key == "hop_p99_ms" and "hop_median_ms" in r.get("not_measured", {})):
+        return "not measured"
+    return _f(r.get(key), 3)
 
 
 def _hop_pick(d: dict, kind: str, transport: str, batch: int, stage_mb: float = 3.21) -> dict | None:
@@ -389,7 +396,7 @@ def hop_overhead_text(d: dict) -> str:
     ratios = []
     for b in (1, 32):
         ct, cz = _hop_pick(d, "copy", "tensormq", b), _hop_pick(d, "copy", "zeromq", b)
-        if ct and cz and cz.get("transport_ms"):
+        if ct and cz and cz.get("transport_ms") and ct.get("transport_ms") is not None:
             made = ct.get("made_in_slot")
             how = ("copying the output into its slot" if made is None or made < 0.5
                    else f"lending slots and sending the output made in one ({made:.0%} of them)")

@@ -100,7 +100,7 @@ def _hop_rows(r: Results) -> list[list]:
                             + (f"{', ' if z else ''}bare pyzmq floor {_ms(f['hop_median_ms'], 3)}" if f else "")
                             + (f", {_ms(cold[b]['hop_median_ms'], 3)} after the round trip's copies" if cold[b] else "")
                             + ")")
-        ok = all(i["hop_median_ms"] <= 0.10 for i in ident.values() if i)
+        ok = all(i["hop_median_ms"] <= 0.10 for i in ident.values() if i and i.get("hop_median_ms") is not None)
         out.append(["TensorMQ identity hop, median, minus the block's compute (timestamps inside the blocks)",
                     "; ".join(v.replace(" ()", "") for v in vals) + f" ({r.source('hop_overhead')})",
                     f"≤ 0.10 ms: {_met(ok)}", cmd])
@@ -114,14 +114,14 @@ def _hop_rows(r: Results) -> list[list]:
         vals_ms = [i["per_hop_paired_median_ms"] for i in ident.values() if i]
         # a negative median means the round-trip difference is noise (the client-dispatcher transfer
         # varies more than a hop costs): the goal is then neither met nor missed
-        ok = None if any(v <= 0 for v in vals_ms) else all(v <= 0.10 for v in vals_ms)
+        ok = None if any(v is None or v <= 0 for v in vals_ms) else all(v <= 0.10 for v in vals_ms)
         verdict = "not measurable this way (a negative median: noise larger than the hop)" if ok is None else _met(ok)
         out.append(["TensorMQ identity hop, per hop, paired median (client round-trip differences)",
                     "; ".join(vals) + f" ({r.source('hop_overhead')})", f"≤ 0.10 ms: {verdict}", cmd])
     ratios = []
     for b in (1, 32):
         ct, cz = pick("copy", "tensormq", b, 3.2), pick("copy", "zeromq", b, 3.2)
-        if ct and cz and cz.get("transport_ms"):
+        if ct and cz and cz.get("transport_ms") and ct.get("transport_ms") is not None:
             ratios.append((b, ct["transport_ms"] / cz["transport_ms"], ct["transport_ms"], cz["transport_ms"]))
     if ratios:
         in_block = any((pick("copy", "tensormq", b, 3.2) or {}).get("hop_median_ms") is not None for b in (1, 32))
