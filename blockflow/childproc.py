@@ -52,16 +52,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, NoReturn
 
+import msgspec
 import setproctitle
 import zmq
 
@@ -92,17 +92,18 @@ class Later:
         self.rid = None
 
 
-class ChildSpec:
-    """What a spec dataclass needs to travel to its process as JSON (the ``--spec`` argument).
+class ChildSpec(msgspec.Struct, kw_only=True):
+    """What a spec needs to travel to its process as JSON (the ``--spec`` argument), typed both
+    ways: a field decodes into its declared type (a block's ``batching`` into a BatchPolicy).
     A child's spec has at least ``controller`` (the control endpoint, None when run by hand),
     ``parent_pid`` (None: no watchdog) and ``incarnation``."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return msgspec.json.encode(self).decode()
 
     @classmethod
-    def from_json(cls, text: str):
-        return cls(**json.loads(text))
+    def from_json(cls, text: str | bytes):
+        return msgspec.json.decode(text, type=cls)
 
 
 @dataclass(frozen=True)

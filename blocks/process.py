@@ -66,7 +66,7 @@ from blockflow.tensormq.transport import RESULT_KEYS, Transport, receive_limit, 
 from blockflow.tensormq.bundle import first
 from blockflow.tensormq.wire import DataHeader, WireError, check_path, dumps, loads_data_header
 
-from .batching import BatchPolicy, DelayController, plan_batches, run_batch
+from .batching import DelayController, plan_batches, run_batch
 from .heap import keep_freed_memory
 from .kpilog import KpiLog
 from .monitor import ResourceSampler
@@ -127,7 +127,7 @@ class Block(ChildProcess):
         #: set by the control thread after it posts to the mailbox (Note [One wait per hop])
         self.mail_waiting = False
         #: dynamic batching across tasks (blocks/batching.py); None: one request at a time
-        self.batching = BatchPolicy.parse(spec.batching) if spec.batching else None
+        self.batching = spec.batching
         self.batcher = DelayController(self.batching, spec.max_inference_s / 4) if self.batching else None
         #: the output-in-slot extension (tensormq/outalloc.py), None where outputs are copied
         self.lender = None
@@ -175,7 +175,7 @@ class Block(ChildProcess):
             shapes = warmup_shapes(entry.get("input_shapes") or entry.get("input_shape"), spec.warmup_shapes,
                                    self.batching if self.runner.on_gpu else None)
             try:
-                self.runner.warm_up(shapes, getattr(torch, entry.get("dtype", "float32")))
+                self.runner.warm_up(shapes, getattr(torch, spec.input_dtype or entry.get("dtype", "float32")))
             except Exception as exc:
                 raise BootError(f"block {self.name}: warm-up on input shapes {shapes} failed: "
                                 f"{type(exc).__name__}: {exc}") from None

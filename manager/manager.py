@@ -34,10 +34,12 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
 import zmq
+from msgspec.structs import replace
 
 from blockflow import settings
 # specs and entry points only: the manager never imports a block or the dispatcher (nor torch)
@@ -376,17 +378,11 @@ class Manager:
         A block with a ``process`` goes into that shared process (started here if need be), once
         the process is ready (check_starting)."""
         inc = self._next_incarnation(decl.name)
-        model = list(decl.model) if isinstance(decl.model, tuple) else decl.model
-        spec = BlockSpec(name=decl.name, model=model, repo=self.repo, run_dir=self.state.run_dir,
-                         sock_dir=self.state.sock, shm_dir=self.state.shm, device=decl.device,
-                         transport=decl.transport, protocol=decl.protocol, threads=decl.threads,
-                         cpus=list(decl.cpus) if decl.cpus else None, incarnation=inc,
+        # the declaration goes to the block whole (Note [One declaration per block] in blockflow/schema.py)
+        spec = BlockSpec(**msgspec.structs.asdict(decl), repo=self.repo, run_dir=self.state.run_dir,
+                         sock_dir=self.state.sock, shm_dir=self.state.shm, incarnation=inc,
                          controller=self.controller.endpoint, parent_pid=os.getpid(), window=self.window,
-                         max_inference_s=decl.max_inference_s,
-                         batching=decl.batching.to_json() if decl.batching else None,
-                         verified=self.catalog.verified(decl.files), hosted=decl.process is not None,
-                         cuda_graphs=decl.cuda_graphs,
-                         warmup_shapes=[list(s) for s in decl.warmup_shapes] if decl.warmup_shapes else None)
+                         verified=self.catalog.verified(decl.files))
         spec = self.cluster_spec(spec, decl.node)
         if decl.node is not None:
             spec = replace(spec, verified=None)  # its node's copy of the files: the block checks it there
@@ -578,7 +574,7 @@ class Manager:
             down = [c for c in hops if c.status != "ready"]
             entry = self.manifests.get(hops[0].decl.files[0])
             table[tid] = {"path": [[c.name, c.endpoint] for c in hops], "blocks": [c.instance for c in hops],
-                          "input": _input_spec(entry)}
+                          "input": _input_spec(entry, hops[0].decl.input_dtype)}
             if any(len(cs) > 1 for cs in choices):  # the dispatcher picks a replica per hop and request
                 table[tid]["replicas"] = [[[c.name, c.endpoint, c.instance] for c in cs] for cs in choices]
             if down:
@@ -1072,12 +1068,13 @@ def _log_refusal(fut: Future) -> None:
         log.warning("a process did not take a control message: %s", exc)
 
 
-def _input_spec(entry: dict | None) -> dict | None:
+def _input_spec(entry: dict | None, dtype: str | None = None) -> dict | None:
     """What a task's first block takes, for the dispatcher's check of a request (its manifest
-    entry): dtype and shape, and ``shapes`` where it takes several tensors (``input_shapes``)."""
+    entry): dtype and shape, and ``shapes`` where it takes several tensors (``input_shapes``);
+    ``dtype``: the block's declared ``input_dtype``, before the manifest's."""
     if not entry:
-        return None
-    spec = {"dtype": entry.get("dtype"), "shape": entry.get("input_shape")}
+        return {"dtype": dtype, "shape": None} if dtype else None
+    spec = {"dtype": dtype or entry.get("dtype"), "shape": entry.get("input_shape")}
     if entry.get("input_shapes"):
         spec["shapes"] = entry["input_shapes"]
     return spec

@@ -40,7 +40,8 @@ from blockflow import settings
 
 from .bundle import KEY_RE, MAX_MEMBERS
 # the header codec (torch-free, for the control plane), re-exported: every data-plane module imports it from here
-from .header import MAX_HEADER_BYTES, PROTOCOL_VERSION, WireError, dumps, loads_header, not_utf8  # noqa: F401
+from .header import (MAX_HEADER_BYTES, PROTOCOL_VERSION, TENSOR_DTYPES, WireError, dumps, loads_header,  # noqa: F401
+                     not_utf8)
 
 #: Largest tensor accepted, in bytes (payload or shared slot). Override with BLOCKFLOW_MAX_TENSOR_BYTES.
 MAX_TENSOR_BYTES = settings.MAX_TENSOR_BYTES
@@ -51,18 +52,7 @@ MAX_PATH = 64
 #: Largest size or stride of one dimension.
 _DIM_LIMIT = 1 << 40
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in TENSOR_DTYPES}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.@:-]{1,128}$")
