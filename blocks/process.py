@@ -59,7 +59,7 @@ import torch
 import zmq
 
 from blockflow.childproc import BootError, ChildProcess, Later, exit_with, serve, spec_from_argv
-from blockflow.protocol import RETURN_HOP, ErrorCode
+from blockflow.protocol import RETURN_HOP, ErrorCode, Monitor, NoArgs, Topology
 from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
 from blockflow.tensormq.transport import RESULT_KEYS, Transport, receive_limit, recv_message
@@ -136,9 +136,6 @@ class Block(ChildProcess):
         self.outputs: dict[tuple, int] = {}
         #: how many slots to lend for an output: learnt once for the model, whatever the shape
         self.lend_count = 1
-        self.register("store", self.cmd_store)
-        self.register("monitor", self.cmd_monitor)
-        self.register("update", self.cmd_update)
 
     # -- start-up ----------------------------------------------------------------------------
     def init_process(self) -> None:
@@ -287,7 +284,7 @@ class Block(ChildProcess):
             self.waker.close(linger=0)
 
     # commands the control thread answers itself (ChildProcess answers "ping" and "stop" too)
-    def cmd_ping(self, args: dict) -> dict:
+    def cmd_ping(self, args: NoArgs) -> dict:
         now, busy_since = time.monotonic(), self.busy_since
         return {**super().cmd_ping(args), "queue": len(self.backlog), "served": self.kpi.count,
                 "in_flight": self.transport.in_flight(), "outputs_made_in_slot": self.transport.made_in_slot,
@@ -295,20 +292,20 @@ class Block(ChildProcess):
                 "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat,
                 "torch_threads": torch.get_num_threads(), "runner": self.runner.stats()}
 
-    def cmd_store(self, args: dict) -> dict:
+    def cmd_store(self, args: NoArgs) -> dict:
         return {"written": self.kpi.flush(), "paths": self.kpi.paths}
 
-    def cmd_monitor(self, args: dict) -> dict:
-        (self.monitor_on.set if args.get("enabled", True) else self.monitor_on.clear)()
+    def cmd_monitor(self, args: Monitor) -> dict:
+        (self.monitor_on.set if args.enabled else self.monitor_on.clear)()
         return {"enabled": self.monitor_on.is_set()}
 
-    def cmd_update(self, args: dict) -> Later:
+    def cmd_update(self, args: Topology) -> Later:
         # tell the inference thread now which hops are gone, so that a wait for a dead
         # consumer's slots ends at once instead of holding this update for send_timeout
-        self.transport.mark_live(args.get("live", []))
+        self.transport.mark_live(args.live)
         return self.post_to_inference("topology", args, timeout=UPDATE_TIMEOUT)
 
-    def cmd_stop(self, args: dict) -> dict:
+    def cmd_stop(self, args: NoArgs) -> dict:
         answer = super().cmd_stop(args)
         # the inference thread sees stopping within BEAT_INTERVAL (its receive timeout); a
         # wake-up makes that at once
@@ -322,7 +319,7 @@ class Block(ChildProcess):
         except zmq.Again:
             pass  # wake-ups already pending: the inference thread is about to go around anyway
 
-    def post_to_inference(self, kind: str, args: dict, timeout: float) -> Later:
+    def post_to_inference(self, kind: str, args: Topology, timeout: float) -> Later:
         """Post a command to the inference thread's mailbox; the reply goes when it answers, or
         as an error after ``timeout`` (control thread)."""
         self._mail_seq += 1

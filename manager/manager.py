@@ -45,7 +45,8 @@ from blockflow import settings
 # specs and entry points only: the manager never imports a block or the dispatcher (nor torch)
 from blockflow.blocks.spec import SERVE_BLOCK, SERVE_HOST, BlockSpec, HostSpec
 from blockflow.dispatcher.spec import SERVE_DISPATCHER, DispatcherSpec
-from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_NODE_LOST, describe_exit, identity
+from blockflow.protocol import (DISPATCHER, EXIT_BOOT_ERROR, EXIT_NODE_LOST, Cmd, Fail, Host, Outstanding, Tasks,
+                                Topology, describe_exit, identity)
 from blockflow.schema import BlockDecl, validate_update
 from blockflow.tensormq.curve import ClusterKeys
 
@@ -443,7 +444,7 @@ class Manager:
             if host.status == "ready":
                 for c in members:
                     if c.host is host and c.hosted_spec is not None and c.status == "starting":
-                        self.controller.cast(host.ident, "host", {"spec": c.hosted_spec}).add_done_callback(
+                        self.controller.cast(host.ident, Cmd.HOST, Host(c.hosted_spec)).add_done_callback(
                             _log_refusal)
                         c.hosted_spec = None
 
@@ -479,7 +480,7 @@ class Manager:
                 continue
             c.status, c.stop_asked = "stopping", now
             if c.process.exitcode is None:
-                self.controller.cast(c.ident, "stop")
+                self.controller.cast(c.ident, Cmd.STOP)
             self.stopping_children.append(c)
 
     def stop_now(self, children, timeout: float = STOP_KILL_S) -> None:
@@ -489,7 +490,7 @@ class Manager:
             c.status = "stopping"
             if c.process.is_alive():
                 try:
-                    self.controller.cast(c.ident, "stop")
+                    self.controller.cast(c.ident, Cmd.STOP)
                 except Exception:
                     pass
         deadline = time.monotonic() + timeout
@@ -594,7 +595,7 @@ class Manager:
             raise KeyError(name)
         return c
 
-    def command(self, name: str, cmd: str, args: dict | None = None, timeout: float = 5.0):
+    def command(self, name: str, cmd: Cmd, args=None, timeout: float = 5.0):
         c = self.child(name)
         if c.status != "ready":
             raise Conflict(f"block {name} is {c.status}")
@@ -602,7 +603,7 @@ class Manager:
 
     def ping(self, name: str) -> dict:
         t0 = time.perf_counter()
-        result = self.command(name, "ping")
+        result = self.command(name, Cmd.PING)
         return {"name": name, "rtt_ms": (time.perf_counter() - t0) * 1e3, **result}
 
     def snapshot(self) -> dict:
@@ -704,7 +705,7 @@ class Manager:
             if now - seen > HANG_TIMEOUT:
                 self.kill_child(c, f"hung ({now - seen:.2f}s without answering), killed")
                 continue
-            fut = self.controller.cast(c.ident, "ping")
+            fut = self.controller.cast(c.ident, Cmd.PING)
             fut.add_done_callback(lambda f, c=c: self.events.put(
                 ("pong", (c, f.result() if not f.exception() else None))))
 
@@ -730,7 +731,7 @@ class Manager:
         if c.process.exitcode == EXIT_NODE_LOST:
             # best effort: its node may still run it (a partition); if this does not reach it, it
             # stops by itself when our pings stop (BLOCKFLOW_CONTROL_LEASE)
-            self.controller.cast(c.ident, "stop")
+            self.controller.cast(c.ident, Cmd.STOP)
         self.controller.forget(c.ident)
         self._remove_slots(c)
         if time.time() - c.started > RESTART_WINDOW:
@@ -915,7 +916,7 @@ class Manager:
             if disp is None or disp.status != "ready" or now - op.switched > DRAIN_TIMEOUT:
                 op.drained = True
             elif op.outstanding is None:
-                op.outstanding = self.controller.cast(disp.ident, "outstanding", {"blocks": names})
+                op.outstanding = self.controller.cast(disp.ident, Cmd.OUTSTANDING, Outstanding(names))
             elif op.outstanding.done():
                 left = op.outstanding.result()["outstanding"] if not op.outstanding.exception() else 0
                 op.drained, op.outstanding = not left, None
@@ -963,17 +964,16 @@ class Manager:
             live += list(self.dispatcher.ready_info.get("results", []))
         devices = {c.endpoint: c.decl.device for c in self.blocks.values() if c.endpoint}
         futures = []
-        topology = {"live": live, "devices": devices}
         receivers = self.receivers(draining)
         if self.dispatcher is not None and self.dispatcher.status == "ready":
-            futures.append(self.controller.cast(self.dispatcher.ident, "tasks", {"tasks": self.task_table(),
-                                                                                  "version": self.version}))
-            futures.append(self.controller.cast(self.dispatcher.ident, "update",
-                                                {**topology, **self.routes_from(self.dispatcher, receivers),
-                                                 "transport": self.transport}))
+            futures.append(self.controller.cast(self.dispatcher.ident, Cmd.TASKS,
+                                                Tasks(self.task_table(), self.version)))
+            futures.append(self.controller.cast(self.dispatcher.ident, Cmd.UPDATE, Topology(
+                live, devices, self.routes_from(self.dispatcher, receivers), self.transport)))
         for c in self.blocks.values():
             if c.status == "ready":
-                futures.append(self.controller.cast(c.ident, "update", {**topology, **self.routes_from(c, receivers)}))
+                futures.append(self.controller.cast(c.ident, Cmd.UPDATE, Topology(live, devices,
+                                                                                  self.routes_from(c, receivers))))
         for f in futures:
             f.add_done_callback(_log_refusal)
         return futures
@@ -990,14 +990,14 @@ class Manager:
             out.append((tcp, ipc, d.process.node))
         return out
 
-    def routes_from(self, sender: Child, receivers) -> dict:
-        """Ray mode: ``{"near": {TCP endpoint: endpoint on this node}}``, the receivers on
+    def routes_from(self, sender: Child, receivers) -> dict | None:
+        """Ray mode: ``{TCP endpoint: endpoint on this node}`` (Topology's ``near``), the receivers on
         ``sender``'s node, which it hands handles to (Transport.near); it sends every other hop
         bytes over CURVE TCP. Decided by the nodes' identities (Ray's node ids), never by
         comparing addresses. Nothing without Ray."""
         if self.keys is None:
-            return {}
-        return {"near": {addr: near for addr, near, node in receivers if node == sender.process.node and near}}
+            return None
+        return {addr: near for addr, near, node in receivers if node == sender.process.node and near}
 
     def hop_kinds(self, c: Child) -> dict[str, str]:
         """How ``c``'s tensors travel to each next hop of the tasks through it (GET /system):
@@ -1022,7 +1022,7 @@ class Manager:
     def _fail_requests(self, instances: list[str], reason: str) -> None:
         if self.dispatcher is None or self.dispatcher.status != "ready":
             return
-        self.controller.cast(self.dispatcher.ident, "fail", {"blocks": instances, "reason": reason}) \
+        self.controller.cast(self.dispatcher.ident, Cmd.FAIL, Fail(instances, reason)) \
             .add_done_callback(_log_refusal)
 
     def _persist(self) -> None:

@@ -37,11 +37,11 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 from blockflow import settings
+from blockflow.protocol import PROTOCOL_VERSION
 
 from .bundle import KEY_RE, MAX_MEMBERS
 # the header codec (torch-free, for the control plane), re-exported: every data-plane module imports it from here
-from .header import (MAX_HEADER_BYTES, PROTOCOL_VERSION, TENSOR_DTYPES, WireError, dumps, loads_header,  # noqa: F401
-                     not_utf8)
+from .header import MAX_HEADER_BYTES, TENSOR_DTYPES, WireError, dumps, loads_header, not_utf8  # noqa: F401
 
 #: Largest tensor accepted, in bytes (payload or shared slot). Override with BLOCKFLOW_MAX_TENSOR_BYTES.
 MAX_TENSOR_BYTES = settings.MAX_TENSOR_BYTES
@@ -233,7 +233,7 @@ _TaskName = Annotated[str, msgspec.Meta(max_length=128)]
 class DataHeader(msgspec.Struct, omit_defaults=True):
     """The header of a data message between BlockFlow processes (see the module docstring)."""
 
-    v: Literal[1]
+    v: Literal[PROTOCOL_VERSION]
     t: Literal["data", "result"]
     rid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
     path: Annotated[list[tuple[str, str]], msgspec.Meta(min_length=1, max_length=MAX_PATH)]
