@@ -148,8 +148,8 @@ class BlockDecl(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                    f"must be a model file or a list of 1 to {MAX_FUSED} of them, got {{value!r:.60}}")
     device: _option(str, "unknown device {value!r:.40}; use 'cpu', 'cuda' or 'cuda:N'",
                     pattern=r"^(cpu|cuda|cuda:\d{1,2})\Z") = "cpu"
-    transport: _Transport | None = None   # None: the update's
-    protocol: _Protocol | None = None     # None: the update's
+    transport: _Transport = "tensormq"    # in an update: the update's, where the block names none
+    protocol: _Protocol = "ipc"           # likewise
     cpus: _option(Annotated[tuple[Annotated[int, Meta(ge=0)], ...], Meta(min_length=1, max_length=1024)],
                   "must be a non-empty list of CPU numbers from 0 to {cpu_max}") | None = None
     threads: _option(int, "must be an integer from 1 to 256", ge=1, le=256) | None = None
@@ -316,7 +316,7 @@ def _block(raw: dict, where: str, defaults: dict, gpus: int, cpu_count: int, nod
         decl = msgspec.convert({**raw, **dict.fromkeys(parsed)}, BlockDecl, strict=True)
     except msgspec.ValidationError as exc:
         raise _refusal(exc, raw, where, cpu_count) from None
-    changes = {**parsed, **{k: v for k, v in defaults.items() if getattr(decl, k) is None}}
+    changes = {**parsed, **{k: v for k, v in defaults.items() if k not in raw}}
     _block_name(decl.name, f"{where}.name")
     if isinstance(decl.model, tuple) and len(decl.model) == 1:
         changes["model"] = decl.model[0]

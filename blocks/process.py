@@ -59,7 +59,7 @@ import torch
 import zmq
 
 from blockflow.childproc import BootError, ChildProcess, Later, exit_with, serve, spec_from_argv
-from blockflow.protocol import RETURN_HOP, ErrorCode, Monitor, NoArgs, Topology
+from blockflow.protocol import RETURN_HOP, ErrorCode, Monitor, NoArgs, Ready, Topology
 from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
 from blockflow.tensormq.transport import RESULT_KEYS, Transport, receive_limit, recv_message
@@ -249,7 +249,7 @@ class Block(ChildProcess):
             return {"endpoint": self.tcp_endpoint, "near": self.endpoint, "device": self.spec.device}
         return {"endpoint": self.endpoint, "device": self.spec.device}
 
-    def announce(self) -> dict:
+    def announce(self) -> Ready:
         """READY to the controller; sent before the control thread starts, which then owns ctrl."""
         msg = super().announce()
         log.info("block %s ready on %s (pid %d, %s, %s)", self.name, self.endpoint, os.getpid(),

@@ -28,8 +28,6 @@ class BlockSpec(BlockDecl, ChildSpec, kw_only=True, frozen=False, forbid_unknown
     run_dir: str                    # KPI logs
     sock_dir: str                   # ipc socket files
     shm_dir: str | None = None      # TensorMQ slots (0700 directory)
-    transport: str = "tensormq"     # the update's, where the block declares none
-    protocol: str = "ipc"
     incarnation: int = 0
     controller: str | None = None   # control endpoint; None: standalone (tests, benchmarks)
     parent_pid: int | None = None   # exit when this process is gone

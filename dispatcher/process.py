@@ -41,8 +41,8 @@ from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
 
 from blockflow.ratelog import RateLimitedLog
 from blockflow.childproc import BootError, ChildProcess, exit_with, serve, spec_from_argv
-from blockflow.protocol import (DISPATCHER, PROTOCOL_VERSION, RETURN_HOP, ErrorCode, Fail, NoArgs, Outstanding, Tasks,
-                                Topology)
+from blockflow.protocol import (DISPATCHER, PROTOCOL_VERSION, RETURN_HOP, ErrorCode, Fail, NoArgs, Outstanding, Ready,
+                                Tasks, Topology)
 from blockflow.dispatcher.requestlog import RequestLog
 from blockflow.dispatcher.spec import DispatcherSpec
 from blockflow.tensormq.shm import ShmExhausted
@@ -157,7 +157,7 @@ class Dispatcher(ChildProcess):
     def ready_info(self) -> dict:
         return {"endpoint": self.address, "results": [self.result_ipc, self.result_tcp]}
 
-    def announce(self) -> dict:
+    def announce(self) -> Ready:
         msg = super().announce()
         log.info("dispatcher ready on %s (pid %d, %s)", self.address, os.getpid(), self.spec.transport)
         return msg
