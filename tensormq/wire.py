@@ -226,7 +226,8 @@ def member_descs(xs, keys, has_x: bool = False) -> tuple[list, list[str] | None]
 # without them. What changes for a sender: a field the Struct does not declare is dropped
 # where a block writes the header on (a new field must be declared here, in every process
 # at once), and a header without v, with a task that is not a string or hops that are not a
-# list is refused. Other messages (a client's request, a reply, an error, a command) stay dicts.
+# list is refused. A client's request, its reply and an error stay dicts; control messages are the
+# Structs of blockflow/protocol.py.
 _TaskName = Annotated[str, msgspec.Meta(max_length=128)]
 
 
