@@ -8,17 +8,17 @@ for its workers. The life of a child, and the exit code each way out of it gives
 
     manager (parent)                      child
     ----------------                      -----
-    spec = BlockSpec(...)                 (pre-spawn: a dataclass, nothing touches a process)
+    spec = BlockSpec(...)                 (pre-spawn: a Struct, nothing touches a process)
     Process(target=SERVE_BLOCK) --fork--> serve(Block, spec)   (an Entry: blocks/spec.py)
                                           1. child = Block(spec): remembers the spec only
                                           2. signals: SIGTERM records itself and asks to stop;
                                              SIGINT is ignored (Ctrl-C is the server's)
                                           3. boot: child.init_process() opens sockets, loads
                                              the model, makes its threads
-                                               BootError -> {"t": "boot_error"} ... exit BOOT_ERROR (3)
+                                               BootError -> BootFailure   ... exit BOOT_ERROR (3)
                                                anything else                 ... exit CRASH (1)
-    controller.wait_ready() <------------ 4. announce: {"t": "ready", "name", "inc", "pid",
-                                             **child.ready_info()}
+    controller.wait_ready() <------------ 4. announce: Ready(name, inc, pid, v,
+                                             **child.ready_info())
     controller.request(cmd) ------------> 5. loop: the subclass's own (child.loop()); the
                             <----reply--     control socket answers commands by name (below)
                                              until ``stopping`` is set by
@@ -39,12 +39,13 @@ for its workers. The life of a child, and the exit code each way out of it gives
                                              skip it too
 
 The control socket is a DEALER with identity ``<name>#<incarnation>``, connected to the
-controller's ROUTER (``blockflow.manager.controller``). A command ``{"t": "cmd", "id", "cmd",
-"args"}`` is looked up by name among those the process registered (``register()``; every child
-has ``ping`` and ``stop``) and answered ``{"t": "reply", "id", "ok": true, "result"}`` or, when
-it raises or is unknown, ``{"t": "reply", "id", "ok": false, "error"}``; an unknown command's
-error names the known ones. One thread owns the control socket: a block's control thread
-(its main thread runs the model), the dispatcher's only thread.
+controller's ROUTER (``blockflow.manager.controller``). A ``Command`` (blockflow/protocol.py,
+where every control message is declared) is answered by the process's ``cmd_<name>`` method,
+found from ``protocol.Cmd`` (every child has ``cmd_ping`` and ``cmd_stop``), with its arguments
+typed (``protocol.ARGS``), and answered with a ``Reply``: ``ok`` and its ``result``, or, when it
+raises or is unknown, its ``error``; an unknown command's error names the known ones. One
+thread owns the control socket: a block's control thread (its main thread runs the model), the
+dispatcher's only thread.
 
 This module is the low layer the two roles share: it imports neither of them.
 """
@@ -52,22 +53,23 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, NoReturn
 
+import msgspec
 import setproctitle
 import zmq
 
 from blockflow import settings
-from blockflow.protocol import ExitCode, identity
-from blockflow.tensormq.header import WireError, dumps, loads_header
+from blockflow import protocol
+from blockflow.protocol import BootFailure, Cmd, ExitCode, Ready, Reply, identity
+from blockflow.tensormq.header import WireError
 from blockflow.tensormq.curve import ClusterKeys, client_of
 
 log = logging.getLogger("blockflow.child")
@@ -92,17 +94,18 @@ class Later:
         self.rid = None
 
 
-class ChildSpec:
-    """What a spec dataclass needs to travel to its process as JSON (the ``--spec`` argument).
+class ChildSpec(msgspec.Struct, kw_only=True):
+    """What a spec needs to travel to its process as JSON (the ``--spec`` argument), typed both
+    ways: a field decodes into its declared type (a block's ``batching`` into a BatchPolicy).
     A child's spec has at least ``controller`` (the control endpoint, None when run by hand),
     ``parent_pid`` (None: no watchdog) and ``incarnation``."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return msgspec.json.encode(self).decode()
 
     @classmethod
-    def from_json(cls, text: str):
-        return cls(**json.loads(text))
+    def from_json(cls, text: str | bytes):
+        return msgspec.json.decode(text, type=cls)
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,7 @@ class ChildProcess:
     A subclass's ``init_process()`` sets ``ctx`` (its ZeroMQ context), ``transport``, opens the
     control socket with ``open_control()`` and adds its helper threads to ``threads``; it
     implements ``loop()``, ``ready_info()`` and the shutdown steps (``answer_held``, ``flush``,
-    ``close_sockets``, ``files_to_remove``), and registers its own commands."""
+    ``close_sockets``, ``files_to_remove``), and a ``cmd_<name>`` method per command it answers."""
 
     def __init__(self, spec, name: str, label: str, log_tag: str):
         # Pre-spawn or pre-boot: remember, never touch the process (no sockets, no threads).
@@ -159,12 +162,12 @@ class ChildProcess:
         self.stop_signal: int | None = None
         self.ctrl: zmq.Socket | None = None
         self.threads: list[threading.Thread] = []
-        self.commands: dict[str, Callable[[dict], object]] = {}
+        #: the commands this process answers: every ``Cmd`` it has a ``cmd_<name>`` method for
+        self.commands: dict[Cmd, Callable[[msgspec.Struct], object]] = {
+            c: handler for c in Cmd if callable(handler := getattr(self, f"cmd_{c.value}", None))}
         self._parent_check_at = 0.0
         #: when the controller last sent us anything (monotonic); see watch_parent
         self._heard = time.monotonic()
-        self.register("ping", self.cmd_ping)
-        self.register("stop", self.cmd_stop)
 
     # -- stopping ------------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -227,13 +230,12 @@ class ChildProcess:
         sock.connect(self.spec.controller)
         return sock
 
-    def announce(self) -> dict:
+    def announce(self) -> Ready:
         """READY to the controller (from the thread that owns ``ctrl``, before others use it)."""
-        msg = {"t": "ready", "name": self.name, "inc": self.spec.incarnation, "pid": os.getpid(),
-               **self.ready_info()}
+        msg = Ready(name=self.name, inc=self.spec.incarnation, pid=os.getpid(), **self.ready_info())
         self._heard = time.monotonic()  # pings start once the manager hears this
         if self.ctrl is not None:
-            self.ctrl.send(dumps(msg))
+            self.ctrl.send(protocol.encode(msg))
         return msg
 
     def report_boot_error(self, message: str) -> None:
@@ -244,15 +246,10 @@ class ChildProcess:
         ctx = zmq.Context()
         sock = self.control_socket(ctx)
         sock.linger = 1000
-        sock.send(dumps({"t": "boot_error", "name": self.name, "inc": self.spec.incarnation, "pid": os.getpid(),
-                         "error": message}))
+        sock.send(protocol.encode(BootFailure(name=self.name, inc=self.spec.incarnation, pid=os.getpid(),
+                                              error=message)))
         sock.close()
         ctx.term()
-
-    def register(self, name: str, handler: Callable[[dict], object]) -> None:
-        """``handler(args)`` answers the control command ``name`` (its result travels as JSON);
-        registering a name again replaces its handler."""
-        self.commands[name] = handler
 
     def receive_control(self) -> None:
         """Answer every command waiting on ``ctrl`` (call it from the thread that owns it)."""
@@ -263,33 +260,36 @@ class ChildProcess:
                 return
             self._heard = time.monotonic()
             try:
-                msg = loads_header(raw)
+                msg = protocol.decode_command(raw)
             except WireError as exc:
                 log.warning("%s: ignored a malformed control message (%s)", self.label, exc)
                 continue
             try:
-                result = self.handle_command(msg.get("cmd"), msg.get("args") or {})
+                result = self.handle_command(msg.cmd, msg.args)
             except Exception as exc:  # a bad command must not kill the process
-                self.answer_command(msg.get("id"), error=f"{type(exc).__name__}: {exc}")
+                self.answer_command(msg.id, error=f"{type(exc).__name__}: {exc}")
                 continue
             if isinstance(result, Later):
-                result.rid = msg.get("id")  # the handler's owner answers it (Later)
+                result.rid = msg.id  # the handler's owner answers it (Later)
             else:
-                self.answer_command(msg.get("id"), result)
+                self.answer_command(msg.id, result)
 
     def answer_command(self, rid, result=None, error: str | None = None) -> None:
         """Answer command ``rid`` (from the thread that owns ``ctrl``)."""
-        msg = ({"t": "reply", "id": rid, "ok": False, "error": error} if error is not None
-               else {"t": "reply", "id": rid, "ok": True, "result": result})
-        self.ctrl.send(dumps(msg))
+        msg = Reply(rid, False, error=error) if error is not None else Reply(rid, True, result=result)
+        self.ctrl.send(protocol.encode(msg))
 
-    def handle_command(self, cmd: str, args: dict):
-        handler = self.commands.get(cmd) if isinstance(cmd, str) else None
-        if handler is None:
-            raise ValueError(f"unknown command {cmd!r:.40}; {self.label} knows {', '.join(sorted(self.commands))}")
-        return handler(args)
+    def handle_command(self, name: str, args: msgspec.Raw):
+        """Run the handler of command ``name`` on its arguments, typed (protocol.ARGS)."""
+        try:
+            cmd = Cmd(name)
+            handler = self.commands[cmd]
+        except (ValueError, KeyError):
+            raise ValueError(f"unknown command {name!r:.40}; {self.label} knows "
+                             f"{', '.join(sorted(c.value for c in self.commands))}") from None
+        return handler(protocol.command_args(cmd, args))
 
-    def cmd_ping(self, args: dict) -> dict:
+    def cmd_ping(self, args: protocol.NoArgs) -> dict:
         return {"pid": os.getpid()}
 
     # -- how ps, top and py-spy name it ----------------------------------------------------------
@@ -313,7 +313,7 @@ class ChildProcess:
             setproctitle.setproctitle(self.title())
         setproctitle.setthreadtitle(f"bf:{self.name}")
 
-    def cmd_stop(self, args: dict) -> dict:
+    def cmd_stop(self, args: protocol.NoArgs) -> dict:
         self.request_stop()
         return {"stopping": True}
 

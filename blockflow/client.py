@@ -22,7 +22,7 @@ from concurrent.futures import Future
 import torch
 import zmq
 
-from blockflow.protocol import ErrorCode
+from blockflow.protocol import PROTOCOL_VERSION, ErrorCode
 from blockflow.sockthread import QueueFull, SocketThread
 from blockflow.tensormq import bundle
 from blockflow.tensormq.transport import bytes_fields, read_bytes_value
@@ -108,7 +108,7 @@ class Client:
 
     def _request(self, fields: dict, payload: list, timeout: float, details: bool) -> Future:
         rid = next(self._ids)
-        header = {"v": 1, "id": rid, **fields}
+        header = {"v": PROTOCOL_VERSION, "id": rid, **fields}
         if self.token:
             header["token"] = self.token
         fut: Future = Future()

@@ -41,7 +41,7 @@ import psutil
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from blockflow.protocol import DISPATCHER
+from blockflow.protocol import DISPATCHER, Cmd
 
 log = logging.getLogger("blockflow.metrics")
 
@@ -220,8 +220,8 @@ class BlockFlowCollector:
             if b.get("status") != "ready":
                 continue
             try:
-                self.manager.command(b["name"], "store", timeout=COMMAND_TIMEOUT)
-                live[b["name"]] = self.manager.command(b["name"], "ping", timeout=COMMAND_TIMEOUT)
+                self.manager.command(b["name"], Cmd.STORE, timeout=COMMAND_TIMEOUT)
+                live[b["name"]] = self.manager.command(b["name"], Cmd.PING, timeout=COMMAND_TIMEOUT)
             except Exception as exc:  # busy, restarting or gone: its log is read next time
                 log.debug("metrics: block %s did not answer (%s)", b["name"], exc)
         if run_dir:

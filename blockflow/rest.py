@@ -26,6 +26,7 @@ import logging
 
 import cherrypy
 
+from blockflow.protocol import Cmd, Monitor
 from blockflow.schema import UpdateError
 from blockflow.manager.manager import Conflict, Manager, UpdateFailed
 
@@ -200,7 +201,7 @@ class BlockAction:
         if self.action == "kpi":
             from blockflow.kpi import summarize_block
             try:
-                self.manager.command(name, "store")
+                self.manager.command(name, Cmd.STORE)
             except Conflict as exc:
                 fail(409, str(exc))
             except TimeoutError as exc:
@@ -212,7 +213,7 @@ class BlockAction:
         if not isinstance(body, dict) or not isinstance(body.get("enabled"), bool):
             fail(400, "enabled: must be true or false", field="enabled")
         try:
-            return self.manager.command(name, "monitor", {"enabled": body["enabled"]})
+            return self.manager.command(name, Cmd.MONITOR, Monitor(body["enabled"]))
         except Conflict as exc:
             fail(409, str(exc))
 

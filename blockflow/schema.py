@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
 from blockflow import settings
+from blockflow.tensormq.header import TENSOR_DTYPES
 
 TRANSPORTS = ("tensormq", "zeromq")
 PROTOCOLS = ("ipc", "tcp")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d{1,2})$")
 
 #: Most files one fused block may chain.
 MAX_FUSED = 16
@@ -26,8 +32,6 @@ MAX_FUSED = 16
 MAX_BLOCKS = settings.MAX_BLOCKS
 MAX_TASKS = settings.MAX_TASKS
 
-BLOCK_FIELDS = {"name", "model", "device", "transport", "protocol", "cpus", "threads", "max_inference_s", "batching",
-                "replicas", "process", "cuda_graphs", "warmup_shapes", "node"}
 #: Input shapes one block may declare for its warm-up (each may capture a CUDA graph).
 MAX_WARMUP_SHAPES = 16
 #: Processes one block may run as (``replicas``).
@@ -105,22 +109,69 @@ def _batching(obj, where: str) -> BatchPolicy | None:
         raise UpdateError(exc.field, str(exc).split(": ", 1)[-1]) from None
 
 
-@dataclass(frozen=True)
-class BlockDecl:
-    name: str
-    model: str | tuple[str, ...]    # a tuple: a fused block, its files run in sequence in one process
-    device: str = "cpu"
-    transport: str = "tensormq"
-    protocol: str = "ipc"
-    cpus: tuple[int, ...] | None = None
-    threads: int | None = None
-    max_inference_s: float = DEFAULT_MAX_INFERENCE_S
-    batching: BatchPolicy | None = None   # None: one request at a time
-    replicas: int = 1                     # processes of this block; requests spread over them
-    process: str | None = None            # a shared process's name: blocks with the same one run in it
-    cuda_graphs: bool = True              # on a GPU: a CUDA graph per input shape (blocks/runner.py)
-    warmup_shapes: tuple[tuple[int, ...], ...] | None = None  # run before ready; None: the manifest's
-    node: str | None = None               # Ray mode: the custom resource of the nodes it may run on
+# Note [One declaration per block]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``BlockDecl`` is the only place a block option is declared: its name, type, default, bounds
+# (``msgspec.Meta``) and the words of its 400 (``_option``). The REST validation converts a
+# block object into it (``validate_update``: msgspec checks types and bounds in C, and the
+# error is said in the field's own words), the manager hands it to the block process whole
+# (``BlockSpec`` in blocks/spec.py is a BlockDecl with the process's own fields added), and the
+# block process reads the option from its spec. What msgspec cannot say from the value alone
+# (a device this host has, a node the cluster has, the CPUs there are, a name reserved for a
+# replica, a shared process's rules) is checked after the conversion, by name, below it.
+# Adding an option: a field here, and the code that acts on it (CONTRIBUTING.md).
+
+
+def _option(type_, error: str, parse=None, **bounds):
+    """A declared field's type with its bounds (msgspec.Meta) and the words of a refused value:
+    ``error`` may name ``{value}`` (the value sent) and ``{cpu_max}``. ``parse(value, where)``:
+    a field msgspec does not convert, parsed by its own parser (its own field-named errors)."""
+    return Annotated[type_, Meta(extra={"error": error, "parse": parse}, **bounds)]
+
+
+_NAME_PATTERN = NAME_RE.pattern[:-1] + r"\Z"  # '$' would also match before a final newline
+_NAME_ERROR = ("{value!r:.60} is not a valid name (letters, digits, '_', '.', '-'; up to 63 characters, "
+               "starting with a letter or digit)")
+_Name = _option(str, _NAME_ERROR, pattern=_NAME_PATTERN)
+_Transport = _option(Literal[TRANSPORTS], "{value!r:.60} is not one of " + ", ".join(TRANSPORTS))
+_Protocol = _option(Literal[PROTOCOLS], "{value!r:.60} is not one of " + ", ".join(PROTOCOLS))
+_WARMUP_ERROR = (f"must be a list of at most {MAX_WARMUP_SHAPES} input shapes, each a list of 1 to 8 sizes from 1 "
+                 f"to 65536, e.g. [[1, 3, 224, 224]]")
+
+
+class BlockDecl(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One block of an update, as declared (Note [One declaration per block])."""
+
+    name: _Name
+    #: a tuple: a fused block, its files run in sequence in one process
+    model: _option(str | Annotated[tuple[str, ...], Meta(min_length=1, max_length=MAX_FUSED)],
+                   f"must be a model file or a list of 1 to {MAX_FUSED} of them, got {{value!r:.60}}")
+    device: _option(str, "unknown device {value!r:.40}; use 'cpu', 'cuda' or 'cuda:N'",
+                    pattern=r"^(cpu|cuda|cuda:\d{1,2})\Z") = "cpu"
+    transport: _Transport = "tensormq"    # in an update: the update's, where the block names none
+    protocol: _Protocol = "ipc"           # likewise
+    cpus: _option(Annotated[tuple[Annotated[int, Meta(ge=0)], ...], Meta(min_length=1, max_length=1024)],
+                  "must be a non-empty list of CPU numbers from 0 to {cpu_max}") | None = None
+    threads: _option(int, "must be an integer from 1 to 256", ge=1, le=256) | None = None
+    max_inference_s: _option(float, f"must be a number of seconds above 0 and at most {MAX_MAX_INFERENCE_S:.0f}, "
+                                    "got {value!r:.40}", gt=0, le=MAX_MAX_INFERENCE_S) = DEFAULT_MAX_INFERENCE_S
+    batching: _option(BatchPolicy, "", parse=_batching) | None = None  # None: one request at a time
+    #: processes of this block; requests spread over them
+    replicas: _option(int, f"must be an integer from 1 to {MAX_REPLICAS}, got {{value!r:.40}}",
+                      ge=1, le=MAX_REPLICAS) = 1
+    process: _Name | None = None          # a shared process's name: blocks with the same one run in it
+    #: on a GPU: a CUDA graph per input shape (blocks/runner.py)
+    cuda_graphs: _option(bool, "must be true or false, got {value!r:.40}") = True
+    #: run before ready; None: the manifest's
+    warmup_shapes: _option(Annotated[tuple[Annotated[tuple[Annotated[int, Meta(ge=1, le=1 << 16)], ...],
+                                                     Meta(min_length=1, max_length=8)], ...],
+                                     Meta(max_length=MAX_WARMUP_SHAPES)], _WARMUP_ERROR) | None = None
+    node: _Name | None = None             # Ray mode: the custom resource of the nodes it may run on
+    #: the dtype of the tensors the block takes (e.g. int64 token ids): its warm-up (and CUDA
+    #: graphs) run on such inputs, and a task it starts refuses others; None: the manifest's
+    input_dtype: _option(Literal[TENSOR_DTYPES],
+                         "{value!r:.40} is not a dtype a tensor travels as; use one of " + ", ".join(TENSOR_DTYPES)
+                         ) | None = None
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -128,30 +179,35 @@ class BlockDecl:
         return self.model if isinstance(self.model, tuple) else (self.model,)
 
     def as_dict(self) -> dict:
-        model = list(self.model) if isinstance(self.model, tuple) else self.model
-        d = {"name": self.name, "model": model, "device": self.device, "transport": self.transport,
-             "protocol": self.protocol, "max_inference_s": self.max_inference_s}
-        if self.cpus is not None:
-            d["cpus"] = list(self.cpus)
-        if self.threads is not None:
-            d["threads"] = self.threads
-        if self.batching is not None:
-            d["batching"] = self.batching.to_json()
-        if self.replicas != 1:
-            d["replicas"] = self.replicas
-        if self.process is not None:
-            d["process"] = self.process
-        if not self.cuda_graphs:
-            d["cuda_graphs"] = False
-        if self.warmup_shapes is not None:
-            d["warmup_shapes"] = [list(s) for s in self.warmup_shapes]
-        if self.node is not None:
-            d["node"] = self.node
-        return d
+        """The declaration as JSON values (what validate_update takes back), unset options left out."""
+        return msgspec.json.decode(msgspec.json.encode({k: v.to_json() if hasattr(v, "to_json") else v
+                                                        for k, v in msgspec.structs.asdict(self).items()
+                                                        if v is not None}))
 
     def replica_names(self) -> list[str]:
         """The process names of this block's replicas: its own name, then ``name.r1``, ..."""
         return [replica_name(self.name, r) for r in range(self.replicas)]
+
+
+#: The fields a block object may have (the declaration's).
+BLOCK_FIELDS = frozenset(BlockDecl.__struct_fields__)
+
+
+def _field_words(annotation) -> dict:
+    """The ``extra`` of a field's outermost ``Meta`` (its error words and parser), looking
+    through ``| None``."""
+    for arg in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(arg) is Annotated:
+            metas = [m for m in arg.__metadata__ if isinstance(m, Meta) and m.extra]
+            if metas:
+                return metas[-1].extra
+    return {}
+
+
+#: field -> {"error": words of a refused value, "parse": its own parser, if any}
+_WORDS = {name: _field_words(t) for name, t in typing.get_type_hints(BlockDecl, include_extras=True).items()}
+#: fields msgspec does not convert: their parser does, with its own field-named errors
+_PARSED = {name: w["parse"] for name, w in _WORDS.items() if w.get("parse")}
 
 
 def replica_name(block: str, replica: int) -> str:
@@ -179,14 +235,12 @@ def _str(value, where: str, choices=None) -> str:
 def _name(value, where: str) -> str:
     _str(value, where)
     if not NAME_RE.fullmatch(value):
-        raise UpdateError(where, f"{value!r:.60} is not a valid name (letters, digits, '_', '.', '-'; "
-                                 "up to 63 characters, starting with a letter or digit)")
+        raise UpdateError(where, _NAME_ERROR.format(value=value))
     return value
 
 
 def _block_name(value, where: str) -> str:
-    """A block's name: a name that does not end like a replica's process name (REPLICA_SUFFIX_RE)."""
-    _name(value, where)
+    """A block's name (a valid name: BlockDecl) must not end like a replica's process name (REPLICA_SUFFIX_RE)."""
     m = REPLICA_SUFFIX_RE.fullmatch(value)
     if m:
         raise UpdateError(where, f"{value!r} is reserved: it is the process name of replica {int(m['replica'])} of "
@@ -205,10 +259,8 @@ def canonical_device(value: str) -> str:
     return value
 
 
-def _device(value, where: str, gpus: int) -> str:
-    _str(value, where)
-    if not _DEVICE_RE.fullmatch(value):
-        raise UpdateError(where, f"unknown device {value!r:.40}; use 'cpu', 'cuda' or 'cuda:N'")
+def _device(value: str, where: str, gpus: int) -> str:
+    """A declared device (its spelling checked by BlockDecl), canonical and present on this host."""
     value = canonical_device(value)
     if value.startswith("cuda"):
         index = int(value.split(":")[1])
@@ -218,10 +270,10 @@ def _device(value, where: str, gpus: int) -> str:
     return value
 
 
-def _node(value, where: str, nodes: set[str] | None) -> str | None:
+def _node(value: str | None, where: str, nodes: set[str] | None) -> str | None:
+    """A declared node (a valid name: BlockDecl) that the Ray cluster has."""
     if value is None:
         return None
-    value = _name(value, where)
     if nodes is None:
         raise UpdateError(where, "this server runs every block on its own host; start it with "
                                  "`blockflow serve --ray ADDRESS` to place blocks on the nodes of a Ray cluster")
@@ -232,49 +284,50 @@ def _node(value, where: str, nodes: set[str] | None) -> str | None:
     return value
 
 
-def _model(value, where: str) -> str | tuple[str, ...]:
-    """A file, or a list of files run in sequence in one process (a fused block)."""
-    if isinstance(value, list):
-        if not 1 <= len(value) <= MAX_FUSED:
-            raise UpdateError(where, f"a fused block chains 1 to {MAX_FUSED} model files, got {len(value)}")
-        files = tuple(_str(v, f"{where}[{j}]") for j, v in enumerate(value))
-        return files[0] if len(files) == 1 else files
-    if not isinstance(value, str):
-        raise UpdateError(where, f"must be a model file or a list of them, got {type(value).__name__}")
-    return value
+#: msgspec's words for where a value failed (``- at `$.cpus[0]` ``) and for unknown and missing fields
+_AT_RE = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_FIELD_RE = re.compile(r"(?P<what>unknown|missing required) field `(?P<field>[^`]+)`")
 
 
-def _replicas(value, where: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_REPLICAS:
-        raise UpdateError(where, f"must be an integer from 1 to {MAX_REPLICAS}, got {value!r:.40}")
-    return value
+def _refusal(exc: msgspec.ValidationError, raw: dict, where: str, cpu_count: int) -> UpdateError:
+    """msgspec's refusal of a block object, said with the field's declared words."""
+    text = str(exc)
+    named = _FIELD_RE.search(text)
+    if named and named["what"] == "unknown":
+        return UpdateError(f"{where}.{named['field']}", f"unknown field; a block has {', '.join(sorted(BLOCK_FIELDS))}")
+    if named:
+        return UpdateError(f"{where}.{named['field']}", "is required")
+    at = _AT_RE.search(text)
+    path = at["path"] if at else ""
+    field = re.match(r"[A-Za-z_]*", path)[0]
+    words = _WORDS.get(field, {}).get("error")
+    if not words:  # not a declared field's value (cannot happen with forbid_unknown_fields): msgspec's words
+        return UpdateError(f"{where}.{path}" if path else where, text)
+    # a value inside a list is named by its index (model[1]) where the words speak of the list itself
+    return UpdateError(f"{where}.{path if field == 'model' else field}",
+                       words.format(value=raw.get(field), cpu_max=cpu_count - 1))
 
 
-def _bool(value, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise UpdateError(where, f"must be true or false, got {value!r:.40}")
-    return value
-
-
-def _warmup_shapes(value, where: str) -> tuple[tuple[int, ...], ...] | None:
-    if value is None:
-        return None
-    ok = (isinstance(value, list) and len(value) <= MAX_WARMUP_SHAPES
-          and all(isinstance(s, list) and 1 <= len(s) <= 8
-                  and all(isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= 1 << 16 for d in s)
-                  for s in value))
-    if not ok:
-        raise UpdateError(where, f"must be a list of at most {MAX_WARMUP_SHAPES} input shapes, each a list of 1 to 8 "
-                                 f"sizes from 1 to 65536, e.g. [[1, 3, 224, 224]]")
-    return tuple(tuple(s) for s in value)
-
-
-def _max_inference(value, where: str) -> float:
-    if (not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
-            or not 0 < value <= MAX_MAX_INFERENCE_S):
-        raise UpdateError(where, f"must be a number of seconds above 0 and at most {MAX_MAX_INFERENCE_S:.0f}, "
-                                 f"got {value!r:.40}")
-    return float(value)
+def _block(raw: dict, where: str, defaults: dict, gpus: int, cpu_count: int, nodes: set[str] | None) -> BlockDecl:
+    """One block object converted into its declaration, then what the declaration cannot say
+    alone (Note [One declaration per block])."""
+    parsed = {name: parse(raw[name], f"{where}.{name}") for name, parse in _PARSED.items() if raw.get(name) is not None}
+    try:
+        decl = msgspec.convert({**raw, **dict.fromkeys(parsed)}, BlockDecl, strict=True)
+    except msgspec.ValidationError as exc:
+        raise _refusal(exc, raw, where, cpu_count) from None
+    changes = {**parsed, **{k: v for k, v in defaults.items() if k not in raw}}
+    _block_name(decl.name, f"{where}.name")
+    if isinstance(decl.model, tuple) and len(decl.model) == 1:
+        changes["model"] = decl.model[0]
+    node = _node(decl.node, f"{where}.node", nodes)
+    # a block on another node: this host's GPUs say nothing of that node's (it fails to start there)
+    changes["device"] = _device(decl.device, f"{where}.device", gpus if node is None else 100)
+    if decl.cpus is not None:
+        if max(decl.cpus) >= cpu_count:
+            raise UpdateError(f"{where}.cpus", _WORDS["cpus"]["error"].format(cpu_max=cpu_count - 1))
+        changes["cpus"] = tuple(sorted(set(decl.cpus)))
+    return msgspec.structs.replace(decl, **changes)
 
 
 def validate_update(body, gpus: int = 0, cpu_count: int | None = None, nodes: set[str] | None = None) -> Update:
@@ -304,41 +357,11 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None, nodes: se
         where = f"blocks[{i}]"
         if not isinstance(b, dict):
             raise UpdateError(where, "must be an object with name and model")
-        extra = set(b) - BLOCK_FIELDS
-        if extra:
-            raise UpdateError(f"{where}.{sorted(extra)[0]}", f"unknown field; a block has {', '.join(sorted(BLOCK_FIELDS))}")
-        for key in ("name", "model"):
-            if key not in b:
-                raise UpdateError(f"{where}.{key}", "is required")
-        name = _block_name(b["name"], f"{where}.name")
+        decl = _block(b, where, {"transport": transport, "protocol": protocol}, gpus, cpu_count, nodes)
+        name = decl.name
         if name in blocks:
             raise UpdateError(f"{where}.name", f"duplicate block name {name!r}")
-        model = _model(b["model"], f"{where}.model")
-        node = _node(b.get("node"), f"{where}.node", nodes)
-        # a block on another node: this host's GPUs say nothing of that node's (it fails to start there)
-        device = _device(b.get("device", "cpu"), f"{where}.device", gpus if node is None else 100)
-        cpus = b.get("cpus")
-        if cpus is not None:
-            if (not isinstance(cpus, list) or not cpus or len(cpus) > 1024
-                    or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < cpu_count for c in cpus)):
-                raise UpdateError(f"{where}.cpus", f"must be a non-empty list of CPU numbers from 0 to {cpu_count - 1}")
-            cpus = tuple(sorted(set(cpus)))
-        threads = b.get("threads")
-        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= 256):
-            raise UpdateError(f"{where}.threads", "must be an integer from 1 to 256")
-        blocks[name] = BlockDecl(
-            name=name, model=model, device=device,
-            transport=_str(b.get("transport", transport), f"{where}.transport", TRANSPORTS),
-            protocol=_str(b.get("protocol", protocol), f"{where}.protocol", PROTOCOLS),
-            cpus=cpus, threads=threads,
-            max_inference_s=_max_inference(b.get("max_inference_s", DEFAULT_MAX_INFERENCE_S),
-                                           f"{where}.max_inference_s"),
-            batching=_batching(b.get("batching"), f"{where}.batching"),
-            replicas=_replicas(b.get("replicas", 1), f"{where}.replicas"),
-            process=_name(b["process"], f"{where}.process") if b.get("process") is not None else None,
-            cuda_graphs=_bool(b.get("cuda_graphs", True), f"{where}.cuda_graphs"),
-            warmup_shapes=_warmup_shapes(b.get("warmup_shapes"), f"{where}.warmup_shapes"), node=node)
-        decl = blocks[name]
+        blocks[name] = decl
         if decl.process is not None:
             if decl.replicas != 1:
                 raise UpdateError(f"{where}.replicas", "a block in a shared process runs once; give it its own "

@@ -24,7 +24,7 @@ import tempfile
 import zmq
 
 from blockflow import settings
-from blockflow.protocol import DISPATCHER, identity
+from blockflow.protocol import DISPATCHER, Cmd, identity
 from blockflow.manager.controller import Controller
 from blockflow.tensormq.curve import ClusterKeys
 
@@ -83,7 +83,7 @@ class StandalonePipeline:
                 if nodes:
                     mine = nodes.get(name, "serve")
                     topology["near"] = {addr: near for addr, near, node in receivers if node == mine}
-                self.command(name, "update", topology, timeout=15)
+                self.command(name, Cmd.UPDATE, topology, timeout=15)
         except BaseException:
             self.stop()
             raise
@@ -106,7 +106,7 @@ class StandalonePipeline:
         for name, p in self.procs.items():
             if p.poll() is None:
                 try:
-                    self.controller.cast(identity(name, 0), "stop")
+                    self.controller.cast(identity(name, 0), Cmd.STOP)
                 except Exception:
                     pass
         codes = {}

@@ -33,8 +33,9 @@ import setproctitle
 import torch
 import zmq
 
+from blockflow import protocol
 from blockflow.childproc import ChildProcess, exit_with, serve, spec_from_argv
-from blockflow.tensormq.wire import dumps
+from blockflow.protocol import Gone, Host, NoArgs
 
 from .heap import keep_freed_memory, one_heap
 from .process import Block
@@ -82,7 +83,6 @@ class BlockHost(ChildProcess):
     def __init__(self, spec: HostSpec):
         super().__init__(spec, spec.name, f"shared process {spec.name}", spec.name)
         self.members: dict[str, _Member] = {}
-        self.register("host", self.cmd_host)
         #: whether serve() replaced the command line (forked from the forkserver): then it follows the members
         self.titled = False
 
@@ -107,8 +107,8 @@ class BlockHost(ChildProcess):
     def ready_info(self) -> dict:
         return {"endpoint": None, "device": self.spec.device}
 
-    def cmd_host(self, args: dict) -> dict:
-        spec = BlockSpec.from_json(args["spec"])
+    def cmd_host(self, args: Host) -> dict:
+        spec = BlockSpec.from_json(args.spec)
         if not spec.hosted:
             raise ValueError(f"block {spec.name}: its spec is not marked hosted")
         key = f"{spec.name}#{spec.incarnation}"
@@ -128,7 +128,7 @@ class BlockHost(ChildProcess):
         what any member heard last."""
         return max([self._heard, *(m.block.last_heard() for m in list(self.members.values()))])
 
-    def cmd_ping(self, args: dict) -> dict:
+    def cmd_ping(self, args: NoArgs) -> dict:
         return {**super().cmd_ping(args), "members": sorted(self.members)}
 
     def loop(self) -> None:
@@ -148,7 +148,7 @@ class BlockHost(ChildProcess):
             del self.members[key]
             log.info("%s: %s has stopped%s", self.label, key, " (crashed)" if m.crashed else "")
             if self.ctrl is not None:
-                self.ctrl.send(dumps({"t": "gone", "member": key, "crashed": m.crashed}))
+                self.ctrl.send(protocol.encode(Gone(key, m.crashed)))
             self.set_title(self.titled)
 
     def answer_held(self) -> None:

@@ -75,14 +75,14 @@ import torch
 import zmq
 
 from blockflow.childproc import BootError, ChildProcess, Later, exit_with, serve, spec_from_argv
-from blockflow.protocol import RETURN_HOP, ErrorCode
+from blockflow.protocol import RETURN_HOP, ErrorCode, Monitor, NoArgs, Ready, Topology
 from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
 from blockflow.tensormq.transport import RESULT_KEYS, Transport, receive_limit, recv_message
 from blockflow.tensormq.bundle import first
 from blockflow.tensormq.wire import DataHeader, WireError, check_path, dumps, loads_data_header
 
-from .batching import BatchPolicy, DelayController, plan_batches, run_batch
+from .batching import DelayController, plan_batches, run_batch
 from .handover import INBOXES, Handed, Inbox
 from .heap import keep_freed_memory
 from .kpilog import KpiLog
@@ -149,7 +149,7 @@ class Block(ChildProcess):
         #: set by the control thread after it posts to the mailbox (Note [One wait per hop])
         self.mail_waiting = False
         #: dynamic batching across tasks (blocks/batching.py); None: one request at a time
-        self.batching = BatchPolicy.parse(spec.batching) if spec.batching else None
+        self.batching = spec.batching
         self.batcher = DelayController(self.batching, spec.max_inference_s / 4) if self.batching else None
         #: the output-in-slot extension (tensormq/outalloc.py), None where outputs are copied
         self.lender = None
@@ -166,9 +166,6 @@ class Block(ChildProcess):
         #: the wake-up socket is the control thread's, and the neighbours' inference threads' in
         #: a shared process: each use holds this lock (ZeroMQ sockets are not thread-safe)
         self.wake_lock = threading.Lock()
-        self.register("store", self.cmd_store)
-        self.register("monitor", self.cmd_monitor)
-        self.register("update", self.cmd_update)
 
     # -- start-up ----------------------------------------------------------------------------
     def init_process(self) -> None:
@@ -205,7 +202,7 @@ class Block(ChildProcess):
             shapes = warmup_shapes(entry.get("input_shapes") or entry.get("input_shape"), spec.warmup_shapes,
                                    self.batching if self.runner.on_gpu else None)
             try:
-                self.runner.warm_up(shapes, getattr(torch, entry.get("dtype", "float32")))
+                self.runner.warm_up(shapes, getattr(torch, spec.input_dtype or entry.get("dtype", "float32")))
             except Exception as exc:
                 raise BootError(f"block {self.name}: warm-up on input shapes {shapes} failed: "
                                 f"{type(exc).__name__}: {exc}") from None
@@ -313,7 +310,7 @@ class Block(ChildProcess):
             return {"endpoint": self.tcp_endpoint, "near": self.endpoint, "device": self.spec.device}
         return {"endpoint": self.endpoint, "device": self.spec.device}
 
-    def announce(self) -> dict:
+    def announce(self) -> Ready:
         """READY to the controller; sent before the control thread starts, which then owns ctrl."""
         msg = super().announce()
         log.info("block %s ready on %s (pid %d, %s, %s)", self.name, self.endpoint, os.getpid(),
@@ -349,7 +346,7 @@ class Block(ChildProcess):
                 self.waker.close(linger=0)
 
     # commands the control thread answers itself (ChildProcess answers "ping" and "stop" too)
-    def cmd_ping(self, args: dict) -> dict:
+    def cmd_ping(self, args: NoArgs) -> dict:
         now, busy_since = time.monotonic(), self.busy_since
         return {**super().cmd_ping(args), "queue": len(self.backlog), "served": self.kpi.count,
                 "in_flight": self.transport.in_flight(), "outputs_made_in_slot": self.transport.made_in_slot,
@@ -357,20 +354,20 @@ class Block(ChildProcess):
                 "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat,
                 "torch_threads": torch.get_num_threads(), "runner": self.runner.stats()}
 
-    def cmd_store(self, args: dict) -> dict:
+    def cmd_store(self, args: NoArgs) -> dict:
         return {"written": self.kpi.flush(), "paths": self.kpi.paths}
 
-    def cmd_monitor(self, args: dict) -> dict:
-        (self.monitor_on.set if args.get("enabled", True) else self.monitor_on.clear)()
+    def cmd_monitor(self, args: Monitor) -> dict:
+        (self.monitor_on.set if args.enabled else self.monitor_on.clear)()
         return {"enabled": self.monitor_on.is_set()}
 
-    def cmd_update(self, args: dict) -> Later:
+    def cmd_update(self, args: Topology) -> Later:
         # tell the inference thread now which hops are gone, so that a wait for a dead
         # consumer's slots ends at once instead of holding this update for send_timeout
-        self.transport.mark_live(args.get("live", []))
+        self.transport.mark_live(args.live)
         return self.post_to_inference("topology", args, timeout=UPDATE_TIMEOUT)
 
-    def cmd_stop(self, args: dict) -> dict:
+    def cmd_stop(self, args: NoArgs) -> dict:
         answer = super().cmd_stop(args)
         # the inference thread sees stopping within BEAT_INTERVAL (its receive timeout); a
         # wake-up makes that at once
@@ -388,7 +385,7 @@ class Block(ChildProcess):
             except zmq.Again:
                 pass  # wake-ups already pending: the inference thread is about to go around anyway
 
-    def post_to_inference(self, kind: str, args: dict, timeout: float) -> Later:
+    def post_to_inference(self, kind: str, args: Topology, timeout: float) -> Later:
         """Post a command to the inference thread's mailbox; the reply goes when it answers, or
         as an error after ``timeout`` (control thread)."""
         self._mail_seq += 1

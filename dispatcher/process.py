@@ -42,13 +42,14 @@ from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
 
 from blockflow.ratelog import RateLimitedLog
 from blockflow.childproc import BootError, ChildProcess, exit_with, serve, spec_from_argv
-from blockflow.protocol import DISPATCHER, ErrorCode, RETURN_HOP
+from blockflow.protocol import (DISPATCHER, PROTOCOL_VERSION, RETURN_HOP, ErrorCode, Fail, NoArgs, Outstanding, Ready,
+                                Tasks, Topology)
 from blockflow.dispatcher.requestlog import RequestLog
 from blockflow.dispatcher.spec import DispatcherSpec
 from blockflow.tensormq.shm import ShmExhausted
 from blockflow.tensormq.transport import (RESULT_KEYS, Transport, bytes_fields, read_bytes_value, read_result_keys,
                                           receive_limit)
-from blockflow.tensormq.wire import DTYPES, TensorDesc, WireError, dumps, loads_header
+from blockflow.tensormq.wire import DTYPES, DataHeader, TensorDesc, WireError, dumps, loads_header
 
 log = logging.getLogger("blockflow.dispatcher")
 
@@ -99,10 +100,6 @@ class Dispatcher(ChildProcess):
         # what junk on the result sockets may log: a few lines, then a count
         self.junk_log = RateLimitedLog(log)
         self.stats = {"requests": 0, "ok": 0, "errors": 0, "late": 0}
-        self.register("tasks", self.cmd_tasks)
-        self.register("update", self.cmd_update)
-        self.register("fail", self.cmd_fail)
-        self.register("outstanding", self.cmd_outstanding)
 
     def init_process(self) -> None:
         spec = self.spec
@@ -161,7 +158,7 @@ class Dispatcher(ChildProcess):
     def ready_info(self) -> dict:
         return {"endpoint": self.address, "results": [self.result_ipc, self.result_tcp]}
 
-    def announce(self) -> dict:
+    def announce(self) -> Ready:
         msg = super().announce()
         log.info("dispatcher ready on %s (pid %d, %s)", self.address, os.getpid(), self.spec.transport)
         return msg
@@ -202,12 +199,12 @@ class Dispatcher(ChildProcess):
         """Reply to the client of a request the dispatcher accepted (its task and age are known)."""
         self.reply(req.client, req.cid, status, task=req.task, since=req.started, **kw)
 
-    def reply(self, client: bytes, cid, status: str, *, error: str | None = None, code: str | None = None,
+    def reply(self, client: bytes, cid, status: str, *, error: str | None = None, code: ErrorCode | None = None,
               tensor=None, hops=None, started: float | None = None, task: str | None = None,
               since: float | None = None) -> None:
-        header = {"v": 1, "id": cid, "status": status}
+        header = {"v": PROTOCOL_VERSION, "id": cid, "status": status}
         if error is not None:
-            header["error"], header["code"] = error, code or "error"
+            header["error"], header["code"] = error, (code or ErrorCode.ERROR).value
         if hops is not None:
             header["hops"] = hops
         if started is not None:
@@ -237,7 +234,8 @@ class Dispatcher(ChildProcess):
                 self.handle_request(client, frames[1:])
             except Exception as exc:  # one hostile frame must not take the clients' entry point down
                 log.exception("dispatcher: request from client %r failed unexpectedly", client[:16])
-                self.reply(client, None, "error", code="bad_request", error=f"bad request: {type(exc).__name__}")
+                self.reply(client, None, "error", code=ErrorCode.BAD_REQUEST,
+                           error=f"bad request: {type(exc).__name__}")
 
     def handle_request(self, client: bytes, frames: list) -> None:
         self.stats["requests"] += 1
@@ -253,7 +251,8 @@ class Dispatcher(ChildProcess):
             # compared as bytes: compare_digest raises TypeError on non-ASCII str
             if self.spec.token and not hmac.compare_digest(str(header.get("token", "")).encode(),
                                                            self.spec.token.encode()):
-                self.reply(client, cid, "error", error="unauthorized: a valid token is required", code="unauthorized",
+                self.reply(client, cid, "error", error="unauthorized: a valid token is required",
+                           code=ErrorCode.UNAUTHORIZED,
                            task=RequestLog.UNKNOWN_TASK)
                 return
             op = header.get("op", "infer")
@@ -266,22 +265,23 @@ class Dispatcher(ChildProcess):
             entry = self.tasks.get(task) if isinstance(task, str) else None
             if entry is None:
                 known = ", ".join(sorted(self.tasks)) or "none"
-                self.reply(client, cid, "error", code="unknown_task", task=RequestLog.UNKNOWN_TASK,
+                self.reply(client, cid, "error", code=ErrorCode.UNKNOWN_TASK, task=RequestLog.UNKNOWN_TASK,
                            error=f"unknown task {str(task)!r:.60}; tasks served now: {known}")
                 return
             if entry.get("unavailable"):
-                self.reply(client, cid, "error", code="unavailable", task=task,
+                self.reply(client, cid, "error", code=ErrorCode.UNAVAILABLE, task=task,
                            error=f"task {task} cannot be served now: {entry['unavailable']}")
                 return
             tensor = self.read_input(task, entry, header, frames)
         except WireError as exc:
-            self.reply(client, cid, "error", error=f"bad request: {exc}", code="bad_request", task=RequestLog.UNKNOWN_TASK)
+            self.reply(client, cid, "error", error=f"bad request: {exc}", code=ErrorCode.BAD_REQUEST,
+                       task=RequestLog.UNKNOWN_TASK)
             return
         except ValueError as exc:
-            self.reply(client, cid, "error", error=str(exc), code="bad_input", task=task)
+            self.reply(client, cid, "error", error=str(exc), code=ErrorCode.BAD_INPUT, task=task)
             return
         if len(self.pending) >= self.spec.max_pending:
-            self.reply(client, cid, "error", code="overloaded", task=task,
+            self.reply(client, cid, "error", code=ErrorCode.OVERLOADED, task=task,
                        error=f"dispatcher is overloaded: {self.spec.max_pending} requests are waiting; retry later")
             return
         now = time.monotonic()
@@ -352,7 +352,7 @@ class Dispatcher(ChildProcess):
         """Send a request into its path; False when the first hop's window is full (try later)."""
         entry = self.tasks.get(req.task)
         if entry is None:
-            self.answer(req, "error", code="unknown_task",
+            self.answer(req, "error", code=ErrorCode.UNKNOWN_TASK,
                        error=f"task {req.task} was removed by a system update before it could start")
             return True
         path = entry["path"]
@@ -366,22 +366,22 @@ class Dispatcher(ChildProcess):
         except TimeoutError:
             return False
         except ShmExhausted as exc:  # this request fails; the others (and the dispatcher) go on
-            self.answer(req, "error", code=exc.code, error=f"task {req.task}: {exc}")
+            self.answer(req, "error", code=ErrorCode(exc.code), error=f"task {req.task}: {exc}")
             return True
         except OSError as exc:  # e.g. the slot directory was deleted under us: answer, never go silent
             log.error("dispatcher: cannot place request %s in shared memory: %s", rid, exc)
-            self.answer(req, "error", code=ErrorCode.UNAVAILABLE.value,
+            self.answer(req, "error", code=ErrorCode.UNAVAILABLE,
                         error=f"task {req.task}: the dispatcher cannot write its shared-memory slot "
                               f"({exc.strerror}: {exc.filename}); was {self.spec.shm_dir} removed? "
                               "restart `blockflow serve`")
             return True
-        header = {"v": 1, "t": "data", "rid": rid, "task": req.task,
-                  "path": [list(h) for h in path[1:]] + [[RETURN_HOP, ret]], **fields, "hops": []}
+        header = DataHeader(PROTOCOL_VERSION, "data", rid, [*map(tuple, path[1:]), (RETURN_HOP, ret)], req.task,
+                            **fields)
         try:
             self.transport.send(first, header, payload, timeout=1.0)
         except TimeoutError as exc:
             self.transport.discard(fields.get("x") or fields["xs"])
-            self.answer(req, "error", code="unavailable", error=f"task {req.task}: {exc}")
+            self.answer(req, "error", code=ErrorCode.UNAVAILABLE, error=f"task {req.task}: {exc}")
             return True
         req.tensor = req.frames = None
         self.outstanding[rid] = req
@@ -392,7 +392,7 @@ class Dispatcher(ChildProcess):
             rid, req = self.pending[0]
             if time.monotonic() > req.deadline:
                 self.pending.popleft()
-                self.answer(req, "error", code="timeout",
+                self.answer(req, "error", code=ErrorCode.TIMEOUT,
                            error=f"task {req.task}: no free slot towards its first block before the deadline")
                 continue
             if not self.forward(rid, req):
@@ -436,7 +436,7 @@ class Dispatcher(ChildProcess):
             return
         if kind == "error":
             err = header.get("err")
-            self.answer(req, "error", error=str(err)[:2000], code=str(header.get("code", "error")),
+            self.answer(req, "error", error=str(err)[:2000], code=ErrorCode.of(header.get("code")),
                        hops=header.get("hops"), started=req.started)
             return
         lease = None
@@ -444,7 +444,8 @@ class Dispatcher(ChildProcess):
             tensor, lease = self.transport.decode_value(header.get("x"), header.get("xs"), header.get("keys"), frames)
             self.answer(req, "ok", tensor=tensor, hops=header.get("hops"), started=req.started)
         except Exception as exc:  # the request is ours to answer now: never drop it silently
-            self.answer(req, "error", code="bad_result", error=f"the last block sent an unreadable result: {exc}")
+            self.answer(req, "error", code=ErrorCode.BAD_RESULT,
+                        error=f"the last block sent an unreadable result: {exc}")
         finally:
             if lease is not None:
                 lease.release()
@@ -453,7 +454,7 @@ class Dispatcher(ChildProcess):
         late = [rid for rid, r in self.outstanding.items() if r.deadline < now]
         for rid in late:
             req = self.outstanding.pop(rid)
-            self.answer(req, "error", code="timeout",
+            self.answer(req, "error", code=ErrorCode.TIMEOUT,
                        error=f"task {req.task}: no result within {req.deadline - req.started:.1f}s "
                              f"(path {' -> '.join(req.blocks)})")
 
@@ -463,29 +464,25 @@ class Dispatcher(ChildProcess):
         hit = [rid for rid, r in self.outstanding.items() if dead & set(r.blocks)]
         for rid in hit:
             req = self.outstanding.pop(rid)
-            self.answer(req, "error", code="block_failed", error=f"task {req.task}: {reason}")
+            self.answer(req, "error", code=ErrorCode.BLOCK_FAILED, error=f"task {req.task}: {reason}")
         return len(hit)
 
     # -- control (ChildProcess answers "ping" and "stop" too) ---------------------------------
-    def cmd_ping(self, args: dict) -> dict:
+    def cmd_ping(self, args: NoArgs) -> dict:
         return {**super().cmd_ping(args), "outstanding": len(self.outstanding), "pending": len(self.pending),
                 "torch_threads": torch.get_num_threads(), **self.stats}
 
-    def cmd_tasks(self, args: dict) -> dict:
-        tasks = args.get("tasks")
-        if not isinstance(tasks, dict):
-            raise ValueError("tasks must be an object")
-        self.tasks = tasks  # replaced atomically: one thread reads it
-        self.table_version = args.get("version", self.table_version + 1)
-        return {"tasks": len(tasks), "version": self.table_version}
+    def cmd_tasks(self, args: Tasks) -> dict:
+        self.tasks = args.tasks  # replaced atomically: one thread reads it
+        self.table_version = self.table_version + 1 if args.version is None else args.version
+        return {"tasks": len(args.tasks), "version": self.table_version}
 
-    def cmd_update(self, args: dict) -> dict:
-        if args.get("transport") in ("tensormq", "zeromq"):
-            self.transport.mode = args["transport"]  # how requests reach their first block
-        answer = {"dropped": self.transport.set_topology(args.get("live", []), args.get("devices"),
-                                                         args.get("near"))}
-        if args.get("prepare"):  # Note [Ready to serve] in blocks/process.py
-            answer["prepared"] = self.prepare_hops(args["prepare"])
+    def cmd_update(self, args: Topology) -> dict:
+        if args.transport is not None:
+            self.transport.mode = args.transport  # how requests reach their first block
+        answer = {"dropped": self.transport.set_topology(args.live, args.devices, args.near)}
+        if args.prepare:  # Note [Ready to serve] in blocks/process.py
+            answer["prepared"] = self.prepare_hops(args.prepare)
         return answer
 
     def prepare_hops(self, hops: dict) -> list[str]:
@@ -496,21 +493,21 @@ class Dispatcher(ChildProcess):
             self.transport.prepare(address, _input_bytes(spec))
         return list(hops)
 
-    def cmd_fail(self, args: dict) -> dict:
-        return {"failed": self.fail(list(args.get("blocks", [])), str(args.get("reason", "a block failed")))}
+    def cmd_fail(self, args: Fail) -> dict:
+        return {"failed": self.fail(args.blocks, args.reason)}
 
-    def cmd_outstanding(self, args: dict) -> dict:
-        names = set(args.get("blocks", []))
+    def cmd_outstanding(self, args: Outstanding) -> dict:
+        names = set(args.blocks)
         return {"outstanding": sum(1 for r in self.outstanding.values() if not names or names & set(r.blocks))}
 
     # -- shutdown: ChildProcess.shutdown() runs these steps in its order ------------------------
     def answer_held(self) -> None:
         """Everyone still waiting is answered; nothing is dropped silently."""
         for rid, req in list(self.pending):
-            self.answer(req, "error", code="shutdown", error="the dispatcher is shutting down")
+            self.answer(req, "error", code=ErrorCode.SHUTDOWN, error="the dispatcher is shutting down")
         self.pending.clear()
         for rid, req in list(self.outstanding.items()):
-            self.answer(req, "error", code="shutdown", error="the dispatcher is shutting down")
+            self.answer(req, "error", code=ErrorCode.SHUTDOWN, error="the dispatcher is shutting down")
         self.outstanding.clear()
 
     def flush(self) -> None:

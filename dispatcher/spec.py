@@ -3,8 +3,6 @@ its entry point named by module (torch-free, like blocks/spec.py, for the same r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from blockflow import settings
 from blockflow.childproc import ChildSpec, Entry
 
@@ -12,7 +10,6 @@ from blockflow.childproc import ChildSpec, Entry
 SERVE_DISPATCHER = Entry("blockflow.dispatcher.process", "serve_dispatcher")
 
 
-@dataclass
 class DispatcherSpec(ChildSpec):
     sock_dir: str
     shm_dir: str | None = None
@@ -26,7 +23,7 @@ class DispatcherSpec(ChildSpec):
     max_tensor_bytes: int = settings.MAX_TENSOR_BYTES
     window: int = settings.WINDOW
     token: str | None = None
-    tasks: dict = field(default_factory=dict)   # initial task table, for standalone use
+    tasks: dict = {}                            # initial task table, for standalone use
     run_dir: str | None = None                  # where the request log (@dispatcher.requests.jsonl) goes
     curve: dict | None = None                   # Ray mode: the cluster's CURVE keys (tensormq/curve.py)
     bind_host: str = "127.0.0.1"                # where the TCP result socket listens (Ray mode: this node's address)

@@ -40,6 +40,15 @@ before it) are decoded two ways, for one tensor (``x``) and for a bundle of thre
   tensormq/wire.py): ``loads_data_header`` (a Struct header whose descriptors stay dicts, the path
   memo on tuples), then ``TensorDesc.parse`` and its memo for each descriptor.
 
+**The update, declared once** (issue 41: "a msgspec Struct or a pydantic model: measure which
+validates an update faster"): ``update_validation`` in the JSON times, interleaved, what
+``POST /system/update`` runs on ``configs/resnet50_shared.json`` -- ``validate_update``, which
+converts each block into ``BlockDecl`` with msgspec and then checks what a type cannot say --
+beside a pydantic model of the same blocks (types and bounds only: no device, node, CPU or
+replica-name checks, no paths) and msgspec's conversion alone; ``--compare-schema PATH`` adds
+the ``validate_update`` of another checkout's ``blockflow/schema.py`` (e.g. the hand-written
+validator before BlockDecl) to the same rounds.
+
 The bare decoders (msgspec to dicts; the typed decode without the checks after it) are the
 floors. ``hop`` columns time what a block does with the header per hop: parse and check it,
 append its hop record, drop the first path entry and write it again (a dict with ``dumps``, a
@@ -54,6 +63,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 
 from blockflow.schema import validate_update
@@ -144,7 +154,7 @@ def pydantic_update():
 
     Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 
-    class Block(BaseModel, extra="forbid"):
+    class Block(BaseModel, extra="forbid", strict=True):  # strict: no "1" for 1, as msgspec's strict conversion
         name: Name
         model: str | Annotated[list[str], Field(min_length=1, max_length=16)]
         device: str = "cpu"
@@ -152,8 +162,16 @@ def pydantic_update():
         protocol: Literal["ipc", "tcp"] | None = None
         cpus: list[Annotated[int, Field(ge=0)]] | None = None
         threads: Annotated[int, Field(ge=1, le=256)] | None = None
-        max_inference_s: Annotated[float, Field(gt=0)] = 60.0
+        max_inference_s: Annotated[float, Field(gt=0, le=86400)] = 60.0
         batching: dict | None = None
+        replicas: Annotated[int, Field(ge=1, le=16)] = 1
+        process: Name | None = None
+        cuda_graphs: bool = True
+        warmup_shapes: Annotated[list[Annotated[list[Annotated[int, Field(ge=1, le=65536)]],
+                                                Field(min_length=1, max_length=8)]], Field(max_length=16)] | None = None
+        node: Name | None = None
+        input_dtype: Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8",
+                             "bool"] | None = None
 
     class Task(BaseModel, extra="forbid"):
         id: Name
@@ -586,6 +604,32 @@ def typed_header(n: int, n_slept: int) -> dict:
             "differences": differences()}
 
 
+def update_validation(update: bytes, n: int, compare_schema: str | None = None) -> dict:
+    """Median microseconds to validate the update, each way, interleaved (see the module docstring)."""
+    import msgspec
+    from blockflow.schema import BlockDecl
+    cases = {"validate_update: BlockDecl (msgspec) + checks": (lambda raw: validate_update(json.loads(raw)), update),
+             "msgspec convert alone (BlockDecl, no checks)":
+                 (lambda raw: [msgspec.convert(b, BlockDecl) for b in json.loads(raw)["blocks"]], update)}
+    try:
+        cases["pydantic model (types and bounds only)"] = (pydantic_update(), update)
+    except ImportError as exc:
+        cases.pop("pydantic model (types and bounds only)", None)
+        common.log.info("pydantic skipped: %s", exc)
+    if compare_schema:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("compared_schema", compare_schema)
+        other = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = other  # dataclasses look their module up while the class is made
+        spec.loader.exec_module(other)
+        cases[f"validate_update of {compare_schema}"] = (lambda raw: other.validate_update(json.loads(raw)), update)
+    for fn, arg in cases.values():  # the same answer from every full validator
+        fn(arg)
+    medians = time_interleaved(cases, n)
+    base = medians["validate_update: BlockDecl (msgspec) + checks"]
+    return {"n": n, "rows": [{"variant": k, "update_us": v, "vs_validate_update": v / base} for k, v in medians.items()]}
+
+
 def error_text(fn, raw: bytes) -> str:
     try:
         fn(raw)
@@ -596,15 +640,23 @@ def error_text(fn, raw: bytes) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = common.parser("validation_cost", __doc__)
+    ap.add_argument("--compare-schema", help="another checkout's blockflow/schema.py: its validate_update is timed "
+                                             "in the same rounds (update_validation)")
+    ap.add_argument("--update-only", action="store_true", help="time the update validation only")
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
     n = args.n or (500 if args.quick else 20000)
     out = common.results_dir(args.out)
 
-    header = sample_header()
-    bad = header.replace(b'"shape":[1,512,28,28]', b'"shape":[1,-512,28,28]')
     with open(os.path.join(common.ROOT, "configs", "resnet50_shared.json"), "rb") as f:
         update = f.read()
+    updates = update_validation(update, max(50, n // 20), args.compare_schema)
+    print(json.dumps(updates, indent=1))
+    if args.update_only:
+        common.write_json(out, "validation_cost_update", {"experiment": "validation_cost", "update_validation": updates})
+        return 0
+    header = sample_header()
+    bad = header.replace(b'"shape":[1,512,28,28]', b'"shape":[1,-512,28,28]')
 
     rows = []
     makers = {"hand-written": (lambda: handwritten_header, lambda: (lambda raw: validate_update(json.loads(raw))))}
@@ -632,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     typed = typed_header(n, max(50, n // 50))
     settings = {"n": n, "gap_s": GAP_S, "quick": args.quick, "header_bytes": len(header), "update": "configs/resnet50_shared.json"}
     result = {"experiment": "validation_cost", "env": common.env_info(settings), "settings": settings, "rows": rows,
-              "typed_header": typed}
+              "typed_header": typed, "update_validation": updates}
     common.write_json(out, "validation_cost", result)
     for row in rows:
         print(json.dumps(row))

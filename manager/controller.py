@@ -9,7 +9,6 @@ health pings), and ``last_seen`` records when each process last answered anythin
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import queue
@@ -17,10 +16,13 @@ import threading
 import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 
+import msgspec
 import zmq
 
+from blockflow import protocol
+from blockflow.protocol import PROTOCOL_VERSION, BootFailure, Cmd, Gone, Ready, Reply
 from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
-from blockflow.tensormq.header import dumps
+from blockflow.tensormq.header import WireError
 
 log = logging.getLogger("blockflow.controller")
 
@@ -81,17 +83,20 @@ class Controller:
         os.close(self._wake_w)
 
     # -- API for other threads ---------------------------------------------------------------
-    def cast(self, ident: bytes, cmd: str, args: dict | None = None) -> Future:
+    def cast(self, ident: bytes, cmd: Cmd | str, args: msgspec.Struct | dict | None = None) -> Future:
+        """Send command ``cmd`` (its ``args``: its Struct in protocol.ARGS, or a dict of its
+        fields, checked here: ValueError naming the field) without waiting for the reply."""
         rid = next(self._ids)
+        msg = protocol.command(rid, cmd, args)
         fut: Future = Future()
         with self._lock:
             self._futures[rid] = fut
             self._asked[rid] = ident
-        self._out.put((ident, rid, {"t": "cmd", "id": rid, "cmd": cmd, "args": args or {}}))
+        self._out.put((ident, rid, msg))
         os.write(self._wake_w, b"x")
         return fut
 
-    def request(self, ident: bytes, cmd: str, args: dict | None = None, timeout: float = 5.0):
+    def request(self, ident: bytes, cmd: Cmd | str, args: msgspec.Struct | dict | None = None, timeout: float = 5.0):
         fut = self.cast(ident, cmd, args)
         try:
             return fut.result(timeout)
@@ -100,7 +105,7 @@ class Controller:
                 for rid, f in list(self._futures.items()):
                     if f is fut:
                         self._pop(rid)
-            raise TimeoutError(f"{ident.decode()} did not answer {cmd!r} within {timeout:.1f}s") from None
+            raise TimeoutError(f"{ident.decode()} did not answer {str(cmd)!r} within {timeout:.1f}s") from None
 
     def wait_ready(self, ident: bytes, timeout: float, alive=lambda: True) -> dict:
         """The READY message of ``ident``; raises ControlError with the boot error if it sent one."""
@@ -110,7 +115,7 @@ class Controller:
                 if ident in self.ready:
                     return self.ready[ident]
                 if ident in self.boot_errors:
-                    raise ControlError(self.boot_errors[ident].get("error", "boot error"))
+                    raise ControlError(self.boot_errors[ident]["error"])
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"{ident.decode()} did not report READY within {timeout:.0f}s")
@@ -164,7 +169,7 @@ class Controller:
             except queue.Empty:
                 return
             try:
-                self.sock.send_multipart([ident, dumps(msg)])
+                self.sock.send_multipart([ident, protocol.encode(msg)])
             except zmq.ZMQError as exc:  # EHOSTUNREACH: not connected (yet, or any more)
                 with self._lock:
                     fut = self._pop(rid)
@@ -180,25 +185,28 @@ class Controller:
             except ValueError:
                 continue
             try:
-                msg = json.loads(raw)
-                kind = msg.get("t")
-            except (ValueError, AttributeError):
-                log.warning("controller: ignored a malformed message from %r", ident[:64])
+                msg = protocol.decode_control(raw)
+            except WireError as exc:
+                log.warning("controller: ignored a malformed message from %r (%s)", ident[:64], exc)
                 continue
+            if isinstance(msg, (Ready, BootFailure)) and msg.v != PROTOCOL_VERSION:
+                # e.g. a node of a Ray cluster running another BlockFlow: it cannot be told anything
+                msg = BootFailure(msg.name, msg.inc, msg.pid, f"{ident.decode()} speaks protocol version {msg.v}; "
+                                  f"this manager speaks {PROTOCOL_VERSION}: run one BlockFlow version everywhere")
             now = time.monotonic()
             with self._cond:
                 self.last_seen[ident] = now
-                if kind in ("ready", "boot_error"):
-                    (self.ready if kind == "ready" else self.boot_errors)[ident] = msg
+                if isinstance(msg, (Ready, BootFailure)):
+                    (self.ready if isinstance(msg, Ready) else self.boot_errors)[ident] = msgspec.structs.asdict(msg)
                     self._cond.notify_all()
-                elif kind == "gone" and isinstance(msg.get("member"), str):
-                    self.gone[msg["member"].encode()] = bool(msg.get("crashed"))
-                fut = self._pop(msg.get("id")) if kind == "reply" else None
-            if kind in ("ready", "boot_error", "gone") and self.notify is not None:
+                elif isinstance(msg, Gone):
+                    self.gone[msg.member.encode()] = msg.crashed
+                fut = self._pop(msg.id) if isinstance(msg, Reply) else None
+            if not isinstance(msg, Reply) and self.notify is not None:
                 self.notify(ident)
             if fut is None or fut.done():
                 continue
-            if msg.get("ok"):
-                fut.set_result(msg.get("result"))
+            if msg.ok:
+                fut.set_result(msg.result)
             else:
-                fut.set_exception(ControlError(f"{ident.decode()}: {msg.get('error')}"))
+                fut.set_exception(ControlError(f"{ident.decode()}: {msg.error}"))

@@ -34,16 +34,19 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
 import zmq
+from msgspec.structs import replace
 
 from blockflow import settings
 # specs and entry points only: the manager never imports a block or the dispatcher (nor torch)
 from blockflow.blocks.spec import SERVE_BLOCK, SERVE_HOST, BlockSpec, HostSpec
 from blockflow.dispatcher.spec import SERVE_DISPATCHER, DispatcherSpec
-from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_NODE_LOST, describe_exit, identity
+from blockflow.protocol import (DISPATCHER, EXIT_BOOT_ERROR, EXIT_NODE_LOST, Cmd, Fail, Host, Outstanding, Tasks,
+                                Topology, describe_exit, identity)
 from blockflow.schema import BlockDecl, validate_update
 from blockflow.tensormq.curve import ClusterKeys
 
@@ -381,17 +384,11 @@ class Manager:
         A block with a ``process`` goes into that shared process (started here if need be), once
         the process is ready (check_starting)."""
         inc = self._next_incarnation(decl.name)
-        model = list(decl.model) if isinstance(decl.model, tuple) else decl.model
-        spec = BlockSpec(name=decl.name, model=model, repo=self.repo, run_dir=self.state.run_dir,
-                         sock_dir=self.state.sock, shm_dir=self.state.shm, device=decl.device,
-                         transport=decl.transport, protocol=decl.protocol, threads=decl.threads,
-                         cpus=list(decl.cpus) if decl.cpus else None, incarnation=inc,
+        # the declaration goes to the block whole (Note [One declaration per block] in blockflow/schema.py)
+        spec = BlockSpec(**msgspec.structs.asdict(decl), repo=self.repo, run_dir=self.state.run_dir,
+                         sock_dir=self.state.sock, shm_dir=self.state.shm, incarnation=inc,
                          controller=self.controller.endpoint, parent_pid=os.getpid(), window=self.window,
-                         max_inference_s=decl.max_inference_s,
-                         batching=decl.batching.to_json() if decl.batching else None,
-                         verified=self.catalog.verified(decl.files), hosted=decl.process is not None,
-                         cuda_graphs=decl.cuda_graphs,
-                         warmup_shapes=[list(s) for s in decl.warmup_shapes] if decl.warmup_shapes else None)
+                         verified=self.catalog.verified(decl.files))
         spec = self.cluster_spec(spec, decl.node)
         if decl.node is not None:
             spec = replace(spec, verified=None)  # its node's copy of the files: the block checks it there
@@ -452,7 +449,7 @@ class Manager:
             if host.status == "ready":
                 for c in members:
                     if c.host is host and c.hosted_spec is not None and c.status == "starting":
-                        self.controller.cast(host.ident, "host", {"spec": c.hosted_spec}).add_done_callback(
+                        self.controller.cast(host.ident, Cmd.HOST, Host(c.hosted_spec)).add_done_callback(
                             _log_refusal)
                         c.hosted_spec = None
 
@@ -488,7 +485,7 @@ class Manager:
                 continue
             c.status, c.stop_asked = "stopping", now
             if c.process.exitcode is None:
-                self.controller.cast(c.ident, "stop")
+                self.controller.cast(c.ident, Cmd.STOP)
             self.stopping_children.append(c)
 
     def stop_now(self, children, timeout: float = STOP_KILL_S) -> None:
@@ -498,7 +495,7 @@ class Manager:
             c.status = "stopping"
             if c.process.is_alive():
                 try:
-                    self.controller.cast(c.ident, "stop")
+                    self.controller.cast(c.ident, Cmd.STOP)
                 except Exception:
                     pass
         deadline = time.monotonic() + timeout
@@ -583,7 +580,7 @@ class Manager:
             down = [c for c in hops if c.status != "ready"]
             entry = self.manifests.get(hops[0].decl.files[0])
             table[tid] = {"path": [[c.name, c.endpoint] for c in hops], "blocks": [c.instance for c in hops],
-                          "input": _input_spec(entry)}
+                          "input": _input_spec(entry, hops[0].decl.input_dtype)}
             if any(len(cs) > 1 for cs in choices):  # the dispatcher picks a replica per hop and request
                 table[tid]["replicas"] = [[[c.name, c.endpoint, c.instance] for c in cs] for cs in choices]
             if down:
@@ -603,7 +600,7 @@ class Manager:
             raise KeyError(name)
         return c
 
-    def command(self, name: str, cmd: str, args: dict | None = None, timeout: float = 5.0):
+    def command(self, name: str, cmd: Cmd, args=None, timeout: float = 5.0):
         c = self.child(name)
         if c.status != "ready":
             raise Conflict(f"block {name} is {c.status}")
@@ -611,7 +608,7 @@ class Manager:
 
     def ping(self, name: str) -> dict:
         t0 = time.perf_counter()
-        result = self.command(name, "ping")
+        result = self.command(name, Cmd.PING)
         return {"name": name, "rtt_ms": (time.perf_counter() - t0) * 1e3, **result}
 
     def snapshot(self) -> dict:
@@ -713,7 +710,7 @@ class Manager:
             if now - seen > HANG_TIMEOUT:
                 self.kill_child(c, f"hung ({now - seen:.2f}s without answering), killed")
                 continue
-            fut = self.controller.cast(c.ident, "ping")
+            fut = self.controller.cast(c.ident, Cmd.PING)
             fut.add_done_callback(lambda f, c=c: self.events.put(
                 ("pong", (c, f.result() if not f.exception() else None))))
 
@@ -739,7 +736,7 @@ class Manager:
         if c.process.exitcode == EXIT_NODE_LOST:
             # best effort: its node may still run it (a partition); if this does not reach it, it
             # stops by itself when our pings stop (BLOCKFLOW_CONTROL_LEASE)
-            self.controller.cast(c.ident, "stop")
+            self.controller.cast(c.ident, Cmd.STOP)
         self.controller.forget(c.ident)
         self._remove_slots(c)
         if time.time() - c.started > RESTART_WINDOW:
@@ -976,7 +973,7 @@ class Manager:
             if disp is None or disp.status != "ready" or now - op.switched > DRAIN_TIMEOUT:
                 op.drained = True
             elif op.outstanding is None:
-                op.outstanding = self.controller.cast(disp.ident, "outstanding", {"blocks": names})
+                op.outstanding = self.controller.cast(disp.ident, Cmd.OUTSTANDING, Outstanding(names))
             elif op.outstanding.done():
                 left = op.outstanding.result()["outstanding"] if not op.outstanding.exception() else 0
                 op.drained, op.outstanding = not left, None
@@ -1024,17 +1021,16 @@ class Manager:
             live += list(self.dispatcher.ready_info.get("results", []))
         devices = {c.endpoint: c.decl.device for c in self.blocks.values() if c.endpoint}
         futures = []
-        topology = {"live": live, "devices": devices}
         receivers = self.receivers(draining)
         if self.dispatcher is not None and self.dispatcher.status == "ready":
-            futures.append(self.controller.cast(self.dispatcher.ident, "tasks", {"tasks": self.task_table(),
-                                                                                  "version": self.version}))
-            futures.append(self.controller.cast(self.dispatcher.ident, "update",
-                                                {**topology, **self.routes_from(self.dispatcher, receivers),
-                                                 "transport": self.transport}))
+            futures.append(self.controller.cast(self.dispatcher.ident, Cmd.TASKS,
+                                                Tasks(self.task_table(), self.version)))
+            futures.append(self.controller.cast(self.dispatcher.ident, Cmd.UPDATE, Topology(
+                live, devices, self.routes_from(self.dispatcher, receivers), self.transport)))
         for c in self.blocks.values():
             if c.status == "ready":
-                futures.append(self.controller.cast(c.ident, "update", {**topology, **self.routes_from(c, receivers)}))
+                futures.append(self.controller.cast(c.ident, Cmd.UPDATE, Topology(live, devices,
+                                                                                  self.routes_from(c, receivers))))
         for f in futures:
             f.add_done_callback(_log_refusal)
         return futures
@@ -1051,14 +1047,14 @@ class Manager:
             out.append((tcp, ipc, d.process.node))
         return out
 
-    def routes_from(self, sender: Child, receivers) -> dict:
-        """Ray mode: ``{"near": {TCP endpoint: endpoint on this node}}``, the receivers on
+    def routes_from(self, sender: Child, receivers) -> dict | None:
+        """Ray mode: ``{TCP endpoint: endpoint on this node}`` (Topology's ``near``), the receivers on
         ``sender``'s node, which it hands handles to (Transport.near); it sends every other hop
         bytes over CURVE TCP. Decided by the nodes' identities (Ray's node ids), never by
         comparing addresses. Nothing without Ray."""
         if self.keys is None:
-            return {}
-        return {"near": {addr: near for addr, near, node in receivers if node == sender.process.node and near}}
+            return None
+        return {addr: near for addr, near, node in receivers if node == sender.process.node and near}
 
     def hop_kinds(self, c: Child) -> dict[str, str]:
         """How ``c``'s tensors travel to each next hop of the tasks through it (GET /system):
@@ -1086,7 +1082,7 @@ class Manager:
     def _fail_requests(self, instances: list[str], reason: str) -> None:
         if self.dispatcher is None or self.dispatcher.status != "ready":
             return
-        self.controller.cast(self.dispatcher.ident, "fail", {"blocks": instances, "reason": reason}) \
+        self.controller.cast(self.dispatcher.ident, Cmd.FAIL, Fail(instances, reason)) \
             .add_done_callback(_log_refusal)
 
     def _persist(self) -> None:
@@ -1132,12 +1128,13 @@ def _log_refusal(fut: Future) -> None:
         log.warning("a process did not take a control message: %s", exc)
 
 
-def _input_spec(entry: dict | None) -> dict | None:
+def _input_spec(entry: dict | None, dtype: str | None = None) -> dict | None:
     """What a task's first block takes, for the dispatcher's check of a request (its manifest
-    entry): dtype and shape, and ``shapes`` where it takes several tensors (``input_shapes``)."""
+    entry): dtype and shape, and ``shapes`` where it takes several tensors (``input_shapes``);
+    ``dtype``: the block's declared ``input_dtype``, before the manifest's."""
     if not entry:
-        return None
-    spec = {"dtype": entry.get("dtype"), "shape": entry.get("input_shape")}
+        return {"dtype": dtype, "shape": None} if dtype else None
+    spec = {"dtype": dtype or entry.get("dtype"), "shape": entry.get("input_shape")}
     if entry.get("input_shapes"):
         spec["shapes"] = entry["input_shapes"]
     return spec

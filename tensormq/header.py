@@ -14,7 +14,9 @@ import msgspec
 
 from blockflow import settings
 
-PROTOCOL_VERSION = 1
+#: The dtypes a tensor can travel as, by name (tensormq/wire.py maps them to torch's; a block's
+#: ``input_dtype`` names one: blockflow/schema.py).
+TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 #: Largest header frame accepted (bytes). Paths and timings are small; anything bigger is hostile.
 MAX_HEADER_BYTES = settings.MAX_HEADER_BYTES

@@ -37,10 +37,11 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 from blockflow import settings
+from blockflow.protocol import PROTOCOL_VERSION
 
 from .bundle import KEY_RE, MAX_MEMBERS
 # the header codec (torch-free, for the control plane), re-exported: every data-plane module imports it from here
-from .header import MAX_HEADER_BYTES, PROTOCOL_VERSION, WireError, dumps, loads_header, not_utf8  # noqa: F401
+from .header import MAX_HEADER_BYTES, TENSOR_DTYPES, WireError, dumps, loads_header, not_utf8  # noqa: F401
 
 #: Largest tensor accepted, in bytes (payload or shared slot). Override with BLOCKFLOW_MAX_TENSOR_BYTES.
 MAX_TENSOR_BYTES = settings.MAX_TENSOR_BYTES
@@ -51,18 +52,7 @@ MAX_PATH = 64
 #: Largest size or stride of one dimension.
 _DIM_LIMIT = 1 << 40
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in TENSOR_DTYPES}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.@:-]{1,128}$")
@@ -236,14 +226,15 @@ def member_descs(xs, keys, has_x: bool = False) -> tuple[list, list[str] | None]
 # without them. What changes for a sender: a field the Struct does not declare is dropped
 # where a block writes the header on (a new field must be declared here, in every process
 # at once), and a header without v, with a task that is not a string or hops that are not a
-# list is refused. Other messages (a client's request, a reply, an error, a command) stay dicts.
+# list is refused. A client's request, its reply and an error stay dicts; control messages are the
+# Structs of blockflow/protocol.py.
 _TaskName = Annotated[str, msgspec.Meta(max_length=128)]
 
 
 class DataHeader(msgspec.Struct, omit_defaults=True):
     """The header of a data message between BlockFlow processes (see the module docstring)."""
 
-    v: Literal[1]
+    v: Literal[PROTOCOL_VERSION]
     t: Literal["data", "result"]
     rid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
     path: Annotated[list[tuple[str, str]], msgspec.Meta(min_length=1, max_length=MAX_PATH)]

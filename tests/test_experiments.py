@@ -530,3 +530,17 @@ def test_the_load_generator_records_every_request(server_factory, identity_repo)
     statuses = run.statuses()
     assert set(statuses) == {"ok", "unknown_task"} and UNANSWERED not in statuses, statuses
     assert all("nope" in r.message for r in run.records if r.status == "unknown_task")
+
+
+def test_validation_cost_times_the_update_each_way():
+    """issue 41's measurement: validate_update (BlockDecl) beside pydantic's model of the same
+    blocks and msgspec's conversion alone, and another checkout's validator in the same rounds."""
+    from experiments import validation_cost as vc
+    with open(os.path.join(ROOT, "configs", "resnet50_shared.json"), "rb") as f:
+        update = f.read()
+    schema_py = os.path.join(ROOT, "blockflow", "schema.py")
+    rows = {r["variant"]: r for r in vc.update_validation(update, 5, compare_schema=schema_py)["rows"]}
+    assert {"validate_update: BlockDecl (msgspec) + checks", "msgspec convert alone (BlockDecl, no checks)",
+            "pydantic model (types and bounds only)", f"validate_update of {schema_py}"} == set(rows), rows
+    assert all(r["update_us"] > 0 for r in rows.values()), rows
+    assert rows["validate_update: BlockDecl (msgspec) + checks"]["vs_validate_update"] == 1.0

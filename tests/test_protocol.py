@@ -1,0 +1,121 @@
+"""The control protocol (blockflow/protocol.py): every message between the manager and its
+processes is a Struct there, each one goes through ``encode`` and back unchanged, commands are
+``Cmd`` members with typed arguments, a process answers the commands it has a ``cmd_<name>``
+for, and the controller refuses a process that speaks another protocol version."""
+from __future__ import annotations
+
+import os
+
+import msgspec
+import pytest
+import zmq
+
+from blockflow import protocol
+from blockflow.protocol import (ARGS, PROTOCOL_VERSION, BootFailure, Cmd, Command, ErrorCode, Fail, Gone, Host, Monitor,
+                                NoArgs, Outstanding, Ready, Reply, Tasks, Topology, identity)
+from blockflow.tensormq.header import WireError
+
+#: One example of the arguments of every command.
+EXAMPLE_ARGS = {
+    Cmd.PING: NoArgs(), Cmd.STOP: NoArgs(), Cmd.STORE: NoArgs(), Cmd.MONITOR: Monitor(False),
+    Cmd.UPDATE: Topology(["ipc:///tmp/s/b1-0.sock"], {"ipc:///tmp/s/b1-0.sock": "cpu"},
+                         {"tcp://10.0.0.2:5000": "ipc:///tmp/s/b1-0.sock"}, "zeromq"),
+    Cmd.HOST: Host('{"name": "b1"}'),
+    Cmd.TASKS: Tasks({"t": {"path": [["b1", "ipc:///tmp/s/b1-0.sock"]], "blocks": ["b1#0"], "input": None}}, 7),
+    Cmd.FAIL: Fail(["b1#0"], "block b1 died"), Cmd.OUTSTANDING: Outstanding(["b1#0", "b2#3"])}
+
+
+def test_every_command_has_its_arguments_declared():
+    assert set(ARGS) == set(Cmd) == set(EXAMPLE_ARGS)
+
+
+@pytest.mark.parametrize("cmd", list(Cmd), ids=str)
+def test_a_command_and_its_arguments_round_trip(cmd):
+    frame = protocol.encode(protocol.command(41, cmd, EXAMPLE_ARGS[cmd]))
+    msg = protocol.decode_command(frame)
+    assert (msg.id, Cmd(msg.cmd)) == (41, cmd)
+    assert protocol.command_args(cmd, msg.args) == EXAMPLE_ARGS[cmd]
+    # the same command from a dict of its fields (REST, the standalone pipeline) is checked the same way
+    fields = msgspec.to_builtins(EXAMPLE_ARGS[cmd])
+    assert protocol.command_args(cmd, protocol.command(41, cmd.value, fields).args) == EXAMPLE_ARGS[cmd]
+
+
+@pytest.mark.parametrize("msg", [
+    Ready("b1", 3, 1234, endpoint="ipc:///tmp/s/b1-3.sock", device="cpu"),
+    Ready("@dispatcher", 0, 99, endpoint="tcp://127.0.0.1:5580", results=["ipc:///tmp/s/d.sock", "tcp://1.2.3.4:9"]),
+    Ready("@grp", 1, 7, device="cuda:0"),
+    BootFailure("b1", 0, 1234, "block b1: model toy/missing.pt not found"),
+    Gone("b3#2", crashed=True),
+    Reply(5, True, result={"pid": 1234, "members": ["b3#2"]}),
+    Reply(6, False, error="ValueError: block b3#2 is hosted here already"),
+], ids=lambda m: type(m).__name__)
+def test_every_message_to_the_controller_round_trips(msg):
+    assert protocol.decode_control(protocol.encode(msg)) == msg
+
+
+def test_a_ready_says_the_protocol_version():
+    assert msgspec.json.decode(protocol.encode(Ready("b1", 0, 1)))["v"] == PROTOCOL_VERSION
+
+
+@pytest.mark.parametrize("frame,words", [
+    (b'{"t": "cmd", "id": 1, "cmd": "ping", "args": {}}', "Object contains unknown field"),  # to the controller
+    (b'{"t": "ready", "name": "b1", "inc": "zero", "pid": 1}', "$.inc"),
+    (b'\x80\x04pickle', "not JSON"),
+    (b'[1, 2]', "Expected `object`"),
+], ids=["a-command", "ready-inc-a-string", "pickle", "array"])
+def test_a_malformed_message_to_the_controller_is_refused_by_name(frame, words):
+    with pytest.raises(WireError) as info:
+        protocol.decode_control(frame)
+    assert words in str(info.value) or "Invalid value 'cmd'" in str(info.value), info.value
+
+
+def test_arguments_that_do_not_fit_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"arguments of fail: .*\$\.blocks"):
+        protocol.command(1, Cmd.FAIL, {"blocks": "b1#0"})
+    with pytest.raises(WireError, match=r"arguments of monitor: .*\$\.enabled"):
+        protocol.command_args(Cmd.MONITOR, msgspec.Raw(b'{"enabled": "yes"}'))
+    with pytest.raises(ValueError, match="'reboot' is not a valid Cmd"):
+        protocol.command(1, "reboot")
+
+
+def test_a_process_answers_the_commands_it_has_a_method_for(tmp_path):
+    """Handlers are found from Cmd; a command the process has no method for (a newer manager's)
+    is answered with the ones it knows."""
+    from blockflow.blocks.process import Block
+    from blockflow.blocks.spec import BlockSpec
+    from blockflow.dispatcher.process import Dispatcher
+    from blockflow.dispatcher.spec import DispatcherSpec
+    block = Block(BlockSpec(name="a", model="toy/identity.pt", repo=str(tmp_path), run_dir=str(tmp_path),
+                            sock_dir=str(tmp_path)))
+    dispatcher = Dispatcher(DispatcherSpec(sock_dir=str(tmp_path)))
+    for child, known in ((block, "block a knows monitor, ping, stop, store, update"),
+                         (dispatcher, "dispatcher knows fail, outstanding, ping, stop, tasks, update")):
+        with pytest.raises(ValueError) as err:
+            child.handle_command("reboot", msgspec.Raw(b"{}"))
+        assert "unknown command 'reboot'" in str(err.value) and known in str(err.value), err.value
+    assert dispatcher.handle_command("outstanding", msgspec.Raw(b'{"blocks": ["b1#0"]}')) == {"outstanding": 0}
+
+
+def test_the_controller_refuses_a_process_of_another_protocol_version(short_tmp):
+    from blockflow.manager.controller import ControlError, Controller
+    ctx = zmq.Context()
+    controller = Controller(ctx, f"ipc://{os.path.join(short_tmp, 'ctl.sock')}")
+    controller.start()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    try:
+        dealer.identity = identity("b1", 0)
+        dealer.connect(controller.endpoint)
+        dealer.send(protocol.encode(Ready("b1", 0, os.getpid(), v=PROTOCOL_VERSION + 1, endpoint="ipc:///x")))
+        with pytest.raises(ControlError, match=f"speaks protocol version {PROTOCOL_VERSION + 1}"):
+            controller.wait_ready(identity("b1", 0), timeout=10)
+    finally:
+        dealer.close()
+        controller.stop()
+        ctx.term()
+
+
+def test_a_block_error_code_is_one_clients_know():
+    assert ErrorCode.of("no_shared_memory") is ErrorCode.NO_SHARED_MEMORY
+    assert ErrorCode.of(None) is ErrorCode.of("<script>") is ErrorCode.ERROR
+    assert isinstance(Command(1, "ping").args, msgspec.Raw)
