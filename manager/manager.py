@@ -932,8 +932,8 @@ class Manager:
         for c, hops in nexts.items():
             if c not in op.new.values() and not new & set(hops):
                 continue  # it sends to no new block: nothing to prepare
-            args = {"live": live, "devices": devices, "prepare": hops, **self.routes_from(c, receivers)}
-            fut = self.controller.cast(c.ident, "update", args)
+            args = Topology(live, devices, self.routes_from(c, receivers), prepare=hops)
+            fut = self.controller.cast(c.ident, Cmd.UPDATE, args)
             fut.add_done_callback(_log_refusal)
             fut.add_done_callback(lambda _f: self.events.put(("wake", None)))
             futures.append(fut)
