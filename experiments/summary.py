@@ -229,7 +229,8 @@ def _peers_rows(r: Results) -> list[list]:
 def _clock_rows(r: Results) -> list[list]:
     rows = []
     for name, what, goal, limit, cmd in (
-            ("clock_make_test", "`make test` from a fresh clone, install included", "< 15 min", 900, "make test"),
+            ("clock_make_test", "`make test` on a fresh clone (the results folder says whether its install was timed)",
+             "< 15 min, install included", 900, "make test"),
             ("clock_make_demo", "`make demo` (export included, on an installed clone)", "< 2 min", 120, "make demo")):
         d = r(name)
         if d is None:
