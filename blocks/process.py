@@ -549,7 +549,6 @@ class Block(ChildProcess):
             header = loads_data_header(frames[0])  # typed and checked: Note [Typed header] in wire.py
             if header.t != "data":
                 raise WireError(f"t must be 'data', got {header.t!r}")
-            path, rid = header.path, header.rid
         except WireError as exc:
             ret = _return_address(frames[0])
             log.warning("block %s: dropped a malformed message (%s)%s", self.name, exc,
@@ -561,15 +560,7 @@ class Block(ChildProcess):
         except Exception:  # a hostile frame must not end this thread (and the block with it)
             log.exception("block %s: dropped a message that could not be handled", self.name)
             return
-        if len(self.backlog) >= self.spec.max_queue:
-            self.release_unused(header)
-            self.send_quietly(path[-1][1], {
-                "t": "error", "rid": rid, "block": self.name, "code": ErrorCode.OVERLOADED.value,
-                "err": f"block {self.name} is overloaded: {self.spec.max_queue} requests already queued"})
-            return
-        self.backlog.append((arrival, arrival_wall, header, frames))
-        if self.batcher is not None:
-            self.batcher.arrived(arrival)
+        self.enqueue(arrival, arrival_wall, header, frames, self.release_unused)
 
     def admit_handed(self, arrival: float, arrival_wall: float) -> None:
         """Accept what neighbours in this process handed over (blocks/handover.py), with the
@@ -577,15 +568,20 @@ class Block(ChildProcess):
         items = self.inbox.items
         while items:
             header, handed = items.popleft()
-            if len(self.backlog) >= self.spec.max_queue:
-                handed.release()
-                self.send_quietly(header.path[-1][1], {
-                    "t": "error", "rid": header.rid, "block": self.name, "code": ErrorCode.OVERLOADED.value,
-                    "err": f"block {self.name} is overloaded: {self.spec.max_queue} requests already queued"})
-                continue
-            self.backlog.append((arrival, arrival_wall, header, handed))
-            if self.batcher is not None:
-                self.batcher.arrived(arrival)
+            self.enqueue(arrival, arrival_wall, header, handed, lambda _header, h=handed: h.release())
+
+    def enqueue(self, arrival: float, arrival_wall: float, header: DataHeader, frames, give_back) -> None:
+        """Queue one admitted request, or answer it ``overloaded`` when ``max_queue`` are waiting
+        (``give_back(header)`` then releases what it holds: its slot, or a handed tensor's lease)."""
+        if len(self.backlog) >= self.spec.max_queue:
+            give_back(header)
+            self.send_quietly(header.path[-1][1], {
+                "t": "error", "rid": header.rid, "block": self.name, "code": ErrorCode.OVERLOADED.value,
+                "err": f"block {self.name} is overloaded: {self.spec.max_queue} requests already queued"})
+            return
+        self.backlog.append((arrival, arrival_wall, header, frames))
+        if self.batcher is not None:
+            self.batcher.arrived(arrival)
 
     def send_quietly(self, address: str, header: dict) -> None:
         """An error reply (no tensor): best effort, a short wait, never raises."""
