@@ -9,7 +9,7 @@ REPO   ?= model_repo
 CPU    ?=
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test install export bench clean constraints gpu-check gpu-wheels
+.PHONY: demo test install export bench clean constraints gpu-check gpu-wheels observability-tools
 
 $(PY):
 	@echo "==> creating the virtual environment $(VENV) with $(PYTHON)"
@@ -59,6 +59,18 @@ test: $(STAMP) $(EXT_STAMP)
 	echo "==> the exclusive tests, alone"; \
 	$(PY) -m pytest -q -m exclusive || status=$$?; \
 	exit $$status
+
+# Debian's Prometheus, the real part tests/test_dashboard.py checks the Grafana dashboard's queries
+# against (skipped, saying so, without it). Needs root (CI runs it before `make test`, .ci/run).
+OBSERVABILITY_PACKAGES := prometheus
+observability-tools:
+	@if command -v prometheus >/dev/null; then echo "==> prometheus is installed"; \
+	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+		echo "==> run as root on Debian: apt-get install --no-install-recommends $(OBSERVABILITY_PACKAGES)"; exit 1; \
+	else echo "==> installing $(OBSERVABILITY_PACKAGES) with apt-get"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(OBSERVABILITY_PACKAGES) >/dev/null \
+		|| { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+		     --no-install-recommends $(OBSERVABILITY_PACKAGES) >/dev/null; }; fi
 
 bench: export
 	@echo "==> running every experiment in quick mode"

@@ -25,8 +25,9 @@ How the per-stage times relate to the request time they are part of:
   between processes, the dispatcher's own work); together they sum to
   ``blockflow_task_request_duration_seconds_sum`` (successful requests).
 
-Prometheus scrape config (one line): ``scrape_configs: [{job_name: blockflow, static_configs:
-[{targets: ["127.0.0.1:8080"]}]}]``.
+Prometheus scrape config: ``configs/prometheus.yml``; a Grafana dashboard over these families:
+``configs/grafana/blockflow.json`` (README, "Dashboards"). In one line: ``scrape_configs:
+[{job_name: blockflow, static_configs: [{targets: ["127.0.0.1:8080"]}]}]``.
 """
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ STAGES = (("wait", "queue_wait"), ("deser", "reconstruct"), ("dev", "to_device")
           ("share", "share"), ("fwd", "forward"))
 #: Histogram bucket bounds, seconds: from sub-millisecond hops to multi-second requests.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: Bucket bounds of ``blockflow_block_batch_size``: the rows (first dimension) of the batch a request
+#: ran in, its own rows without batching (the KPI record's ``batch``).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 #: Seconds a scrape waits for one block's answer to ``store`` / ``ping`` before leaving it out.
 COMMAND_TIMEOUT = 1.0
 #: The labels of a per-process family: the declared block (``@dispatcher`` for the dispatcher) and
@@ -61,24 +65,25 @@ RECENT_S = 60.0
 
 
 class _Histogram:
-    __slots__ = ("counts", "sum")
+    __slots__ = ("bounds", "counts", "sum")
 
-    def __init__(self):
-        self.counts = [0] * (len(BUCKETS) + 1)
+    def __init__(self, bounds: tuple = BUCKETS):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
         self.sum = 0.0
 
-    def observe(self, seconds: float) -> None:
-        for i, bound in enumerate(BUCKETS):
-            if seconds <= bound:
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
                 self.counts[i] += 1
                 break
         else:
             self.counts[-1] += 1
-        self.sum += seconds
+        self.sum += value
 
     def buckets(self) -> list[tuple[str, int]]:
         out, total = [], 0
-        for bound, n in zip([*map(str, BUCKETS), "+Inf"], self.counts):
+        for bound, n in zip([*map(str, self.bounds), "+Inf"], self.counts):
             total += n
             out.append((bound, total))
         return out
@@ -116,6 +121,7 @@ class _Series:
         self.requests = 0
         self.errors: dict[str, int] = {}
         self.duration = _Histogram()
+        self.batch = _Histogram(BATCH_BUCKETS)  # blocks only: the dispatcher's records have no batch
         self.stages = {stage: 0.0 for _, stage in STAGES}
         self.recent: deque = deque()
 
@@ -181,6 +187,8 @@ class BlockFlowCollector:
                 series.stages[stage] += float(rec.get(key, 0.0)) / 1e3
             # the block's own clock, not the stages' sum (see the module docstring)
             series.duration.observe(float(rec["total"]) / 1e3)
+            if isinstance(rec.get("batch"), (int, float)):
+                series.batch.observe(rec["batch"])
 
     def _read_dispatcher(self, run_dir: str) -> None:
         for rec in self._tail(os.path.join(run_dir, "@dispatcher.requests.jsonl")):
@@ -338,6 +346,8 @@ class BlockFlowCollector:
         stages = CounterMetricFamily(f"blockflow_{kind}_stage_seconds", "time spent in each eq. 4.1 stage; the "
                                      f"stages add up to blockflow_{kind}_{name}_duration_seconds_sum",
                                      labels=[*label, "stage"])
+        batch = HistogramMetricFamily("blockflow_block_batch_size", "rows (first dimension) of the batch "
+                                      "each successful request ran in; its own rows without batching", labels=label)
         for key, s in sorted(table.items()):
             values = key_of(key)
             requests.add_metric(values, s.requests)
@@ -346,7 +356,11 @@ class BlockFlowCollector:
             duration.add_metric(values, s.duration.buckets(), s.duration.sum)
             for stage, seconds in s.stages.items():
                 stages.add_metric([*values, stage], seconds)
+            if kind == "block":
+                batch.add_metric(values, s.batch.buckets(), s.batch.sum)
         yield from (requests, errors, duration, stages)
+        if kind == "block":
+            yield batch
 
 
 class _Nvml:

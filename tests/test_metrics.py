@@ -96,6 +96,11 @@ def test_metrics_count_the_requests_sent(server_factory, identity_repo):
     assert value(m, "blockflow_block_requests_total", block="a") == n_t
     assert value(m, "blockflow_block_requests_total", block="d") == n_t + n_u
     assert value(m, "blockflow_block_inference_duration_seconds_count", block="d") == n_t + n_u
+    # without batching a request's batch is its own rows: 4 for t's tensors, 3 for u's
+    assert value(m, "blockflow_block_batch_size_count", block="d") == n_t + n_u
+    assert value(m, "blockflow_block_batch_size_bucket", block="d", le="2") == 0
+    assert value(m, "blockflow_block_batch_size_bucket", block="d", le="4") == n_t + n_u
+    assert value(m, "blockflow_block_batch_size_sum", block="d") == 4 * n_t + 3 * n_u
 
     # per block, the stages add up to the block's own arrival-to-departure clock, timed apart
     # from them; per task, ``forward`` is the end-to-end time less what the blocks reported
