@@ -60,11 +60,12 @@ test: $(STAMP) $(EXT_STAMP)
 	$(PY) -m pytest -q -m exclusive || status=$$?; \
 	exit $$status
 
-# Debian's Prometheus, the real part tests/test_dashboard.py checks the Grafana dashboard's queries
-# against (skipped, saying so, without it). Needs root (CI runs it before `make test`, .ci/run).
-OBSERVABILITY_PACKAGES := prometheus
+# Debian's Prometheus and Chromium, the real parts tests/test_dashboard.py checks the Grafana
+# dashboard's queries against and tests/test_live_page.py loads the live page in (each skipped,
+# saying so, without them). Needs root (CI runs it before `make test`, .ci/run).
+OBSERVABILITY_PACKAGES := prometheus chromium
 observability-tools:
-	@if command -v prometheus >/dev/null; then echo "==> prometheus is installed"; \
+	@if command -v prometheus >/dev/null && command -v chromium >/dev/null; then echo "==> prometheus and chromium are installed"; \
 	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
 		echo "==> run as root on Debian: apt-get install --no-install-recommends $(OBSERVABILITY_PACKAGES)"; exit 1; \
 	else echo "==> installing $(OBSERVABILITY_PACKAGES) with apt-get"; \

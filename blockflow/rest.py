@@ -13,16 +13,25 @@
     GET    /health/live               the server answers
     GET    /health/ready              the dispatcher and every block are ready (503 otherwise)
     GET    /metrics                   Prometheus text format (blockflow/metrics.py)
+    GET    /                          a browser (Accept: text/html): the live page of the deployment
+                                      (blockflow/page.html); otherwise the list of endpoints
     /v2/...                           the Open Inference Protocol, KServe v2 (blockflow/openinference.py)
 
 With a token configured, every call but ``GET /health/live`` and ``GET /health/ready`` needs
-``Authorization: Bearer <token>``: reads too, since they show pids, paths and the state dir.
+``Authorization: Bearer <token>``: reads too, since they show pids, paths and the state dir. A
+browser has no way to send a bearer token, so HTTP Basic with the token as the password (any user
+name) is taken too, and a 401 offers both: the browser asks for it once and sends it on the page's
+own calls.
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import functools
 import hmac
 import json
 import logging
+import os
 
 import cherrypy
 
@@ -100,14 +109,29 @@ def token_required() -> bool:
     return bool(cherrypy.request.app.config.get("blockflow", {}).get("token"))
 
 
+def presented_token(auth: str) -> bytes | None:
+    """The token an Authorization header carries: ``Bearer <token>``, or a browser's ``Basic``
+    credentials whose password is the token (the user name is not looked at)."""
+    if auth.startswith("Bearer "):
+        return auth[7:].strip().encode()
+    if auth.startswith("Basic "):
+        try:
+            user_pass = base64.b64decode(auth[6:].strip(), validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        return user_pass.partition(b":")[2]
+    return None
+
+
 def check_token():
     token = cherrypy.request.app.config.get("blockflow", {}).get("token")
     if token and cherrypy.request.path_info.rstrip("/") not in OPEN_PATHS:
-        auth = cherrypy.request.headers.get("Authorization", "")
+        given = presented_token(cherrypy.request.headers.get("Authorization", ""))
         # compared as bytes: compare_digest raises TypeError (a 500) on a non-ASCII header value
-        if not auth.startswith("Bearer ") or not hmac.compare_digest(auth[7:].strip().encode(), token.encode()):
-            cherrypy.response.headers["WWW-Authenticate"] = "Bearer"
-            fail(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+        if given is None or not hmac.compare_digest(given, token.encode()):
+            cherrypy.response.headers["WWW-Authenticate"] = 'Basic realm="BlockFlow", charset="UTF-8", Bearer'
+            fail(401, "missing or wrong token: send 'Authorization: Bearer <token>' (a browser: the token as "
+                      "the password it asks for)")
 
 
 cherrypy.tools.blockflow_auth = cherrypy.Tool("before_handler", check_token, priority=20)
@@ -349,10 +373,32 @@ class Root:
             return action
         return None
 
-    @cherrypy.tools.json_out()
     def GET(self):
-        return {"service": "blockflow", "endpoints": ["/system", "/system/update", "/blocks", "/health/live",
-                                                      "/health/ready", "/metrics", "/status", "/v2"]}
+        """A browser gets the live page; an API client the list of endpoints, as JSON."""
+        if wants_html(cherrypy.request.headers.get("Accept", "")):
+            cherrypy.response.headers["Content-Type"] = "text/html; charset=utf-8"
+            cherrypy.response.headers["Cache-Control"] = "no-store"
+            return live_page()
+        cherrypy.response.headers["Content-Type"] = "application/json"
+        return json.dumps({"service": "blockflow", "endpoints": [
+            "/", "/system", "/system/update", "/blocks", "/health/live", "/health/ready", "/metrics", "/status",
+            "/v2"]}).encode()
+
+
+def wants_html(accept: str) -> bool:
+    """True when ``Accept`` asks for HTML before JSON (a browser's navigation does; curl, the CLI
+    and the client library ask for JSON or anything)."""
+    kinds = [part.split(";")[0].strip().lower() for part in accept.split(",")]
+    if "text/html" not in kinds:
+        return False
+    return "application/json" not in kinds or kinds.index("text/html") < kinds.index("application/json")
+
+
+@functools.cache
+def live_page() -> bytes:
+    """blockflow/page.html, read once."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html"), "rb") as f:
+        return f.read()
 
 
 def app_config(token: str | None) -> dict:
