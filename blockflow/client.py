@@ -88,12 +88,15 @@ class Client:
         self._io.start()
 
     # -- public ------------------------------------------------------------------------------
-    def submit(self, task: str, tensor, timeout: float | None = None, details: bool = False) -> Future:
+    def submit(self, task: str, tensor, timeout: float | None = None, details: bool = False,
+               traceparent: str | None = None) -> Future:
         """Send one request; the future gives the result tensor (or a ``Result`` with details).
 
         ``tensor`` is a tensor, or a tuple (list) or flat dict of tensors for a task whose first
         block takes several; the result is a tensor, a tuple or a dict, as the task's last block
-        returns it.
+        returns it. ``traceparent``: the W3C trace context of the caller's span; with tracing on
+        (BLOCKFLOW_OTLP_ENDPOINT), the server's spans of this request join that trace, and its
+        sampled flag decides whether the request is traced.
 
         The future is resolved by its deadline whatever the server does. Raises BlockFlowError
         (code ``overloaded``) at once when ``max_queued`` requests are still waiting to be sent."""
@@ -103,6 +106,8 @@ class Client:
             raise TypeError(f"tensor must be a torch.Tensor, or a tuple or dict of them, got {type(tensor).__name__}")
         timeout = self.timeout if timeout is None else timeout
         fields, payloads = bytes_fields(tensor)  # a bad member: TypeError/ValueError naming it
+        if traceparent is not None:
+            fields["traceparent"] = traceparent
         return self._request({"op": "infer", "task": task, **fields, "timeout": timeout},
                              payloads, timeout, details)
 
@@ -124,12 +129,13 @@ class Client:
             raise BlockFlowError(f"client for {self.address}: {exc}", ErrorCode.OVERLOADED.value) from None
         return fut
 
-    def infer(self, task: str, tensor, timeout: float | None = None):
+    def infer(self, task: str, tensor, timeout: float | None = None, traceparent: str | None = None):
         """The result (a tensor, or a tuple/dict of them) for ``task``; raises BlockFlowError with the server's message or TimeoutError."""
-        return self.submit(task, tensor, timeout).result()
+        return self.submit(task, tensor, timeout, traceparent=traceparent).result()
 
-    def infer_details(self, task: str, tensor: torch.Tensor, timeout: float | None = None) -> Result:
-        return self.submit(task, tensor, timeout, details=True).result()
+    def infer_details(self, task: str, tensor: torch.Tensor, timeout: float | None = None,
+                      traceparent: str | None = None) -> Result:
+        return self.submit(task, tensor, timeout, details=True, traceparent=traceparent).result()
 
     def ping(self, timeout: float = 5.0) -> bool:
         self._request({"op": "ping"}, [], timeout, False).result()

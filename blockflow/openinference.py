@@ -402,7 +402,7 @@ class V2:
         x = _Infer.inputs(specs, binary, task, self.input_names(task, len(specs)))
         from blockflow.client import BlockFlowError
         try:
-            y = self.client().infer(task, x)
+            y = self.client().infer(task, x, traceparent=cherrypy.request.headers.get("traceparent"))
         except BlockFlowError as exc:
             fail(STATUS.get(exc.code, 500), str(exc))
         except TimeoutError as exc:

@@ -215,6 +215,12 @@ def replica_name(block: str, replica: int) -> str:
     return block if replica == 0 else f"{block}.r{replica}"
 
 
+def block_and_replica(process: str) -> tuple[str, int]:
+    """The declared block and replica of a block process's name (replica_name's inverse)."""
+    m = REPLICA_SUFFIX_RE.fullmatch(process)
+    return (m["block"], int(m["replica"])) if m else (process, 0)
+
+
 @dataclass
 class Update:
     transport: str

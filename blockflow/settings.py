@@ -157,6 +157,26 @@ KPI_FLUSH_EVERY: int = _read("BLOCKFLOW_KPI_FLUSH_EVERY", 2000, _non_negative_in
 KPI_FLUSH_INTERVAL: float = _read("BLOCKFLOW_KPI_FLUSH_INTERVAL", 1.0, _seconds,
                                   "longest time a KPI record stays in a block's memory before it is written "
                                   "(what a `kill -9` of a block can lose)", "1 s")
+
+
+def _ratio(raw: str) -> float:
+    v = float(raw)
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(raw)
+    return v
+
+
+_ratio.__name__ = "ratio between 0 and 1"
+
+OTLP_ENDPOINT: str | None = _read("BLOCKFLOW_OTLP_ENDPOINT", None, str,
+                                  "OTLP/HTTP traces endpoint (e.g. `http://127.0.0.1:4318/v1/traces`): set, the "
+                                  "dispatcher and every block record OpenTelemetry spans of sampled requests "
+                                  "(blockflow/tracing.py); unset, nothing is recorded or imported", "none")
+TRACE_RATIO: float = _read("BLOCKFLOW_TRACE_RATIO", 0.01, _ratio,
+                           "share of requests traced when the client sends no `traceparent` (one that does "
+                           "decides for its request)")
+TRACE_EXPORT_DELAY: float = _read("BLOCKFLOW_TRACE_EXPORT_DELAY", 1.0, _seconds,
+                                  "longest time a finished span waits in a process before it is exported", "1 s")
 LOG_LEVEL: str = _read("BLOCKFLOW_LOG", "INFO", str.upper, "log level of every process (DEBUG, INFO, WARNING, ...)")
 
 # -- security -------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ from blockflow.tensormq.wire import DataHeader, WireError, check_path, dumps, lo
 from .batching import DelayController, plan_batches, run_batch
 from .handover import INBOXES, Handed, Inbox
 from .heap import keep_freed_memory
-from .kpilog import KpiLog
+from .kpilog import LATENCY_FIELDS, LATENCY_ROW, KpiLog
 from .monitor import ResourceSampler
 from .runner import BlockRunner, warmup_shapes
 from .spec import BlockSpec
@@ -176,7 +176,7 @@ class Block(ChildProcess):
             if spec.threads:
                 torch.set_num_threads(spec.threads)
             keep_freed_memory(spec.malloc_trim)  # before the model loads: see blocks/heap.py
-        from blockflow.schema import canonical_device
+        from blockflow.schema import block_and_replica, canonical_device
         self.device = torch.device(canonical_device(spec.device))  # set_device refuses a bare "cuda"
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
@@ -214,6 +214,10 @@ class Block(ChildProcess):
             else:  # the first request lends a slot too: its output's size is known (Note [Ready to serve])
                 self.outputs.update((k, n) for k, n in self.runner.outputs.items() if n)
         self.kpi = KpiLog(spec.run_dir, self.name)
+        from blockflow.tracing import tracer_for
+        #: OpenTelemetry spans of traced requests (blockflow/tracing.py); None when tracing is off
+        self.tracer = tracer_for("blockflow")
+        self.block, self.replica = block_and_replica(self.name)
         self.sampler = ResourceSampler(spec.device)
         if spec.monitor:
             self.monitor_on.set()
@@ -811,9 +815,11 @@ class Block(ChildProcess):
             return
         total = (t5 - req.arrival) * 1e3
         if self.batching is None:  # the common case, in LATENCY_ROW's order (see KpiLog.add_row)
-            self.kpi.add_row((req.arrival_wall, header.rid, header.task, hop["wait"], hop["deser"],
-                              hop["dev"], inf, hop["share"], (t5 - t4) * 1e3, total, hop["t_in"], hop["t_out"],
-                              len(self.backlog), _rows(y)))
+            row = (req.arrival_wall, header.rid, header.task, hop["wait"], hop["deser"], hop["dev"], inf,
+                   hop["share"], (t5 - t4) * 1e3, total, hop["t_in"], hop["t_out"], len(self.backlog), _rows(y))
+            self.kpi.add_row(row)
+            if header.trace is not None and self.tracer is not None:
+                self.trace(header.trace, dict(zip(LATENCY_ROW, row)))
             return
         rec = {"ts": req.arrival_wall, "rid": header.rid, "task": header.task,
                "wait": hop["wait"], "deser": hop["deser"], "dev": hop["dev"], "inf": inf, "share": hop["share"],
@@ -828,6 +834,8 @@ class Block(ChildProcess):
         rec["requests_in_batch"] = batch
         rec["batch_wait"] = req.batch_wait
         self.kpi.add("latency", rec)
+        if header.trace is not None and self.tracer is not None:
+            self.trace(header.trace, rec)
 
     def finish_ordered(self, req: "_Request", header: DataHeader, hop: dict, t4: float, t5: float, y) -> None:
         """After the send of a stream-ordered request: wait for the GPU, give the input back,
@@ -843,9 +851,21 @@ class Block(ChildProcess):
         wait = hop["wait"] + clock.between("queued", "ready")
         dev, inf = clock.between("ready", "on_device"), clock.between("on_device", "inferred")
         share, fwd = clock.between("inferred", "shared"), (t5 - t4) * 1e3
-        self.kpi.add_row((req.arrival_wall, header.rid, header.task, wait, hop["deser"], dev, inf, share,
-                          fwd, wait + hop["deser"] + dev + inf + share + fwd, hop["t_in"], hop["t_out"],
-                          len(self.backlog), _rows(y)))
+        row = (req.arrival_wall, header.rid, header.task, wait, hop["deser"], dev, inf, share, fwd,
+               wait + hop["deser"] + dev + inf + share + fwd, hop["t_in"], hop["t_out"], len(self.backlog), _rows(y))
+        self.kpi.add_row(row)
+        if header.trace is not None and self.tracer is not None:
+            self.trace(header.trace, dict(zip(LATENCY_ROW, row)))
+
+    def trace(self, parent: str, rec: dict, error: str | None = None) -> None:
+        """This block's span of a traced request, from its KPI record (blockflow/tracing.py)."""
+        attributes = {"blockflow.block": self.block, "blockflow.process": self.name, "blockflow.replica": self.replica, "blockflow.device": str(self.device),
+                      "blockflow.rid": str(rec["rid"])}
+        if error is None:
+            attributes.update({f"blockflow.{k}_ms": rec[k] for k in LATENCY_FIELDS})
+            attributes["blockflow.batch"] = rec["batch"]
+            attributes["blockflow.requests_in_batch"] = rec.get("requests_in_batch", 1)
+        self.tracer.record_hop(parent, self.name, rec["ts"], rec.get("total", 0.0), attributes, error)
 
     def fail(self, req: "_Request", exc: Exception, x_desc: dict | None = None) -> None:
         """Answer the request with the error, give back what it holds, count it."""
@@ -863,6 +883,9 @@ class Block(ChildProcess):
         self.send_quietly(header.path[-1][1], err)
         self.kpi.add("latency", {"ts": req.arrival_wall, "rid": rid, "task": header.task,
                                  "error": err.get("code", "error")})  # counted by GET /metrics
+        if header.trace is not None and self.tracer is not None:
+            self.trace(header.trace, {"ts": req.arrival_wall, "rid": rid,
+                                      "total": (time.perf_counter() - req.arrival) * 1e3}, error=msg)
 
     # -- shutdown: ChildProcess.shutdown() runs these steps in its order ------------------------
     def answer_held(self) -> None:
@@ -883,6 +906,8 @@ class Block(ChildProcess):
 
     def flush(self) -> None:
         self.kpi.flush()
+        if self.tracer is not None:
+            self.tracer.flush()
 
     def close_sockets(self) -> None:
         for sock in (self.pull, self.mail_in):  # the control thread closed ctrl and mail_out

@@ -87,6 +87,8 @@ class Request:
     deadline: float
     tensor: object = None  # kept only while the request waits for a slot
     frames: list | None = None
+    span: object = None    # a traced request's root span, and its traceparent for the blocks
+    trace: str | None = None
 
 
 class Dispatcher(ChildProcess):
@@ -153,6 +155,8 @@ class Dispatcher(ChildProcess):
                                    window=spec.window, max_tensor_bytes=spec.max_tensor_bytes, cuda_handles=False)
         self.transport.curve = cluster  # to first blocks on other nodes (Ray mode)
         self.kpi = RequestLog(spec.run_dir) if spec.run_dir else None
+        from blockflow.tracing import tracer_for
+        self.tracer = tracer_for("blockflow")  # None when tracing is off (blockflow/tracing.py)
         self.open_control()  # last: see ChildProcess.open_control
 
     def ready_info(self) -> dict:
@@ -198,6 +202,9 @@ class Dispatcher(ChildProcess):
     def answer(self, req: Request, status: str, **kw) -> None:
         """Reply to the client of a request the dispatcher accepted (its task and age are known)."""
         self.reply(req.client, req.cid, status, task=req.task, since=req.started, **kw)
+        if req.span is not None:
+            code = kw.get("code")
+            self.tracer.end_request(req.span, status, code.value if code is not None else None, kw.get("error"))
 
     def reply(self, client: bytes, cid, status: str, *, error: str | None = None, code: ErrorCode | None = None,
               tensor=None, hops=None, started: float | None = None, task: str | None = None,
@@ -293,6 +300,8 @@ class Dispatcher(ChildProcess):
         rid = secrets.randbits(63)  # unguessable: a forged result cannot name a request in flight
         while rid in self.outstanding:
             rid = secrets.randbits(63)
+        if self.tracer is not None:
+            req.span, req.trace = self.tracer.start_request(header.get("traceparent"), task, rid)
         if self.pending or not self.forward(rid, req):
             self.pending.append((rid, req))
 
@@ -376,7 +385,7 @@ class Dispatcher(ChildProcess):
                               "restart `blockflow serve`")
             return True
         header = DataHeader(PROTOCOL_VERSION, "data", rid, [*map(tuple, path[1:]), (RETURN_HOP, ret)], req.task,
-                            **fields)
+                            trace=req.trace, **fields)
         try:
             self.transport.send(first, header, payload, timeout=1.0)
         except TimeoutError as exc:
@@ -513,6 +522,8 @@ class Dispatcher(ChildProcess):
     def flush(self) -> None:
         if self.kpi is not None:
             self.kpi.flush()
+        if self.tracer is not None:
+            self.tracer.flush()
 
     def close_sockets(self) -> None:
         for sock in (self.front, self.results, self.results_tcp, self.ctrl):

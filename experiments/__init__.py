@@ -28,6 +28,7 @@ EXPERIMENTS = [
     "hop_overhead",      # per-hop cost of the data plane (identity blocks)
     "hop_budget",        # where a request's time goes, step by step (issue 40)
     "first_request",     # the first request after an update against a steady one (issue 40)
+    "tracing",           # what OpenTelemetry tracing costs a request, and one trace drawn (issue 45)
     "batch_scaling",     # Figs 4.7-4.8
     "multiclient",       # Fig 4.11
     "throughput",        # Figs 4.12-4.13
@@ -57,6 +58,7 @@ CPU_SETTINGS = {
     "hop_overhead": ["--budget", "3"],                                        # 4.5 (1 of it the bundle rows)
     "hop_budget": [],                                                         # 1.5
     "first_request": [],                                                      # 1.5 (5 updates per transport)
+    "tracing": [],                                                            # 2 (3 servers, 5 rounds of 50)
     "batch_scaling": [],                                                      # 2 (3 s per series and batch)
     "multiclient": ["--clients", "1,2,4,8", "--duration", "8"],               # 2.5
     "throughput": ["--rates", "2,6,10,14,20", "--duration", "8"],             # 3

@@ -8,7 +8,8 @@ A data message between BlockFlow processes is::
     frame 0  header  {"v": 1, "t": "data"|"result"|"error", "rid": int, "task": str,
                       "path": [[name, address], ...],   # hops still to traverse, return address last
                       "hops": [{...per-hop timings...}],
-                      "x": tensor descriptor (see below), "err": str (errors only)}
+                      "x": tensor descriptor (see below), "err": str (errors only),
+                      "trace": W3C traceparent (traced requests only: blockflow/tracing.py)}
     frame 1  payload the tensor's raw bytes, only when x["loc"] == "bytes"
 
 A message that carries several tensors (a bundle: tensormq/bundle.py) has ``"xs"``, a list
@@ -243,6 +244,8 @@ class DataHeader(msgspec.Struct, omit_defaults=True):
     x: dict | None = None
     xs: list[dict] | None = None
     keys: list[str] | None = None
+    #: a traced request's W3C traceparent, the dispatcher's span (blockflow/tracing.py); absent otherwise
+    trace: Annotated[str, msgspec.Meta(max_length=55)] | None = None
 
 
 _DATA_DECODER = msgspec.json.Decoder(DataHeader)

@@ -247,6 +247,7 @@ SMOKE_ARGS = {
     "kserve_cost": ["--n", "3"],
     "batching": ["--rates", "2", "--duration", "1", "--max-batch", "2", "--rounds", "1"],
     "replicas": ["--duration", "1"],
+    "tracing": ["--rounds", "1", "--n", "3"],
 }
 PROVENANCE = ("commit", "commit_date", "dirty", "created", "command")
 
