@@ -9,7 +9,8 @@ REPO   ?= model_repo
 CPU    ?=
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test install export bench clean constraints gpu-check gpu-wheels observability-tools
+.PHONY: demo test test-unit test-process test-cluster test-cuda install export bench clean constraints gpu-check gpu-wheels \
+	observability-tools
 
 $(PY):
 	@echo "==> creating the virtual environment $(VENV) with $(PYTHON)"
@@ -48,20 +49,45 @@ demo: export
 	@echo "==> running the end-to-end demo"
 	$(VENV)/bin/blockflow demo --repo $(REPO)
 
-# Two phases: most tests on JOBS pytest-xdist workers (each with its own temporary and /dev/shm
+# The tests are in four tiers, one folder each (CONTRIBUTING.md, "Where a test goes"): tests/unit
+# (in the test process alone), tests/process (real processes, sockets, servers), tests/cluster
+# (Ray), tests/cuda (a GPU; skipped without one). `make test` runs all of them, as CI does, in two
+# phases: most tests on JOBS pytest-xdist workers (each with its own temporary and /dev/shm
 # directories, tests/conftest.py), then the `exclusive` ones (load, rates, deadlines, Ray) alone.
 # Both phases always run; the target fails when either did. JOBS=1 runs the first phase serially.
+# `make test-unit` (seconds), `test-process`, `test-cluster` and `test-cuda` run one tier alone.
 JOBS ?= 2
+# $(call two_phases,PATHS): a phase that selects no test (pytest's exit code 5) is no failure.
+define two_phases
+	@status=0; \
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "not exclusive" $(1) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
+	echo "==> the exclusive tests, alone"; \
+	$(PY) -m pytest -q -m exclusive $(1) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
+	exit $$status
+endef
+
 test: $(STAMP) $(EXT_STAMP)
 	@echo "==> running the test suite (pytest): the parallel phase on $(JOBS) workers, then the exclusive tests"
-	@status=0; \
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "not exclusive" || status=$$?; \
-	echo "==> the exclusive tests, alone"; \
-	$(PY) -m pytest -q -m exclusive || status=$$?; \
-	exit $$status
+	$(call two_phases,tests)
 
-# Debian's Prometheus and Chromium, the real parts tests/test_dashboard.py checks the Grafana
-# dashboard's queries against and tests/test_live_page.py loads the live page in (each skipped,
+test-unit: $(STAMP) $(EXT_STAMP)
+	@echo "==> the unit tests (tests/unit): no process, no server"
+	$(PY) -m pytest -q tests/unit
+
+test-process: $(STAMP) $(EXT_STAMP)
+	@echo "==> the process tests (tests/process): the parallel phase on $(JOBS) workers, then the exclusive tests"
+	$(call two_phases,tests/process)
+
+test-cluster: $(STAMP) $(EXT_STAMP)
+	@echo "==> the cluster tests (tests/cluster): a real multi-node Ray cluster on this machine"
+	$(PY) -m pytest -q tests/cluster
+
+test-cuda: $(STAMP) $(EXT_STAMP)
+	@echo "==> the tests that need a GPU (-m cuda: tests/cuda and the GPU cases of process tests); skipped without one"
+	$(PY) -m pytest -q -rs -m cuda tests
+
+# Debian's Prometheus and Chromium, the real parts tests/process/test_dashboard.py checks the
+# Grafana dashboard's queries against and tests/process/test_live_page.py loads the live page in (each skipped,
 # saying so, without them). Needs root (CI runs it before `make test`, .ci/run).
 OBSERVABILITY_PACKAGES := prometheus chromium
 observability-tools:

@@ -96,7 +96,7 @@ def check_port_free(host: str, port: int, flag: str) -> None:
 #: The block format `blockflow export` writes unless told: TorchScript, though deprecated upstream, because
 #: a block loads in a fraction of a second against seconds for a .pt2 program (README "Block formats").
 #: It becomes "export" when the torch pin moves to a release without torch.jit
-#: (tests/test_format_warnings.py fails until then).
+#: (tests/process/test_format_warnings.py fails until then).
 DEFAULT_FORMAT = "torchscript"
 #: The input `blockflow export --cut` traces and probes with unless told (batch first).
 DEFAULT_INPUT_SHAPE = ",".join(str(d) for d in verify.DEFAULT_INPUT_SHAPE)

@@ -19,7 +19,7 @@ How the per-stage times relate to the request time they are part of:
   (queue_wait, reconstruct, to_device, inference, share, forward) are the consecutive intervals
   between those two instants, so they sum to the duration's ``_sum`` up to the few microseconds
   between the model's return and the send's first clock read. A stage that goes missing or is
-  counted twice shows as a difference (checked in tests/test_metrics.py);
+  counted twice shows as a difference (checked in tests/process/test_metrics.py);
 - per task, the first five stages are the sums of what every block on the path reported in
   the hops of the reply, and ``forward`` is the rest of the end-to-end time (sending on, transit
   between processes, the dispatcher's own work); together they sum to

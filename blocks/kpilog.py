@@ -25,7 +25,7 @@ milliseconds, and two instants in seconds, rounded to the microsecond:
 
 Both read ``time.perf_counter()``, which on Linux is ``clock_gettime(CLOCK_MONOTONIC)`` --
 the same clock as ``time.monotonic()``, one clock for every process on the host (check with
-``time.get_clock_info``; tests/test_dataplane.py compares a block's instants with the
+``time.get_clock_info``; tests/process/test_dataplane.py compares a block's instants with the
 client's). What one more block on a path costs, per request, is
 ``t_out[i] - t_out[i-1] - inf[i]``: its predecessor's send, the transit, its own receive,
 decode and encode (experiments/hop_overhead.py reports it). ``ts`` stays wall-clock time for

@@ -829,7 +829,7 @@ class Block(ChildProcess):
         # in a batch the request also waited for its batch-mates' inputs (and earlier groups)
         # before the model ran, and for their sends after it: measured here, both are part of
         # "wait", so the stages add up to "total" where nothing is lost or counted twice (the
-        # check of tests/test_metrics.py against the independently timed "total")
+        # check of tests/process/test_metrics.py against the independently timed "total")
         rec["wait"] = hop["wait"] + ((t_inf - req.t2) + (t3 - t_done)) * 1e3
         rec["requests_in_batch"] = batch
         rec["batch_wait"] = req.batch_wait

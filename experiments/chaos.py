@@ -166,7 +166,7 @@ def run_chaos(repo: str, duration: float = 60.0, rate: float = 6.0, seed: int = 
     ``processes``: block name -> shared process in every topology (a kill or stop of one of its
     blocks strikes the whole group: its tasks are every task through any block of the group);
     ``cluster`` (Ray mode): an object with ``address``, ``remove(resource)`` and ``add(resource)``
-    (tests/test_cluster.py has one over ``ray.cluster_utils.Cluster``), the server joins it and
+    (tests/cluster/test_cluster.py has one over ``ray.cluster_utils.Cluster``), the server joins it and
     ``nodes`` (block name -> resource) places blocks on its nodes; the fault ``remove_node``
     removes a node holding blocks and adds one with its resource NODE_DOWN_S later."""
     unknown = set(kinds) - set(KINDS) - ({NODE_FAULT} if cluster is not None else set())

@@ -7,7 +7,7 @@ git-ignored scratch directory ``experiments/results/_runs/<machine>/``; the comm
 smoke run never overwrites them. ``<machine>`` is a stable label such as ``x86_64-2cpu`` or
 ``x86_64-16cpu-nvidia-h100-80gb-hbm3``: no host name, so results from two runs on the same kind
 of machine land in the same place. Every JSON records the commit that produced it
-(:func:`provenance`); tests/test_experiments.py fails when a committed one is older than the
+(:func:`provenance`); tests/process/test_experiments.py fails when a committed one is older than the
 code it measures.
 """
 from __future__ import annotations

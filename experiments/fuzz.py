@@ -281,7 +281,7 @@ def fd_budget(summary: dict) -> int:
     """How many descriptors the dispatcher and blocks may gain from the end of warm-up to the
     end of a run: what the next hops that frames named after warm-up may cost (``fds_per_hop``
     each), and FD_SLACK. A leak (a descriptor per frame, per request, per refused handle) exceeds
-    it: tests/test_fuzz.py plants one."""
+    it: tests/process/test_fuzz.py plants one."""
     return fds_per_hop(summary["window"]) * summary["foreign_hops_after_warm"] + FD_SLACK
 
 

@@ -124,20 +124,20 @@ for step in $STEPS; do
   case $step in
     tests-fastpath)  # issue 27: CUDA graphs vs eager, stream-ordered hand-overs
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider \
-        --junitxml="$LOGS/$step.xml" tests/test_gpu_fastpath.py ;;
-    tests-ipc)  # tests/test_cuda_ipc.py without the manager path: two processes, one GPU
+        --junitxml="$LOGS/$step.xml" tests/cuda/test_gpu_fastpath.py ;;
+    tests-ipc)  # tests/cuda/test_cuda_ipc.py without the manager path: two processes, one GPU
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider \
-        --junitxml="$LOGS/$step.xml" -k "not manager_path and not killed_under_load" tests/test_cuda_ipc.py ;;
+        --junitxml="$LOGS/$step.xml" -k "not manager_path and not killed_under_load" tests/cuda/test_cuda_ipc.py ;;
     tests-manager)  # blockflow serve + POST /system/update with GPU blocks; kill -9 of a GPU producer or consumer
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider \
-        --junitxml="$LOGS/$step.xml" -k "manager_path or killed_under_load" tests/test_cuda_ipc.py ;;
+        --junitxml="$LOGS/$step.xml" -k "manager_path or killed_under_load" tests/cuda/test_cuda_ipc.py ;;
     tests-pipeline)  # the data-plane promises with every block on the GPU
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
-        --junitxml="$LOGS/$step.xml" tests/test_dataplane.py ;;
+        --junitxml="$LOGS/$step.xml" tests/process/test_dataplane.py ;;
     tests-groups)  # issue 28: blocks sharing one process on a GPU (issue 40: they hand over by reference)
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
-        --junitxml="$LOGS/$step.xml" tests/test_groups.py \
-        tests/test_cuda_ipc.py::test_a_slot_of_this_process_is_opened_without_ipc_and_refused_once_closed ;;
+        --junitxml="$LOGS/$step.xml" tests/process/test_groups.py \
+        tests/cuda/test_cuda_ipc.py::test_a_slot_of_this_process_is_opened_without_ipc_and_refused_once_closed ;;
     pipeline_latency)  # 4-block ResNet50 vs monolithic; eq. 4.1 components per transport
       run_step "$step" "$PY" -m experiments.pipeline_latency --device cuda --n 300 --no-http "${OUTARG[@]}" ;;
     hop_overhead)  # goal: a handle-forwarding hop <= 0.10 ms median (HOP_BATCHES=1: half the time)

@@ -1,6 +1,6 @@
 """A minimal OTLP/HTTP traces receiver: what a collector would get from BlockFlow, kept in memory.
 
-Used by tests/test_tracing.py and experiments/trace_waterfall.py as the real other end of the
+Used by tests/process/test_tracing.py and experiments/tracing.py as the real other end of the
 OpenTelemetry exporter (blockflow/tracing.py): it decodes each POST /v1/traces body with
 opentelemetry-proto's own ``ExportTraceServiceRequest`` and keeps one dict per span.
 """

@@ -42,7 +42,7 @@ STEMS = (("b1", "block1"), ("b2", "block2"), ("b3", "block3"), ("b4", "block4"),
 #: Growth allowed after warm-up, percent (the issue's limit).
 MAX_GROWTH_PCT = 5.0
 #: A leak: memory kept per 1000 answered requests, MB, that the fitted slope's 95% interval lies
-#: above (1 KB per request; the planted leak of tests/test_soak.py keeps 10 KB per request).
+#: above (1 KB per request; the planted leak of tests/process/test_soak.py keeps 10 KB per request).
 LEAK_MB_PER_1000 = 1.0
 #: Two-sided 95% quantiles of Student's t by degrees of freedom; a df between two rows takes the
 #: smaller row's (the wider interval).

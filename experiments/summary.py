@@ -2,7 +2,7 @@
 
     python -m experiments.summary [DIR]            # print every generated section
     python -m experiments.summary --readme [DIR]   # rewrite them in README.md
-    python -m experiments.summary --check [DIR]    # exit 1 when README.md differs (tests/test_readme.py)
+    python -m experiments.summary --check [DIR]    # exit 1 when README.md differs (tests/process/test_readme.py)
 
 README.md holds each generated section between ``<!-- summary:NAME -->`` and
 ``<!-- /summary:NAME -->``. Every figure names the JSON file it comes from and that file's date, so

@@ -15,8 +15,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+# The helpers other tiers share live in tests/process (test_control_plane.rest_error, test_chaos's
+# assertions): tests/cluster imports them by module name, as the process tests do among themselves.
+_PROCESS_TESTS = os.path.join(ROOT, "tests", "process")
+if _PROCESS_TESTS not in sys.path:
+    sys.path.append(_PROCESS_TESTS)
 
-# Every Ray these tests start (tests/test_cluster.py, the peers' smoke test) stays on the loopback:
+# Every Ray these tests start (tests/cluster/test_cluster.py, the peers' smoke test) stays on the loopback:
 # with this, Ray 2.60 gives every node, the head's GCS included, 127.0.0.1 instead of this
 # machine's interface address. Ray reads it when imported, and children inherit it.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -45,14 +50,85 @@ def pytest_unconfigure(config):
             shutil.rmtree(d, ignore_errors=True)
 
 
+#: The tiers, one folder each, the way the code is: a test's folder gives it its marker, so
+#: ``-m unit`` (or ``make test-unit``) runs exactly one folder. ``cuda`` is also the mark of a test
+#: elsewhere that needs a GPU (the GPU cases of a process test): ``-m cuda`` runs every one.
+TIERS = {
+    "unit": "runs in the test process alone: no child process (enforced), no server",
+    "process": "starts real processes, sockets or servers",
+    "cluster": "starts a real multi-node Ray cluster on this machine",
+    "cuda": "needs a CUDA GPU (skipped where none is visible)",
+}
+
+
+def _tier_of(path) -> str:
+    rel = os.path.relpath(str(path), os.path.join(ROOT, "tests"))
+    tier = rel.split(os.sep)[0]
+    if tier not in TIERS or rel == tier:
+        raise pytest.UsageError(
+            f"tests/{rel} is in no tier: move it (git mv) into tests/unit, tests/process, tests/cluster "
+            f"or tests/cuda, whichever says what it needs (CONTRIBUTING.md, 'Where a test goes')")
+    return tier
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
+    for item in items:
+        tier = _tier_of(item.path)
+        if tier == "cuda" and item.get_closest_marker("cuda") is None:
+            raise pytest.UsageError(f"{item.nodeid} is in tests/cuda but is not marked cuda: a test that "
+                                    f"runs without a GPU goes in tests/unit or tests/process")
+        item.add_marker(getattr(pytest.mark, tier))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible here")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+#: The audit events of a new process (os.fork covers multiprocessing's fork; subprocess.Popen
+#: covers every ``python -c`` and CLI run).
+_SPAWN_EVENTS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec",
+                           "os.system"})
+_unit_test_running: list[str] = []  # the node id of the unit test running now, if one is
+
+
+def _refuse_processes_in_unit_tests(event, args):
+    if _unit_test_running and event in _SPAWN_EVENTS:
+        raise RuntimeError(f"{_unit_test_running[0]} is a unit test and started a process ({event}): "
+                           f"move it to tests/process (CONTRIBUTING.md, 'Where a test goes')")
+
+
+sys.addaudithook(_refuse_processes_in_unit_tests)
+
+
+def _guarded(item):
+    """Run one phase of ``item`` with process starts refused when it is a unit test."""
+    unit = item.get_closest_marker("unit") is not None
+    if unit:
+        _unit_test_running.append(item.nodeid)
+    return unit
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    unit = _guarded(item)
+    try:
+        yield
+    finally:
+        if unit:
+            _unit_test_running.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    unit = _guarded(item)
+    try:
+        yield
+    finally:
+        if unit:
+            _unit_test_running.clear()
 
 
 #: The checkout's git-ignored model repository (experiments.common.DEFAULT_REPO, the one `make

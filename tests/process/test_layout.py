@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import re
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRODUCT_DIRS = ["blockflow", "blocks", "dispatcher", "manager", "tensormq"]
 
 

@@ -31,7 +31,7 @@ from blockflow.restclient import RestError
 from blockflow.demo import wait_ready_file
 from conftest import gone, kill_tree, reap, wait_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IPC = {"blocks": [{"name": "a", "model": "toy/identity.pt"}, {"name": "d", "model": "toy/double.pt"}],
        "tasks": [{"id": "t", "path": ["a", "d"]}]}
 

@@ -339,7 +339,7 @@ def test_a_release_never_frees_a_slot_the_producer_has_reused(shm_dir):
     on a 2-core machine, and the fixed header never fails it.)"""
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # busy processes oversubscribe the cores, so that the consumer is preempted mid-release
     # now and then, as it is in a pipeline of five processes on two cores
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 2))]

@@ -17,7 +17,7 @@ import pytest
 
 from experiments import vram
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _no_gpu_env() -> dict:

@@ -1,11 +1,11 @@
 """The GPU fast path (issue 27): CUDA graphs per block, stream-ordered hand-overs, warm-up.
 
-Two layers:
-- tests without a mark run everywhere: the runner on a CPU (what a block calls, what it warms
-  up), the update fields that steer it, the share record that carries a slot's event;
-- tests marked ``cuda`` need a GPU (``make gpu-check``): graphs against eager per shape (plain,
-  fused, batched), a model that cannot be captured, hand-overs under random GPU delays in both
-  processes (kill -9 of a producer or a consumer block under load: tests/test_cuda_ipc.py).
+Every test here is marked ``cuda`` and needs a GPU (``make gpu-check``): graphs against eager per
+shape (plain, fused, batched), a model that cannot be captured, hand-overs under random GPU delays
+in both processes (kill -9 of a producer or a consumer block under load: tests/cuda/test_cuda_ipc.py).
+On any machine: the runner on a CPU, the update fields that steer it and the share record that
+carries a slot's event (tests/unit/test_gpu_fastpath_cpu.py), the settings of the hand-over
+(tests/process/test_gpu_settings.py).
 """
 from __future__ import annotations
 
@@ -19,136 +19,11 @@ import pytest
 import torch
 
 from blockflow.blocks.batching import BatchPolicy
-from blockflow.blocks.runner import BlockRunner, warm_calls, warmup_shapes
-from blockflow.schema import UpdateError, validate_update
+from blockflow.blocks.runner import BlockRunner, warmup_shapes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CUDA = pytest.mark.cuda
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible here")
-
-
-# -- everywhere ------------------------------------------------------------------------------------
-
-def test_the_cuda_context_is_left_alone_on_a_cpu():
-    from blockflow.blocks.runner import trim_cuda_context
-    assert trim_cuda_context(torch.device("cpu")) == {"stack_bytes": "driver default"}
-    assert trim_cuda_context(torch.device("cpu"), 256) == {"stack_bytes": "driver default"}
-
-
-@CUDA
-@needs_gpu
-def test_a_trimmed_cuda_context_runs_a_graph_exactly(model_repo):
-    from blockflow.blocks.runner import trim_cuda_context
-    assert trim_cuda_context(torch.device("cuda:0"), 256)["stack_bytes"] == 256
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    model = _blocks(model_repo, ["block3"])
-    runner = BlockRunner(model, "cuda:0", "t")
-    with torch.inference_mode():
-        x = torch.randn(1, 128, 28, 28, device="cuda:0")
-        _assert_same(runner(x).clone(), model(x), "block3 with a 256-byte stack limit")
-
-
-def test_a_cpu_runner_calls_the_model_and_warms_up_each_shape():
-    calls = []
-
-    def model(x):
-        calls.append(tuple(x.shape))
-        return x * 2
-
-    r = BlockRunner(model, "cpu", "b", cuda_graphs=True)
-    assert r.graphs is None and r.clock is None and not r.stream_ordered
-    assert r.stats() == {"cuda_graphs": False}
-    x = torch.arange(6.0).view(2, 3)
-    assert torch.equal(r(x), x * 2)
-    assert r.to_device(x) is x
-    r.mark("ready")  # a no-op on a CPU
-    assert r.warm_up([[1, 3], [4, 3]]) == 2
-    # each shape as often as TorchScript's profiling executor needs (Note [Ready to serve])
-    assert calls == [(2, 3)] + [(1, 3)] * warm_calls() + [(4, 3)] * warm_calls()
-
-
-def test_blocks_sharing_a_process_warm_up_one_at_a_time():
-    """Note [One block sets up CUDA at a time]: warm-ups started together on the threads of one
-    process (a group's blocks) run one after the other; each still runs all its shapes."""
-    import threading
-    import time
-    inside, most, lock = [0], [0], threading.Lock()
-
-    def model(x):
-        with lock:
-            inside[0] += 1
-            most[0] = max(most[0], inside[0])
-        time.sleep(0.01)  # long enough that unserialised warm-ups would overlap
-        with lock:
-            inside[0] -= 1
-        return x + 1
-
-    runners = [BlockRunner(model, "cpu", f"b{i}") for i in range(4)]
-    done = []
-    threads = [threading.Thread(target=lambda r=r: done.append(r.warm_up([[1, 4], [2, 4], [3, 4]])))
-               for r in runners]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert done == [3, 3, 3, 3] and most[0] == 1, (done, most)
-
-
-def test_warmup_shapes_come_from_the_update_else_the_manifest_and_cover_batch_sizes():
-    assert warmup_shapes([1, 3, 224, 224], None, None) == [[1, 3, 224, 224]]
-    assert warmup_shapes([1, 3, 224, 224], [[1, 3, 64, 64]], None) == [[1, 3, 64, 64]]
-    assert warmup_shapes(None, None, None) == []
-    small = BatchPolicy.parse({"max_batch": 4, "max_queue_delay_us": 100})
-    assert warmup_shapes([1, 8], None, small) == [[1, 8], [2, 8], [3, 8], [4, 8]]
-    big = BatchPolicy.parse({"max_batch": 64, "max_queue_delay_us": 100, "preferred": [16, 32]})
-    assert warmup_shapes([1, 8], None, big) == [[1, 8], [16, 8], [32, 8], [64, 8]]
-
-
-def _update(**fields):
-    return {"blocks": [{"name": "b", "model": "resnet18/block1.pt", "device": "cuda", **fields}],
-            "tasks": [{"id": "t", "path": ["b"]}]}
-
-
-def test_update_fields_cuda_graphs_and_warmup_shapes():
-    decl = validate_update(_update(), gpus=1).blocks["b"]
-    assert decl.cuda_graphs is True and decl.warmup_shapes is None
-    decl = validate_update(_update(cuda_graphs=False, warmup_shapes=[[1, 3, 224, 224], [8, 3, 224, 224]]),
-                           gpus=1).blocks["b"]
-    assert decl.cuda_graphs is False and decl.warmup_shapes == ((1, 3, 224, 224), (8, 3, 224, 224))
-    assert decl.as_dict()["warmup_shapes"] == [[1, 3, 224, 224], [8, 3, 224, 224]]
-    for bad, field in (({"cuda_graphs": "yes"}, "cuda_graphs"), ({"warmup_shapes": [[0, 3]]}, "warmup_shapes"),
-                       ({"warmup_shapes": [[1] * 9]}, "warmup_shapes"), ({"warmup_shapes": [1, 3]}, "warmup_shapes"),
-                       ({"warmup_shapes": [[1, 3]] * 17}, "warmup_shapes")):
-        with pytest.raises(UpdateError) as err:
-            validate_update(_update(**bad), gpus=1)
-        assert err.value.field == f"blocks[0].{field}", err.value
-
-
-def test_the_share_record_carries_the_slots_event_and_refuses_a_forged_one():
-    from blockflow.tensormq.cuda_ipc import RECORD_BYTES, ShareRecord
-    from blockflow.tensormq.wire import WireError
-    handle = bytes([2, ord("c")]) + bytes(64)
-    rec = ShareRecord(0, handle, 1 << 20, 0, b"/torch_1_2", 3, event=bytes(range(64)))
-    raw = rec.pack()
-    assert len(raw) == RECORD_BYTES and ShareRecord.unpack(raw, "s") == rec
-    forged = bytearray(raw)
-    forged[56:64] = (63).to_bytes(8, "little")  # an event handle that is not a cudaIpcEventHandle_t
-    with pytest.raises(WireError, match="lengths"):
-        ShareRecord.unpack(bytes(forged), "s")
-
-
-def _settings_in_a_fresh_process(**env):
-    return subprocess.run([sys.executable, "-c", "from blockflow import settings; "
-                           "print(settings.CUDA_HANDOVER, settings.CUDA_STACK_BYTES)"],
-                          cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
-
-
-def test_the_hand_over_mode_and_the_stack_limit_are_settings_and_bad_values_are_named():
-    ok = _settings_in_a_fresh_process(BLOCKFLOW_CUDA_HANDOVER="Sync", BLOCKFLOW_CUDA_STACK_BYTES="0")
-    assert ok.returncode == 0 and ok.stdout.split() == ["sync", "0"], ok.stderr
-    for var, bad in (("BLOCKFLOW_CUDA_HANDOVER", "lazy"), ("BLOCKFLOW_CUDA_STACK_BYTES", "small")):
-        res = _settings_in_a_fresh_process(**{var: bad})
-        assert res.returncode != 0 and f"{var}={bad!r}" in res.stderr, res.stderr
 
 
 # -- on a GPU ------------------------------------------------------------------------------------
@@ -163,6 +38,19 @@ def _blocks(model_repo, stems, device="cuda:0"):
 def _assert_same(got, want, what):
     diff = (got.float() - want.float()).abs().max().item()
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), f"{what}: graph differs from eager by {diff}"
+
+
+@CUDA
+@needs_gpu
+def test_a_trimmed_cuda_context_runs_a_graph_exactly(model_repo):
+    from blockflow.blocks.runner import trim_cuda_context
+    assert trim_cuda_context(torch.device("cuda:0"), 256)["stack_bytes"] == 256
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    model = _blocks(model_repo, ["block3"])
+    runner = BlockRunner(model, "cuda:0", "t")
+    with torch.inference_mode():
+        x = torch.randn(1, 128, 28, 28, device="cuda:0")
+        _assert_same(runner(x).clone(), model(x), "block3 with a 256-byte stack limit")
 
 
 @CUDA

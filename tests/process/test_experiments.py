@@ -30,7 +30,7 @@ from blockflow.tensormq import outalloc
 
 from experiments import EXPERIMENTS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -234,7 +234,7 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
 #: Experiments with a detailed test (above, or in the file named) run for real; every other one
 #: in EXPERIMENTS gets test_smoke.
 DETAILED = {"offline_blocks": "test_offline_blocks", "rtt": "test_rtt", "pipeline_latency": "test_pipeline_latency",
-            "chaos": "tests/test_chaos.py", "fuzz": "tests/test_fuzz.py", "soak": "tests/test_soak.py",
+            "chaos": "tests/process/test_chaos.py", "fuzz": "tests/process/test_fuzz.py", "soak": "tests/process/test_soak.py",
             "hop_overhead": "test_hop_overhead_bundle_rows", "first_request": "test_first_request"}
 #: The smallest settings that still exercise each script's whole path (--quick is added); an
 #: experiment not named here (one added later) runs with --quick alone.
@@ -314,7 +314,7 @@ def test_hop_overhead_bundle_rows(tmp_path, leak_check):
     (blocks and floor) exist, their members hold the stage's bytes, the chains answered what they
     should, and the reports render them."""
     out = str(tmp_path)
-    # one round: a figure is then "not measured" only below zero (tests/test_hop_overhead.py has the rule)
+    # one round: a figure is then "not measured" only below zero (tests/process/test_hop_overhead.py has the rule)
     stdout = run_experiment("hop_overhead", out, "--n", "5", "--rounds", "1", "--stages", "block1", "--transports",
                             "tensormq", "--blocks", "identity,copy,bundle-identity,bundle-copy")
     data = load(out, "hop_overhead")

@@ -18,7 +18,7 @@ import pytest
 
 from experiments import gpu_floor, pipeline_latency
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_cli(*args: str, hide_gpu: bool = True) -> subprocess.CompletedProcess:

@@ -603,7 +603,7 @@ def test_resnet50_shared_config(server_factory, model_repo, transport):
     once, equal their whole models."""
     from blockflow.blocks.repository import load_block
 
-    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
                           "resnet50_shared.json")
     with open(config) as f:
         update = json.load(f)

@@ -67,7 +67,7 @@ def test_cuts_out_of_order_are_refused_naming_the_order():
         split.resolve_cuts(gm, ["seq.b", "seq.a"], "tiny")
     assert str(exc.value) == ("cuts seq.b, seq.a are out of order: tiny runs seq.a before seq.b; give them in "
                               "that order: --cut seq.a --cut seq.b"), exc.value
-    # (the command says a CutError in one line, as tests/test_split.py checks for a cut that does not exist)
+    # (the command says a CutError in one line, as tests/process/test_split.py checks for a cut that does not exist)
 
 
 # -- 6: hints that name the command and the file that fix it ---------------------------------------------

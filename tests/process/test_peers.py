@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 WITHOUT_RAY = ("import runpy, sys; sys.modules['ray'] = None; sys.argv[0] = 'peers'; "
                "runpy.run_module('experiments.peers', run_name='__main__')")

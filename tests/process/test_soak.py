@@ -23,7 +23,7 @@ import torch
 # Its load runs at 80% of a capacity it measures: a neighbour test on the other core would move both.
 pytestmark = pytest.mark.exclusive
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_short_soak_answers_everything_and_leaves_nothing(model_repo, tmp_path, leak_check):
