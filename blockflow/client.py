@@ -168,8 +168,9 @@ class Client:
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sent: set[int] = set()
         self._answered: OrderedDict[int, None] = OrderedDict()
-        #: replies the server sent twice (must stay 0) or after this client gave up on a request
-        self.stats = {"duplicates": 0, "late": 0}
+        #: replies the server sent twice (must stay 0) or after this client gave up on a request;
+        #: requests written into a lent slot and results read from a slot (Note [Lent slots])
+        self.stats = {"duplicates": 0, "late": 0, "in_slot": 0, "out_slot": 0}
         #: slots lent by a dispatcher on this host, once it has answered; None: the bytes travel
         self.lent: LentSlots | None = None
         self._lend_at = 0.0 if shared_memory and is_local(address) else math.inf  # when to ask next
@@ -204,6 +205,7 @@ class Client:
                 placed = self.lent.fill(tensor) if self.lent is not None else None
                 if placed is not None:
                     self._slot_of[rid] = placed[0]
+                    self.stats["in_slot"] += 1
         if placed is not None:
             fields, payloads = {"x": placed[1], "out": "shm"}, []
         else:
@@ -358,6 +360,7 @@ class Client:
                 if lent is None:
                     raise WireError("the result came in a slot but this client maps none")
                 tensor = lent.read(x)
+                self.stats["out_slot"] += 1
             else:
                 tensor = read_bytes_value(header, frames)
         except (WireError, IndexError) as exc:
