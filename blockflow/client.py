@@ -90,8 +90,9 @@ class LentSlots:
     disconnect) keeps its slot until the header shows a later generation released."""
 
     def __init__(self, shm_dir: str, names: list, idle_s: float):
-        self.mapper = SlotMapper(shm_dir)
-        self.mapped = {name: self.mapper._open(name) for name in names}  # WireError: not this host's files
+        self.mapper = SlotMapper(shm_dir)  # the lent slots, never evicted: the window is small
+        self.mapped = {name: self.mapper.map(name) for name in names}  # WireError: not this host's slots
+        self.results = SlotMapper(shm_dir)  # the slots results come in (the last blocks')
         self.idle_s, self.last_used = idle_s, time.monotonic()
         self.busy: dict[str, tuple[int, bool]] = {}  # slot -> (generation when filled, request ended unanswered)
 
@@ -103,12 +104,15 @@ class LentSlots:
         held = self.busy.get(name)
         return held is None or (held[1] and gen > held[0])
 
+    def stale(self) -> bool:
+        """Unused for half the dispatcher's idle limit: the lease may end before a request
+        reaches it, so the client asks for a new one instead."""
+        return time.monotonic() - self.last_used > self.idle_s / 2
+
     def fill(self, tensor: torch.Tensor) -> tuple[str, dict] | None:
         """Copy ``tensor`` into a free slot: (slot name, descriptor); None when none is free and
-        large enough (the bytes travel) or the lease may have ended (unused too long)."""
+        large enough (the bytes travel)."""
         now = time.monotonic()
-        if now - self.last_used > self.idle_s / 2:
-            return None
         nbytes = tensor.numel() * tensor.element_size()
         for name, m in self.mapped.items():
             if m.cap >= nbytes and self._free(name):
@@ -132,7 +136,7 @@ class LentSlots:
     def read(self, x) -> torch.Tensor:
         """A copy of the result the handle ``x`` names, then the slot released (WireError: refused
         or reclaimed before the copy was whole)."""
-        tensor, lease = self.mapper.open(TensorDesc.parse(x))
+        tensor, lease = self.results.open(TensorDesc.parse(x))
         try:
             out = torch.empty(tensor.shape, dtype=tensor.dtype)
             _copy(out, tensor)
@@ -146,6 +150,7 @@ class LentSlots:
     def close(self) -> None:
         self.mapped = {}
         self.mapper.close()
+        self.results.close()
 
 
 class Client:
@@ -196,10 +201,17 @@ class Client:
         if not isinstance(tensor, torch.Tensor) and not bundle.is_bundle(tensor):
             raise TypeError(f"tensor must be a torch.Tensor, or a tuple or dict of them, got {type(tensor).__name__}")
         timeout = self.timeout if timeout is None else timeout
-        if isinstance(tensor, torch.Tensor) and self._lend_at <= time.monotonic():
+        placed, ask = None, False
+        if isinstance(tensor, torch.Tensor):
+            with self._lock:
+                if self.lent is not None and self.lent.stale():
+                    self._drop_lease()
+                ask = self._lend_at <= time.monotonic()
+                if ask:
+                    self._lend_at = time.monotonic() + 10.0  # one question at a time, at most every 10 s
+        if ask:
             self._ask_for_slots(tensor)
         rid = next(self._ids)
-        placed = None
         if self.lent is not None and isinstance(tensor, torch.Tensor):
             with self._lock:
                 placed = self.lent.fill(tensor) if self.lent is not None else None
@@ -218,8 +230,7 @@ class Client:
     def _ask_for_slots(self, tensor: torch.Tensor) -> None:
         """Ask the dispatcher for a window of slots for tensors like ``tensor``; until the answer
         comes (and if none does) requests carry their bytes. Asked again when the lease may have
-        ended (unused for half its idle time), at most every 10 s."""
-        self._lend_at = time.monotonic() + 10.0
+        ended (``LentSlots.stale``, a disconnect), at most every 10 s."""
         nbytes = max(tensor.numel() * tensor.element_size(), 1)
         fut = self._request({"op": "lend", "nbytes": nbytes, "pid": os.getpid()}, [], self.timeout, False,
                             keep=True)
@@ -241,10 +252,16 @@ class Client:
             self._request({"op": "unlend"}, [], self.timeout, False)
             return
         with self._lock:
-            old, self.lent = self.lent, lent
-            self._lend_at = time.monotonic() + lent.idle_s / 2
-            if old is not None:
-                old.close()
+            self._drop_lease()
+            self.lent, self._lend_at = lent, math.inf
+
+    def _drop_lease(self) -> None:
+        """Forget the lent slots (under the lock; on the I/O thread or before the next request):
+        the dispatcher ended the lease, or will. The next tensor request asks for new ones."""
+        if self.lent is not None:
+            self.lent.close()
+            self.lent, self._lend_at = None, 0.0
+            self._slot_of.clear()
 
     def _request(self, fields: dict, payload: list, timeout: float, details: bool, rid: int | None = None,
                  keep: bool = False) -> Future:
@@ -311,8 +328,7 @@ class Client:
         self._io._receive()  # replies that arrived before the connection dropped still count
         with self._lock:
             lost = [(rid, self._waiting.pop(rid)[0]) for rid in list(self._sent) if rid in self._waiting]
-            for rid, _ in lost:
-                self._end_slot(rid, False)
+            self._drop_lease()  # a new dispatcher (or the same one, restarted) lends new slots
         self._sent.clear()
         for rid, fut in lost:
             fut.set_exception(BlockFlowError(

@@ -208,7 +208,10 @@ class Dispatcher(ChildProcess):
 
     def reply(self, client: bytes, cid, status: str, *, error: str | None = None, code: ErrorCode | None = None,
               tensor=None, hops=None, started: float | None = None, task: str | None = None,
-              since: float | None = None, handle: dict | None = None, extra: dict | None = None) -> None:
+              since: float | None = None, handle: dict | None = None, extra: dict | None = None,
+              counted: bool = True) -> None:
+        """``counted``: False for the answers to ``lend``/``unlend``, which are no requests of a
+        task (``stats`` and the request log count those)."""
         header = {"v": PROTOCOL_VERSION, "id": cid, "status": status}
         if error is not None:
             header["error"], header["code"] = error, (code or ErrorCode.ERROR).value
@@ -230,7 +233,8 @@ class Dispatcher(ChildProcess):
             self.front.send_multipart(frames, copy=True)
         except zmq.ZMQError as exc:
             log.warning("dispatcher: could not answer request %r: %s", cid, exc)
-        self.stats["ok" if status == "ok" else "errors"] += 1
+        if counted:
+            self.stats["ok" if status == "ok" else "errors"] += 1
         if self.kpi is not None and task is not None:
             self.kpi.record(task, "ok" if status == "ok" else header["code"], since, hops)
 
@@ -335,16 +339,17 @@ class Dispatcher(ChildProcess):
         if op == "unlend":
             if self.lender is not None:
                 self.lender.end(client)
-            self.reply(client, cid, "ok")
+            self.reply(client, cid, "ok", counted=False)
             return
         if self.lender is None:
             raise WireError("this dispatcher has no shared-memory directory; send bytes")
         try:
             slots = self.lender.lend(client, header.get("nbytes"), header.get("pid"))
         except ShmExhausted as exc:
-            self.reply(client, cid, "error", code=ErrorCode.NO_SHARED_MEMORY, error=str(exc))
+            self.reply(client, cid, "error", code=ErrorCode.NO_SHARED_MEMORY, error=str(exc), counted=False)
             return
-        self.reply(client, cid, "ok", extra={"shm": self.spec.shm_dir, "slots": slots, "idle_s": LEASE_IDLE_S})
+        self.reply(client, cid, "ok", extra={"shm": self.spec.shm_dir, "slots": slots, "idle_s": LEASE_IDLE_S},
+                   counted=False)
 
     def input_check(self, task: str, entry: dict):
         """``check(descs, keys)``: refuses (ValueError) what the task's first block does not take."""
