@@ -5,6 +5,8 @@ tcp://127.0.0.1:5580). The dispatcher translates the task id into its path (Algo
 puts the tensor into a shared slot for the first block when that block is on this host
 (TensorMQ), and sends it on with the remaining path and its own result address last. The last
 block sends the output back to that address; the dispatcher answers the client that asked.
+A client on this host sends a handle to a slot the dispatcher lent it instead of the bytes, and
+may get the result's slot handle back (Note [Lent slots] in dispatcher/lending.py).
 
 Every request gets exactly one reply. The dispatcher remembers each request it sent into the
 pipeline until its result or error arrives, its deadline passes, or the manager reports that a
