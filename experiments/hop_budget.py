@@ -369,7 +369,7 @@ def _f(s: dict, scale: float = 1.0, digits: int = 3) -> str:
 
 def path_table(path: dict, names: list[str]) -> str:
     lines = ["| part of the request | median ms (rounds' range) |", "|---|---|"]
-    lines.append(f"| way in: client library, bytes to the dispatcher, its copy into a slot, to {names[0]} | "
+    lines.append(f"| way in: client library, to the dispatcher (bytes it copies into a slot, or a lent slot), to {names[0]} | "
                  f"{_f(path['way_in'])} |")
     for i, nm in enumerate(names):
         if i:
@@ -377,7 +377,7 @@ def path_table(path: dict, names: list[str]) -> str:
                          f"{_f(path.get(f'{nm}.transit', {}))} |")
         for key in BLOCK_STEPS:
             lines.append(f"| {nm}: {key} | {_f(path.get(f'{nm}.{key}', {}))} |")
-    lines.append(f"| way out: {names[-1]} to the dispatcher, the bytes back, the client's future | "
+    lines.append(f"| way out: {names[-1]} to the dispatcher, the bytes (or the slot's handle) back, the client's future | "
                  f"{_f(path['way_out'])} |")
     lines.append(f"| round trip at the client | {_f(path['total'])} |")
     lines.append(f"| of which inside the dispatcher's view (server_ms) | {_f(path['server'])} |")
