@@ -9,11 +9,20 @@ One I/O thread owns the DEALER socket (ZeroMQ sockets are not thread-safe, see
 blockflow/sockthread.py); ``submit`` hands requests to it through a bounded queue, so any
 thread may call the client. Every call has a deadline, the default ``timeout`` of the client
 or the one given per call, and ends by it whatever the server does (even when none listens).
+
+A client whose dispatcher is on its host (an ipc:// or loopback address) asks it for a window
+of shared-memory slots on its first tensor request, then writes each request's tensor into a
+free one and sends only a header; results come back as a slot handle it copies the tensor
+out of (Note [Lent slots] in dispatcher/lending.py). Until the slots come, for a bundle, for
+a tensor larger than a slot, when every slot is in flight, or with ``shared_memory=False``,
+the bytes travel in the message as they do from another host.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import math
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -25,8 +34,9 @@ import zmq
 from blockflow.protocol import PROTOCOL_VERSION, ErrorCode
 from blockflow.sockthread import QueueFull, SocketThread
 from blockflow.tensormq import bundle
+from blockflow.tensormq.shm import W_GENERATION, W_RELEASED, SlotMapper
 from blockflow.tensormq.transport import bytes_fields, read_bytes_value
-from blockflow.tensormq.wire import WireError, dumps, loads_header
+from blockflow.tensormq.wire import TensorDesc, WireError, contiguous_stride, dtype_name, dumps, is_local, loads_header
 from blockflow import settings
 
 log = logging.getLogger(__name__)
@@ -61,9 +71,93 @@ class Result:
         self.tensor, self.hops, self.server_ms = tensor, hops, server_ms
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` on this thread alone: torch would split a copy of a few MB over an
+    OpenMP team, whose workers then spin on the cores the dispatcher and blocks need (Note [The
+    dispatcher copies on one thread] in dispatcher/process.py); numpy's copy is one memcpy."""
+    if src.device.type != "cpu" or not src.is_contiguous():
+        dst.copy_(src)
+        return
+    dst.view(torch.uint8).reshape(-1).numpy()[:] = src.view(torch.uint8).reshape(-1).numpy()
+
+
+class LentSlots:
+    """The slots a dispatcher on this host lent this client (Note [Lent slots]), mapped here.
+
+    A slot is ours to fill when no request of ours holds it and its header says FREE
+    (``released == generation``): the dispatcher puts it in flight when it accepts the request
+    and the path releases it when done. A request that ended without a reply (deadline,
+    disconnect) keeps its slot until the header shows a later generation released."""
+
+    def __init__(self, shm_dir: str, names: list, idle_s: float):
+        self.mapper = SlotMapper(shm_dir)  # the lent slots, never evicted: the window is small
+        self.mapped = {name: self.mapper.map(name) for name in names}  # WireError: not this host's slots
+        self.results = SlotMapper(shm_dir)  # the slots results come in (the last blocks')
+        self.idle_s, self.last_used = idle_s, time.monotonic()
+        self.busy: dict[str, tuple[int, bool]] = {}  # slot -> (generation when filled, request ended unanswered)
+
+    def _free(self, name: str) -> bool:
+        hdr = self.mapped[name].hdr
+        gen = int(hdr[W_GENERATION])
+        if gen != int(hdr[W_RELEASED]):
+            return False
+        held = self.busy.get(name)
+        return held is None or (held[1] and gen > held[0])
+
+    def stale(self) -> bool:
+        """Unused for half the dispatcher's idle limit: the lease may end before a request
+        reaches it, so the client asks for a new one instead."""
+        return time.monotonic() - self.last_used > self.idle_s / 2
+
+    def fill(self, tensor: torch.Tensor) -> tuple[str, dict] | None:
+        """Copy ``tensor`` into a free slot: (slot name, descriptor); None when none is free and
+        large enough (the bytes travel)."""
+        now = time.monotonic()
+        nbytes = tensor.numel() * tensor.element_size()
+        for name, m in self.mapped.items():
+            if m.cap >= nbytes and self._free(name):
+                self.busy[name] = (int(m.hdr[W_GENERATION]), False)
+                self.last_used = now
+                shape = tuple(tensor.shape)
+                if nbytes:
+                    _copy(m.data[:nbytes].view(tensor.dtype).view(shape), tensor.detach())
+                return name, {"dtype": dtype_name(tensor.dtype), "shape": list(shape),
+                              "stride": list(contiguous_stride(shape)), "loc": "shm", "seg": name, "off": 0,
+                              "nbytes": nbytes}
+        return None
+
+    def done(self, name: str, answered: bool) -> None:
+        """The request that filled ``name`` ended: with a reply, or without (keep it until it is seen free)."""
+        if answered:
+            self.busy.pop(name, None)
+        elif name in self.busy:
+            self.busy[name] = (self.busy[name][0], True)
+
+    def read(self, x) -> torch.Tensor:
+        """A copy of the result the handle ``x`` names, then the slot released (WireError: refused
+        or reclaimed before the copy was whole)."""
+        tensor, lease = self.results.open(TensorDesc.parse(x))
+        try:
+            out = torch.empty(tensor.shape, dtype=tensor.dtype)
+            _copy(out, tensor)
+            hdr = lease.mapped.hdr
+            if hdr is None or int(hdr[W_GENERATION]) != lease.gen or int(hdr[W_RELEASED]) == lease.gen:
+                raise WireError(f"the result's slot {lease.seg} was reclaimed while it was read")
+        finally:
+            lease.release()
+        return out
+
+    def close(self) -> None:
+        self.mapped = {}
+        self.mapper.close()
+        self.results.close()
+
+
 class Client:
     def __init__(self, address: str = "tcp://127.0.0.1:5580", timeout: float = DEFAULT_TIMEOUT,
-                 token: str | None = None, max_queued: int = MAX_QUEUED):
+                 token: str | None = None, max_queued: int = MAX_QUEUED, shared_memory: bool = True):
+        """``shared_memory``: requests and results go through slots the dispatcher lends when it is
+        on this host (False: their bytes always travel in the messages)."""
         self.address, self.timeout = address, timeout
         self.token = token if token is not None else settings.TOKEN
         self._ids = itertools.count(1)
@@ -79,8 +173,13 @@ class Client:
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sent: set[int] = set()
         self._answered: OrderedDict[int, None] = OrderedDict()
-        #: replies the server sent twice (must stay 0) or after this client gave up on a request
-        self.stats = {"duplicates": 0, "late": 0}
+        #: replies the server sent twice (must stay 0) or after this client gave up on a request;
+        #: requests written into a lent slot and results read from a slot (Note [Lent slots])
+        self.stats = {"duplicates": 0, "late": 0, "in_slot": 0, "out_slot": 0}
+        #: slots lent by a dispatcher on this host, once it has answered; None: the bytes travel
+        self.lent: LentSlots | None = None
+        self._lend_at = 0.0 if shared_memory and is_local(address) else math.inf  # when to ask next
+        self._slot_of: dict[int, str] = {}  # request id -> the lent slot it was written in
         # one I/O thread owns the socket; requests that cannot be sent before their deadline
         # (no dispatcher listening) are dropped from its queue, and a full queue refuses at once
         self._io = SocketThread(sock, "blockflow-client", self._on_reply, on_tick=self._expire, max_queued=max_queued)
@@ -105,19 +204,79 @@ class Client:
         if not isinstance(tensor, torch.Tensor) and not bundle.is_bundle(tensor):
             raise TypeError(f"tensor must be a torch.Tensor, or a tuple or dict of them, got {type(tensor).__name__}")
         timeout = self.timeout if timeout is None else timeout
-        fields, payloads = bytes_fields(tensor)  # a bad member: TypeError/ValueError naming it
+        placed, ask = None, False
+        if isinstance(tensor, torch.Tensor):
+            with self._lock:
+                if self.lent is not None and self.lent.stale():
+                    self._drop_lease()
+                ask = self._lend_at <= time.monotonic()
+                if ask:
+                    self._lend_at = time.monotonic() + 10.0  # one question at a time, at most every 10 s
+        if ask:
+            self._ask_for_slots(tensor)
+        rid = next(self._ids)
+        if self.lent is not None and isinstance(tensor, torch.Tensor):
+            with self._lock:
+                placed = self.lent.fill(tensor) if self.lent is not None else None
+                if placed is not None:
+                    self._slot_of[rid] = placed[0]
+                    self.stats["in_slot"] += 1
+        if placed is not None:
+            fields, payloads = {"x": placed[1], "out": "shm"}, []
+        else:
+            fields, payloads = bytes_fields(tensor)  # a bad member: TypeError/ValueError naming it
+            if self.lent is not None:
+                fields["out"] = "shm"
         if traceparent is not None:
             fields["traceparent"] = traceparent
         return self._request({"op": "infer", "task": task, **fields, "timeout": timeout},
-                             payloads, timeout, details)
+                             payloads, timeout, details, rid)
 
-    def _request(self, fields: dict, payload: list, timeout: float, details: bool) -> Future:
-        rid = next(self._ids)
+    def _ask_for_slots(self, tensor: torch.Tensor) -> None:
+        """Ask the dispatcher for a window of slots for tensors like ``tensor``; until the answer
+        comes (and if none does) requests carry their bytes. Asked again when the lease may have
+        ended (``LentSlots.stale``, a disconnect), at most every 10 s."""
+        nbytes = max(tensor.numel() * tensor.element_size(), 1)
+        fut = self._request({"op": "lend", "nbytes": nbytes, "pid": os.getpid()}, [], self.timeout, False,
+                            keep=True)
+        fut.add_done_callback(self._lent)
+
+    def _lent(self, fut: Future) -> None:
+        try:
+            header = fut.result()
+        except Exception as exc:  # an older dispatcher, no shared memory, no answer yet: bytes travel
+            log.info("client for %s: no shared-memory slots (%s); tensors travel as bytes", self.address, exc)
+            if isinstance(exc, BlockFlowError) and exc.code == ErrorCode.BAD_REQUEST.value:
+                self._lend_at = math.inf  # a dispatcher that does not lend: never ask again
+            return
+        try:
+            lent = LentSlots(header["shm"], header["slots"], float(header["idle_s"]))
+        except Exception as exc:  # not this host's files after all (a forwarded port): give them back
+            log.info("client for %s: cannot map the lent slots (%s); tensors travel as bytes", self.address, exc)
+            self._lend_at = math.inf
+            self._request({"op": "unlend"}, [], self.timeout, False)
+            return
+        with self._lock:
+            self._drop_lease()
+            self.lent, self._lend_at = lent, math.inf
+
+    def _drop_lease(self) -> None:
+        """Forget the lent slots (under the lock; on the I/O thread or before the next request):
+        the dispatcher ended the lease, or will. The next tensor request asks for new ones."""
+        if self.lent is not None:
+            self.lent.close()
+            self.lent, self._lend_at = None, 0.0
+            self._slot_of.clear()
+
+    def _request(self, fields: dict, payload: list, timeout: float, details: bool, rid: int | None = None,
+                 keep: bool = False) -> Future:
+        """``keep``: the future gets the whole reply header (the lend answer), not a tensor."""
+        rid = next(self._ids) if rid is None else rid
         header = {"v": PROTOCOL_VERSION, "id": rid, **fields}
         if self.token:
             header["token"] = self.token
         fut: Future = Future()
-        fut.details = details
+        fut.details, fut.keep = details, keep
         deadline = time.monotonic() + timeout
         with self._lock:
             self._waiting[rid] = (fut, deadline)
@@ -126,6 +285,7 @@ class Client:
         except QueueFull as exc:
             with self._lock:
                 self._waiting.pop(rid, None)
+                self._end_slot(rid, True)  # never sent: nobody put it in flight
             raise BlockFlowError(f"client for {self.address}: {exc}", ErrorCode.OVERLOADED.value) from None
         return fut
 
@@ -144,6 +304,11 @@ class Client:
     def close(self) -> None:
         if self._closed:
             return
+        if self.lent is not None:  # the dispatcher reclaims the slots now rather than when this process exits
+            try:
+                self._request({"op": "unlend"}, [], 1.0, False).result(2.0)
+            except Exception:
+                pass  # it reclaims them on its own (this process gone, or the lease unused)
         self._closed = True
         self._io.stop()
         with self._lock:
@@ -151,6 +316,8 @@ class Client:
         for fut, _ in waiting.values():
             if not fut.done():
                 fut.set_exception(RuntimeError("client closed before the reply arrived"))
+        if self.lent is not None:
+            self.lent.close()
         self._ctx.term()
 
     def __enter__(self):
@@ -167,6 +334,7 @@ class Client:
         self._io._receive()  # replies that arrived before the connection dropped still count
         with self._lock:
             lost = [(rid, self._waiting.pop(rid)[0]) for rid in list(self._sent) if rid in self._waiting]
+            self._drop_lease()  # a new dispatcher (or the same one, restarted) lends new slots
         self._sent.clear()
         for rid, fut in lost:
             fut.set_exception(BlockFlowError(
@@ -182,6 +350,8 @@ class Client:
         rid = header.get("id")
         with self._lock:
             entry = self._waiting.pop(rid, None)
+            if entry is not None:
+                self._end_slot(rid, True)
         self._sent.discard(rid)
         if rid in self._answered:
             self.stats["duplicates"] += 1  # the server answered this request twice: a bug
@@ -198,21 +368,41 @@ class Client:
             fut.set_exception(BlockFlowError(str(header.get("error", "unknown error")),
                                              str(header.get("code", "error")), header.get("hops")))
             return
+        if fut.keep:
+            fut.set_result(header)
+            return
         if "x" not in header and "xs" not in header:
             fut.set_result(None)
             return
         try:
-            tensor = read_bytes_value(header, frames)
+            x = header.get("x")
+            if isinstance(x, dict) and x.get("loc") == "shm" and len(frames) == 1:
+                with self._lock:
+                    lent = self.lent
+                if lent is None:
+                    raise WireError("the result came in a slot but this client maps none")
+                tensor = lent.read(x)
+                self.stats["out_slot"] += 1
+            else:
+                tensor = read_bytes_value(header, frames)
         except (WireError, IndexError) as exc:
             fut.set_exception(BlockFlowError(f"unreadable result tensor: {exc}", ErrorCode.BAD_RESULT.value))
             return
         fut.set_result(Result(tensor, header.get("hops"), header.get("ms")) if fut.details else tensor)
+
+    def _end_slot(self, rid, answered: bool) -> None:
+        """The request ``rid`` ended; its lent slot, if any, may be filled again (under the lock)."""
+        name = self._slot_of.pop(rid, None)
+        if name is not None and self.lent is not None:
+            self.lent.done(name, answered)
 
     def _expire(self, now: float) -> None:
         """Fail the calls whose deadline is before ``now`` (their messages have left the send queue)."""
         with self._lock:
             late = [rid for rid, (_, deadline) in self._waiting.items() if deadline < now]
             expired = [self._waiting.pop(rid)[0] for rid in late]
+            for rid in late:
+                self._end_slot(rid, False)
         self._sent.difference_update(late)
         for fut in expired:
             fut.set_exception(TimeoutError(f"no reply from {self.address} within the deadline; "

@@ -5,6 +5,8 @@ tcp://127.0.0.1:5580). The dispatcher translates the task id into its path (Algo
 puts the tensor into a shared slot for the first block when that block is on this host
 (TensorMQ), and sends it on with the remaining path and its own result address last. The last
 block sends the output back to that address; the dispatcher answers the client that asked.
+A client on this host sends a handle to a slot the dispatcher lent it instead of the bytes, and
+may get the result's slot handle back (Note [Lent slots] in dispatcher/lending.py).
 
 Every request gets exactly one reply. The dispatcher remembers each request it sent into the
 pipeline until its result or error arrives, its deadline passes, or the manager reports that a
@@ -44,9 +46,10 @@ from blockflow.ratelog import RateLimitedLog
 from blockflow.childproc import BootError, ChildProcess, exit_with, serve, spec_from_argv
 from blockflow.protocol import (DISPATCHER, PROTOCOL_VERSION, RETURN_HOP, ErrorCode, Fail, NoArgs, Outstanding, Ready,
                                 Tasks, Topology)
+from blockflow.dispatcher.lending import LEASE_IDLE_S, Lender
 from blockflow.dispatcher.requestlog import RequestLog
 from blockflow.dispatcher.spec import DispatcherSpec
-from blockflow.tensormq.shm import ShmExhausted
+from blockflow.tensormq.shm import ShmExhausted, ShmLease
 from blockflow.tensormq.transport import (RESULT_KEYS, Transport, bytes_fields, read_bytes_value, read_result_keys,
                                           receive_limit)
 from blockflow.tensormq.wire import DTYPES, DataHeader, TensorDesc, WireError, dumps, loads_header
@@ -87,6 +90,8 @@ class Request:
     deadline: float
     tensor: object = None  # kept only while the request waits for a slot
     frames: list | None = None
+    lent: dict | None = None  # the handle of the lent slot the client wrote the tensor in (Note [Lent slots])
+    out_shm: bool = False  # the client reads a result in a host slot itself
     span: object = None    # a traced request's root span, and its traceparent for the blocks
     trace: str | None = None
 
@@ -157,6 +162,8 @@ class Dispatcher(ChildProcess):
         self.kpi = RequestLog(spec.run_dir) if spec.run_dir else None
         from blockflow.tracing import tracer_for
         self.tracer = tracer_for("blockflow")  # None when tracing is off (blockflow/tracing.py)
+        # slots for clients on this host (Note [Lent slots] in dispatcher/lending.py)
+        self.lender = Lender(spec.shm_dir, f"dispatcher-{spec.incarnation}-lent", spec.window) if spec.shm_dir else None
         self.open_control()  # last: see ChildProcess.open_control
 
     def ready_info(self) -> dict:
@@ -196,6 +203,8 @@ class Dispatcher(ChildProcess):
                     self.kpi.flush()  # /metrics reads the log: at most a second behind
                 # results of a retired last block: their slot files are unlinked, our maps pin them
                 self.transport.forget_unlinked()
+                if self.lender is not None:
+                    self.lender.sweep(now)
             self.watch_parent()
 
     # -- clients -----------------------------------------------------------------------------
@@ -208,7 +217,10 @@ class Dispatcher(ChildProcess):
 
     def reply(self, client: bytes, cid, status: str, *, error: str | None = None, code: ErrorCode | None = None,
               tensor=None, hops=None, started: float | None = None, task: str | None = None,
-              since: float | None = None) -> None:
+              since: float | None = None, handle: dict | None = None, extra: dict | None = None,
+              counted: bool = True) -> None:
+        """``counted``: False for the answers to ``lend``/``unlend``, which are no requests of a
+        task (``stats`` and the request log count those)."""
         header = {"v": PROTOCOL_VERSION, "id": cid, "status": status}
         if error is not None:
             header["error"], header["code"] = error, (code or ErrorCode.ERROR).value
@@ -216,6 +228,10 @@ class Dispatcher(ChildProcess):
             header["hops"] = hops
         if started is not None:
             header["ms"] = (time.monotonic() - started) * 1e3
+        if handle is not None:  # the result's slot, which the client reads itself (Note [Lent slots])
+            header["x"] = handle
+        if extra:
+            header.update(extra)
         frames = [client, dumps(header)]
         if tensor is not None:  # a tensor or a bundle (tensormq/bundle.py), as bytes
             fields, payloads = bytes_fields(tensor)
@@ -226,7 +242,8 @@ class Dispatcher(ChildProcess):
             self.front.send_multipart(frames, copy=True)
         except zmq.ZMQError as exc:
             log.warning("dispatcher: could not answer request %r: %s", cid, exc)
-        self.stats["ok" if status == "ok" else "errors"] += 1
+        if counted:
+            self.stats["ok" if status == "ok" else "errors"] += 1
         if self.kpi is not None and task is not None:
             self.kpi.record(task, "ok" if status == "ok" else header["code"], since, hops)
 
@@ -266,8 +283,11 @@ class Dispatcher(ChildProcess):
             if op == "ping":
                 self.reply(client, cid, "ok")
                 return
+            if op in ("lend", "unlend"):
+                self.lend(client, cid, op, header)
+                return
             if op != "infer":
-                raise WireError(f"op must be 'infer' or 'ping', got {op!r:.20}")
+                raise WireError(f"op must be 'infer', 'ping', 'lend' or 'unlend', got {op!r:.20}")
             task = header.get("task")
             entry = self.tasks.get(task) if isinstance(task, str) else None
             if entry is None:
@@ -279,7 +299,12 @@ class Dispatcher(ChildProcess):
                 self.reply(client, cid, "error", code=ErrorCode.UNAVAILABLE, task=task,
                            error=f"task {task} cannot be served now: {entry['unavailable']}")
                 return
-            tensor = self.read_input(task, entry, header, frames)
+            lent = None
+            x = header.get("x")
+            if isinstance(x, dict) and x.get("loc") == "shm" and len(frames) == 1:
+                tensor, lent = self.read_lent(client, task, entry, x)
+            else:
+                tensor = self.read_input(task, entry, header, frames)
         except WireError as exc:
             self.reply(client, cid, "error", error=f"bad request: {exc}", code=ErrorCode.BAD_REQUEST,
                        task=RequestLog.UNKNOWN_TASK)
@@ -288,6 +313,8 @@ class Dispatcher(ChildProcess):
             self.reply(client, cid, "error", error=str(exc), code=ErrorCode.BAD_INPUT, task=task)
             return
         if len(self.pending) >= self.spec.max_pending:
+            if lent is not None:
+                self.lender.give_back(lent)
             self.reply(client, cid, "error", code=ErrorCode.OVERLOADED, task=task,
                        error=f"dispatcher is overloaded: {self.spec.max_pending} requests are waiting; retry later")
             return
@@ -296,7 +323,7 @@ class Dispatcher(ChildProcess):
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < 3600:
             timeout = self.spec.request_timeout
         req = Request(client, cid, task, tuple(entry["blocks"]), now, now + min(timeout, self.spec.request_timeout),
-                      tensor, frames)
+                      tensor, frames, lent, header.get("out") == "shm")
         rid = secrets.randbits(63)  # unguessable: a forged result cannot name a request in flight
         while rid in self.outstanding:
             rid = secrets.randbits(63)
@@ -308,6 +335,35 @@ class Dispatcher(ChildProcess):
     def read_input(self, task: str, entry: dict, header: dict, frames: list):
         """A client's tensor, or its bundle (``xs``: tensormq/bundle.py), every member sent as
         bytes and checked against what the task's first block takes before it is read."""
+        return read_bytes_value(header, frames, self.spec.max_tensor_bytes, self.input_check(task, entry))
+
+    def read_lent(self, client: bytes, task: str, entry: dict, x: dict):
+        """A client's tensor in a slot the dispatcher lent it (Note [Lent slots]), checked as
+        ``read_input`` checks bytes: (tensor over the slot, the handle that travels on)."""
+        if self.lender is None:
+            raise WireError("x.loc is shm but this dispatcher has no shared-memory directory; send bytes")
+        check = self.input_check(task, entry)
+        return self.lender.take(client, x, self.spec.max_tensor_bytes, lambda desc: check(desc, None))
+
+    def lend(self, client: bytes, cid, op: str, header: dict) -> None:
+        """``lend``: a window of slots for a client on this host; ``unlend``: it gives them back."""
+        if op == "unlend":
+            if self.lender is not None:
+                self.lender.end(client)
+            self.reply(client, cid, "ok", counted=False)
+            return
+        if self.lender is None:
+            raise WireError("this dispatcher has no shared-memory directory; send bytes")
+        try:
+            slots = self.lender.lend(client, header.get("nbytes"), header.get("pid"))
+        except ShmExhausted as exc:
+            self.reply(client, cid, "error", code=ErrorCode.NO_SHARED_MEMORY, error=str(exc), counted=False)
+            return
+        self.reply(client, cid, "ok", extra={"shm": self.spec.shm_dir, "slots": slots, "idle_s": LEASE_IDLE_S},
+                   counted=False)
+
+    def input_check(self, task: str, entry: dict):
+        """``check(descs, keys)``: refuses (ValueError) what the task's first block does not take."""
         spec = entry.get("input") or {}
         shapes = spec.get("shapes")
 
@@ -325,7 +381,7 @@ class Dispatcher(ChildProcess):
                 self.check_input(task, {"dtype": spec.get("dtype"), "shape": shapes[i]} if shapes else {}, desc,
                                  f"[{i}]")
 
-        return read_bytes_value(header, frames, self.spec.max_tensor_bytes, check)
+        return check
 
     @staticmethod
     def check_input(task: str, spec: dict, desc: TensorDesc, member: str = "") -> None:
@@ -361,6 +417,7 @@ class Dispatcher(ChildProcess):
         """Send a request into its path; False when the first hop's window is full (try later)."""
         entry = self.tasks.get(req.task)
         if entry is None:
+            self.drop_lent(req)
             self.answer(req, "error", code=ErrorCode.UNKNOWN_TASK,
                        error=f"task {req.task} was removed by a system update before it could start")
             return True
@@ -370,37 +427,50 @@ class Dispatcher(ChildProcess):
         first = path[0][1]
         # the last block reaches us the way it is reached itself
         ret = self.result_tcp if path[-1][1].startswith("tcp://") else self.result_ipc
-        try:
-            fields, payload = self.transport.encode_value(req.tensor, first, timeout=0)
-        except TimeoutError:
-            return False
-        except ShmExhausted as exc:  # this request fails; the others (and the dispatcher) go on
-            self.answer(req, "error", code=ErrorCode(exc.code), error=f"task {req.task}: {exc}")
-            return True
-        except OSError as exc:  # e.g. the slot directory was deleted under us: answer, never go silent
-            log.error("dispatcher: cannot place request %s in shared memory: %s", rid, exc)
-            self.answer(req, "error", code=ErrorCode.UNAVAILABLE,
-                        error=f"task {req.task}: the dispatcher cannot write its shared-memory slot "
-                              f"({exc.strerror}: {exc.filename}); was {self.spec.shm_dir} removed? "
-                              "restart `blockflow serve`")
-            return True
+        if req.lent is not None and self.transport.mode == "tensormq" and self.transport.handles_to(first):
+            fields, payload = {"x": req.lent}, []  # the client's slot goes on by handle, uncopied
+        elif req.lent is not None:  # bytes (or our own slot) towards this hop: the lent slot is free at once
+            req.tensor = req.tensor.clone()
+            self.drop_lent(req)
+        if req.lent is None:
+            try:
+                fields, payload = self.transport.encode_value(req.tensor, first, timeout=0)
+            except TimeoutError:
+                return False
+            except ShmExhausted as exc:  # this request fails; the others (and the dispatcher) go on
+                self.answer(req, "error", code=ErrorCode(exc.code), error=f"task {req.task}: {exc}")
+                return True
+            except OSError as exc:  # e.g. the slot directory was deleted under us: answer, never go silent
+                log.error("dispatcher: cannot place request %s in shared memory: %s", rid, exc)
+                self.answer(req, "error", code=ErrorCode.UNAVAILABLE,
+                            error=f"task {req.task}: the dispatcher cannot write its shared-memory slot "
+                                  f"({exc.strerror}: {exc.filename}); was {self.spec.shm_dir} removed? "
+                                  "restart `blockflow serve`")
+                return True
         header = DataHeader(PROTOCOL_VERSION, "data", rid, [*map(tuple, path[1:]), (RETURN_HOP, ret)], req.task,
                             trace=req.trace, **fields)
         try:
             self.transport.send(first, header, payload, timeout=1.0)
         except TimeoutError as exc:
-            self.transport.discard(fields.get("x") or fields["xs"])
+            self.transport.discard(fields.get("x") or fields["xs"])  # a lent slot too: its handle names it
             self.answer(req, "error", code=ErrorCode.UNAVAILABLE, error=f"task {req.task}: {exc}")
             return True
-        req.tensor = req.frames = None
+        req.tensor = req.frames = req.lent = None  # a lent slot's release duty went with the handle
         self.outstanding[rid] = req
         return True
+
+    def drop_lent(self, req: Request) -> None:
+        """Give back the lent slot of a request that will not be forwarded with it."""
+        if req.lent is not None:
+            self.lender.give_back(req.lent)
+            req.lent = None
 
     def flush_pending(self) -> None:
         while self.pending:
             rid, req = self.pending[0]
             if time.monotonic() > req.deadline:
                 self.pending.popleft()
+                self.drop_lent(req)
                 self.answer(req, "error", code=ErrorCode.TIMEOUT,
                            error=f"task {req.task}: no free slot towards its first block before the deadline")
                 continue
@@ -451,6 +521,11 @@ class Dispatcher(ChildProcess):
         lease = None
         try:
             tensor, lease = self.transport.decode_value(header.get("x"), header.get("xs"), header.get("keys"), frames)
+            if req.out_shm and type(lease) is ShmLease and self.lender.hand_out(req.client, lease):
+                # the client copies the result out of the slot and releases it (Note [Lent slots])
+                lease, handle = None, header.get("x")
+                self.answer(req, "ok", handle=handle, hops=header.get("hops"), started=req.started)
+                return
             self.answer(req, "ok", tensor=tensor, hops=header.get("hops"), started=req.started)
         except Exception as exc:  # the request is ours to answer now: never drop it silently
             self.answer(req, "error", code=ErrorCode.BAD_RESULT,
@@ -479,7 +554,9 @@ class Dispatcher(ChildProcess):
     # -- control (ChildProcess answers "ping" and "stop" too) ---------------------------------
     def cmd_ping(self, args: NoArgs) -> dict:
         return {**super().cmd_ping(args), "outstanding": len(self.outstanding), "pending": len(self.pending),
-                "torch_threads": torch.get_num_threads(), **self.stats}
+                "torch_threads": torch.get_num_threads(), **self.stats,
+                "local_clients": len(self.lender.clients) if self.lender is not None else 0,
+                "lent_slots": self.lender.lent_slots() if self.lender is not None else 0}
 
     def cmd_tasks(self, args: Tasks) -> dict:
         self.tasks = args.tasks  # replaced atomically: one thread reads it
@@ -513,6 +590,7 @@ class Dispatcher(ChildProcess):
     def answer_held(self) -> None:
         """Everyone still waiting is answered; nothing is dropped silently."""
         for rid, req in list(self.pending):
+            self.drop_lent(req)
             self.answer(req, "error", code=ErrorCode.SHUTDOWN, error="the dispatcher is shutting down")
         self.pending.clear()
         for rid, req in list(self.outstanding.items()):
@@ -530,6 +608,8 @@ class Dispatcher(ChildProcess):
             if sock is not None:
                 sock.close(linger=0)
         self.auth.stop()
+        if self.lender is not None:  # after the last reply: the lent slots' files go
+            self.lender.close()
 
     def files_to_remove(self) -> list[str]:
         files = [self.result_ipc[len("ipc://"):]]

@@ -162,8 +162,16 @@ def cpu_per_request(pids: dict[str, int], run) -> tuple[dict, int]:
             for nm in pids for kind in before[nm]}, served
 
 
+#: ``--client``: how the client's tensor and its result travel (Note [Lent slots] in
+#: dispatcher/lending.py): ``shm`` through slots the dispatcher lends (what a client on the
+#: dispatcher's host does), ``bytes`` in the messages (``Client(shared_memory=False)``, a client
+#: on another host), ``both`` in interleaved rounds, the bytes way's keys prefixed ``bytes:``.
+CLIENT_WAYS = {"shm": [("", True)], "bytes": [("", False)], "both": [("", True), ("bytes:", False)]}
+
+
 def measure_path(rounds: int, n: int, chain: int, device: str, profile: str | None,
-                 profile_seconds: float, idle_seconds: float, profile_format: str = "flamegraph") -> dict:
+                 profile_seconds: float, idle_seconds: float, profile_format: str = "flamegraph",
+                 client: str = "shm") -> dict:
     from blockflow.client import Client
     from blockflow.protocol import DISPATCHER
     from blockflow.standalone import StandalonePipeline
@@ -177,8 +185,11 @@ def measure_path(rounds: int, n: int, chain: int, device: str, profile: str | No
             x = torch.randn(*SHAPE)
             since: dict = {}
             per_round: dict[str, list[float]] = {}
-            with Client(p.address, timeout=60) as c:
-                path_round(c, "hop", x, 20)  # warm-up: slots, mappings, sockets
+            ways = [(prefix, Client(p.address, timeout=60, shared_memory=shm)) for prefix, shm in CLIENT_WAYS[client]]
+            try:
+                for _, c in ways:
+                    path_round(c, "hop", x, 20)  # warm-up: slots (lent ones too), mappings, sockets
+                c = ways[0][1]
                 for nm in names:
                     p.command(nm, "store")
                 read_fwd(p.run, names, since)
@@ -190,29 +201,33 @@ def measure_path(rounds: int, n: int, chain: int, device: str, profile: str | No
                     while time.monotonic() < stop:  # steady load for the whole profile
                         path_round(c, "hop", x, 50)
                     profiler.wait(60)
-                for _ in range(rounds):
-                    parts = []
+                for r in range(rounds):
+                    for prefix, c in ways[r % 2:] + ways[:r % 2]:  # each way goes first in turn
+                        parts = []
 
-                    def serve():
-                        parts.extend(path_round(c, "hop", x, n))
-                        return len(parts)
-                    cpu, _ = cpu_per_request(pids, serve)
-                    for key, val in cpu.items():
-                        per_round.setdefault(key, []).append(val)
-                    for nm in names:
-                        p.command(nm, "store")
-                    fwd = read_fwd(p.run, names, since)
-                    for key in parts[0]:
-                        per_round.setdefault(key, []).append(statistics.median(r[key] for r in parts))
-                    for nm, vals in fwd.items():
-                        if vals:
-                            per_round.setdefault(f"{nm}.fwd", []).append(statistics.median(vals))
+                        def serve():
+                            parts.extend(path_round(c, "hop", x, n))
+                            return len(parts)
+                        cpu, _ = cpu_per_request(pids, serve)
+                        for key, val in cpu.items():
+                            per_round.setdefault(prefix + key, []).append(val)
+                        for nm in names:
+                            p.command(nm, "store")
+                        fwd = read_fwd(p.run, names, since)
+                        for key in parts[0]:
+                            per_round.setdefault(prefix + key, []).append(statistics.median(r[key] for r in parts))
+                        for nm, vals in fwd.items():
+                            if vals:
+                                per_round.setdefault(f"{prefix}{nm}.fwd", []).append(statistics.median(vals))
                 # idle: what each process burns with no request to serve (the issue's goal: <= 1% of a core)
                 idle_before = {nm: sum(thread_cpu(pid).values()) for nm, pid in pids.items() if nm != "client"}
                 t0 = time.monotonic()
                 time.sleep(idle_seconds)  # the measurement itself: a window with no traffic
                 spent = time.monotonic() - t0
                 idle = {nm: (sum(thread_cpu(pids[nm]).values()) - v) / spent * 100 for nm, v in idle_before.items()}
+            finally:
+                for _, c in ways:
+                    c.close()
             left = p.stop()
             if left["left"] != {"slots": [], "sockets": []}:
                 log.warning("left behind: %s", left["left"])
@@ -354,7 +369,7 @@ def _f(s: dict, scale: float = 1.0, digits: int = 3) -> str:
 
 def path_table(path: dict, names: list[str]) -> str:
     lines = ["| part of the request | median ms (rounds' range) |", "|---|---|"]
-    lines.append(f"| way in: client library, bytes to the dispatcher, its copy into a slot, to {names[0]} | "
+    lines.append(f"| way in: client library, to the dispatcher (bytes it copies into a slot, or a lent slot), to {names[0]} | "
                  f"{_f(path['way_in'])} |")
     for i, nm in enumerate(names):
         if i:
@@ -362,7 +377,7 @@ def path_table(path: dict, names: list[str]) -> str:
                          f"{_f(path.get(f'{nm}.transit', {}))} |")
         for key in BLOCK_STEPS:
             lines.append(f"| {nm}: {key} | {_f(path.get(f'{nm}.{key}', {}))} |")
-    lines.append(f"| way out: {names[-1]} to the dispatcher, the bytes back, the client's future | "
+    lines.append(f"| way out: {names[-1]} to the dispatcher, the bytes (or the slot's handle) back, the client's future | "
                  f"{_f(path['way_out'])} |")
     lines.append(f"| round trip at the client | {_f(path['total'])} |")
     lines.append(f"| of which inside the dispatcher's view (server_ms) | {_f(path['server'])} |")
@@ -372,6 +387,18 @@ def path_table(path: dict, names: list[str]) -> str:
         idle = path["idle_cpu_pct"].get(nm)
         lines.append(f"| {nm} | {_f(path[f'{nm}.cpu_main'])} | {_f(path[f'{nm}.cpu_zmq'])} | "
                      f"{_f(path[f'{nm}.cpu_other'])} | {'-' if idle is None else f'{idle:.2f}'} |")
+    return "\n".join(lines)
+
+
+def ways_table(path: dict) -> str:
+    """The two ways of ``--client both`` side by side: medians and lent/bytes ratios."""
+    lines = ["| part | lent slots, median ms | bytes, median ms | lent / bytes |", "|---|---|---|---|"]
+    keys = ["way_in", "way_out", "total", "dispatcher.cpu_main", "dispatcher.cpu_zmq", "client.cpu_main",
+            "client.cpu_zmq"]
+    for key in keys:
+        a, b = path.get(key, {}).get("median"), path.get(f"bytes:{key}", {}).get("median")
+        ratio = f"{a / b:.2f}" if a is not None and b else "-"
+        lines.append(f"| {key} | {_f(path.get(key, {}))} | {_f(path.get(f'bytes:{key}', {}))} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -394,6 +421,9 @@ def main(argv=None) -> int:
                     help="py-spy's format: flamegraph (SVG, default), raw (collapsed stacks), speedscope")
     ap.add_argument("--idle-seconds", type=float, help="seconds without traffic to measure idle CPU (default 10, "
                                                        "quick 2)")
+    ap.add_argument("--client", default="shm", choices=sorted(CLIENT_WAYS),
+                    help="how the tensor and result travel between client and dispatcher: shm (lent slots, "
+                         "default), bytes (shared_memory=False), both (interleaved rounds)")
     args = ap.parse_args(argv)
     setup_logging(args.verbose)
     rounds = args.rounds or (3 if args.quick else 7)
@@ -408,13 +438,16 @@ def main(argv=None) -> int:
     steps = measure_steps(rounds, iters)
     print(steps_table(steps), flush=True)
     path = measure_path(rounds, n, args.chain, args.device, args.profile, args.profile_seconds, args.idle_seconds,
-                        args.profile_format)
+                        args.profile_format, args.client)
     print()
     print(path_table(path, names))
+    if args.client == "both":
+        print()
+        print(ways_table(path))
     print(f"took {time.monotonic() - started:.0f} s")
     write_json(args.out, "hop_budget", {"env": env_info(), "settings": {
         "rounds": rounds, "n": n, "iters": iters, "chain": args.chain, "device": args.device, "shape": list(SHAPE),
-        "quick": args.quick, "profile": args.profile}, "path": path, "steps": steps, "blocks": names})
+        "quick": args.quick, "profile": args.profile, "client": args.client}, "path": path, "steps": steps, "blocks": names})
     return 0
 
 

@@ -540,6 +540,14 @@ class SlotMapper:
             old.drop()
         return m
 
+    def map(self, seg) -> Mapped:
+        """The slot ``seg`` of the directory, mapped (cached): for a process that fills slots
+        it was lent (Note [Lent slots] in dispatcher/lending.py). WireError for a name that
+        is not a slot's or a file that is not a slot."""
+        if not isinstance(seg, str) or not _SEG_RE.fullmatch(seg):
+            raise WireError(f"{str(seg)!r:.60} is not a slot name")
+        return self._open(seg)
+
     def forget_unlinked(self) -> int:
         """Close the mappings of slot files that no longer exist: their producer exited (a
         retired or dead block's slots are unlinked) or grew the slot under a new name. Kept,

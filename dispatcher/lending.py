@@ -1,0 +1,183 @@
+"""Slots the dispatcher lends to clients on its host: the way in and out without the bytes.
+
+Note [Lent slots]
+-----------------
+A client on the dispatcher's host (blockflow/client.py) may skip the two libzmq I/O threads
+that a request's bytes cross on the way in (client, dispatcher) and the two on the way out.
+
+- ``{"op": "lend", "nbytes": N, "pid": P}``: the dispatcher makes a window of slots for this
+  client (its ROUTER identity), in its own pool, and answers with their names and the
+  shared-memory directory. The dispatcher owns the files; the client only maps them.
+- A request ``{"op": "infer", "x": {..., "loc": "shm", "seg": S, "off": 0, "nbytes": n}}`` with
+  no payload frame names one of them, which the client filled while the slot was FREE (the
+  header's ``released == generation``). The dispatcher checks that S was lent to *this*
+  client, that it is FREE (not in flight with an earlier request) and that the tensor fits
+  in it and is what the task takes; then it puts the slot in flight (a new generation) and
+  forwards the handle to the first block, as it would its own slot. The release duty goes
+  with the handle, so the slot is FREE again once the path is done with it. The dispatcher
+  stays the one that maps the task to its path and admits or refuses the request: the
+  client only saves the copy of its bytes.
+- With ``"out": "shm"`` in the request, a result that reaches the dispatcher in a host slot
+  is answered with that slot's handle instead of its bytes: the client copies the tensor out,
+  checks the slot is still at that generation (so the copy is whole) and releases it. The
+  dispatcher remembers each handle it answered with until the slot moves on, and releases
+  the ones the client has not within ``RESULT_GRACE_S``.
+- A lease ends with ``{"op": "unlend"}``, when the client's process is gone (its pid, checked
+  every second) or when the client has not used it for ``LEASE_IDLE_S``: the slots are
+  reclaimed (a new generation invalidates every handle still travelling, the files are
+  unlinked) and the results it still held are released. A client that dies mid-request
+  therefore leaks neither the dispatcher's slots nor the blocks'.
+
+The check is by ownership, not by trust: a handle to a slot of another client, of a block, or
+of an earlier generation is refused with ``bad_request`` before anything is read, and a
+client can never make the dispatcher release or read a slot it was not lent. (A process of
+the server's user can map the 0700 directory's files anyway; the check keeps the protocol
+from lending it anything more.)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+from blockflow.tensormq.shm import FREE, W_GENERATION, W_RELEASED, SlotPool
+from blockflow.tensormq.wire import TensorDesc, WireError, contiguous_stride
+
+log = logging.getLogger("blockflow.dispatcher")
+
+#: Clients on this host that may hold slots at once; the next one is refused and sends bytes.
+MAX_LOCAL_CLIENTS = 64
+#: Seconds a client may leave its slots unused before the lease ends (the client asks again).
+LEASE_IDLE_S = 60.0
+#: Seconds a client has to copy a result out of its slot before the dispatcher releases it.
+RESULT_GRACE_S = 10.0
+
+
+class LocalClient:
+    """One client's lease: its slots by name, the result slots it holds, when it last used them."""
+
+    __slots__ = ("edge", "pid", "slots", "results", "last_used")
+
+    def __init__(self, edge: str, pid: int | None, slots: dict):
+        self.edge, self.pid, self.slots = edge, pid, slots
+        self.results: list[tuple[object, float]] = []  # (lease of a result slot, release deadline)
+        self.last_used = time.monotonic()
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+class Lender:
+    """The dispatcher's lent slots and who holds them (Note [Lent slots]); one thread owns it."""
+
+    def __init__(self, shm_dir: str, owner: str, window: int, max_clients: int = MAX_LOCAL_CLIENTS):
+        self.shm_dir, self.window, self.max_clients = shm_dir, window, max_clients
+        self.pool = SlotPool(shm_dir, owner, window)
+        self.clients: dict[bytes, LocalClient] = {}
+
+    def lend(self, client: bytes, nbytes, pid) -> list[str]:
+        """A fresh window of slots of at least ``nbytes`` for ``client`` (an earlier lease of it
+        ends); WireError names what is refused."""
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 < nbytes:
+            raise WireError("nbytes must be a positive integer")
+        if pid is not None and (not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0):
+            raise WireError("pid must be a positive integer")
+        self.end(client)
+        if len(self.clients) >= self.max_clients:
+            raise WireError(f"{self.max_clients} clients on this host hold slots already; send bytes")
+        edge = f"client-{client.hex()}"
+        self.pool.prepare(edge, nbytes)  # ShmExhausted when the filesystem is full
+        slots = {s.name: s for s in self.pool.edges.get(edge, ())}
+        self.clients[client] = LocalClient(edge, pid, slots)
+        return list(slots)
+
+    def take(self, client: bytes, x, max_bytes: int, check: Callable[[TensorDesc], None]):
+        """A request's handle to a lent slot, checked (``check`` sees the descriptor before the
+        slot is taken); the slot goes in flight. Returns (tensor over the slot, the handle that
+        travels on)."""
+        local = self.clients.get(client)
+        if local is None:
+            raise WireError("x.loc is shm but this client holds no lent slots (ask with op 'lend'; a lease "
+                            f"ends after {LEASE_IDLE_S:.0f}s unused)")
+        seg = x.get("seg") if isinstance(x, dict) else None
+        slot = local.slots.get(seg) if isinstance(seg, str) else None
+        if slot is None:
+            raise WireError(f"x.seg {str(seg)!r:.60} is not a slot lent to this client")
+        desc = TensorDesc.parse(x, max_bytes)
+        nbytes = desc.numel * desc.itemsize
+        if desc.loc != "shm" or x.get("off") != 0 or tuple(desc.stride) != contiguous_stride(desc.shape):
+            raise WireError("a tensor in a lent slot must be C-contiguous at offset 0 (x.off 0, loc shm)")
+        if nbytes > slot.capacity:
+            raise WireError(f"x.shape needs {nbytes} bytes but slot {seg} holds {slot.capacity}")
+        if slot.state != FREE:
+            raise WireError(f"x.seg {seg} is still in flight with an earlier request; wait for its reply")
+        check(desc)
+        gen = slot.mark_in_flight()
+        tensor = slot.data[:nbytes].view(desc.dtype).view(desc.shape)
+        local.last_used = time.monotonic()
+        return tensor, TensorDesc.of(tensor, "shm", seg=seg, gen=gen, off=0, nbytes=nbytes).to_json()
+
+    def give_back(self, handle: dict) -> None:
+        """Free a taken slot whose handle never left the dispatcher (the request was refused)."""
+        slot = self.pool.slot_named(handle["seg"])
+        if slot is not None:
+            slot.give_back(handle["gen"])
+
+    def holds(self, client: bytes) -> bool:
+        return client in self.clients
+
+    def hand_out(self, client: bytes, lease) -> bool:
+        """Answer ``client`` with the handle of ``lease`` (a result's host slot) instead of its
+        bytes: the dispatcher keeps the lease to release it if the client does not."""
+        local = self.clients.get(client)
+        if local is None:
+            return False
+        local.results.append((lease, time.monotonic() + RESULT_GRACE_S))
+        return True
+
+    def sweep(self, now: float) -> None:
+        """Forget the results clients released, release the ones past their grace, end the leases
+        of clients that are gone or idle."""
+        for client, local in list(self.clients.items()):
+            keep = []
+            for lease, deadline in local.results:
+                hdr = lease.mapped.hdr
+                if hdr is None or int(hdr[W_GENERATION]) != lease.gen or int(hdr[W_RELEASED]) == lease.gen:
+                    continue  # released by the client (or the slot was reclaimed)
+                if deadline < now:
+                    lease.release()
+                    continue
+                keep.append((lease, deadline))
+            local.results = keep
+            if not _alive(local.pid):
+                log.info("dispatcher: local client pid %s is gone; reclaiming its %d slots", local.pid,
+                         len(local.slots))
+                self.end(client)
+            elif now - local.last_used > LEASE_IDLE_S and not local.results:
+                self.end(client)
+
+    def end(self, client: bytes) -> None:
+        local = self.clients.pop(client, None)
+        if local is None:
+            return
+        self.pool.reclaim(local.edge)
+        for lease, _ in local.results:
+            lease.release()
+
+    def lent_slots(self) -> int:
+        return sum(len(c.slots) for c in self.clients.values())
+
+    def close(self) -> None:
+        for client in list(self.clients):
+            self.end(client)
+        self.pool.close()

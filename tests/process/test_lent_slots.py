@@ -1,0 +1,197 @@
+"""The way in and out through slots the dispatcher lends a client on its host (issue 40, item 3;
+Note [Lent slots] in dispatcher/lending.py): results are exact, the opt-out sends bytes, a
+handle the client was not lent is refused before anything is read, and a client that dies
+mid-request leaks neither the dispatcher's slots nor the blocks'."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import zmq
+
+from blockflow.client import Client
+from blockflow.protocol import DISPATCHER
+from blockflow.standalone import StandalonePipeline
+
+SHM_PREFIX = "bftest-lent"
+WINDOW = 8  # settings.WINDOW, the slots of one lease
+
+
+def _until(cond, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"{what} did not hold within {timeout}s")
+
+
+@pytest.fixture
+def pipeline(identity_repo):
+    with StandalonePipeline(identity_repo, {"a": "toy/identity.pt", "d": "toy/double.pt", "s": "toy/sleepy.pt"},
+                            {"id": ["a"], "dbl": ["a", "d"], "slow": ["s"]}, shm_prefix=SHM_PREFIX) as p:
+        yield p
+        left = p.stop()
+        assert left["left"] == {"slots": [], "sockets": []}, left
+
+
+def _ping(p) -> dict:
+    return p.command(DISPATCHER, "ping")
+
+
+def test_a_local_client_writes_and_reads_lent_slots_and_gets_exact_results(pipeline):
+    with Client(pipeline.address, timeout=30) as c:
+        x0 = torch.randn(2, 256)
+        assert torch.equal(c.infer("id", x0), x0)  # before the slots come: bytes
+        _until(lambda: c.lent is not None, what="the lent slots")
+        assert _ping(pipeline)["lent_slots"] == WINDOW
+        for i in range(3 * WINDOW):  # every slot is used and comes back free, whichever block releases it
+            x = torch.randn(2, 256, generator=torch.Generator().manual_seed(i))
+            assert torch.equal(c.infer("id", x), x)  # the result is the lent slot itself
+            assert torch.equal(c.infer("dbl", x), x * 2)  # the result is the last block's slot
+        futures = [c.submit("dbl", torch.full((2, 256), float(i))) for i in range(WINDOW + 4)]  # more than slots
+        for i, f in enumerate(futures):
+            assert torch.equal(f.result(), torch.full((2, 256), 2.0 * i))
+        assert c.stats["in_slot"] >= 6 * WINDOW and c.stats["out_slot"] >= 6 * WINDOW, c.stats
+        # a tensor larger than the slots and a bundle travel as bytes
+        big = torch.randn(64, 256)
+        assert torch.equal(c.infer("id", big), big)
+        assert c.stats["duplicates"] == 0
+    stats = _ping(pipeline)
+    assert stats["local_clients"] == 0 and stats["lent_slots"] == 0, stats  # closing gave them back
+    assert pipeline.command("d", "ping")["in_flight"] == 0
+
+
+def test_the_opt_out_sends_bytes(pipeline):
+    with Client(pipeline.address, timeout=30, shared_memory=False) as c:
+        for _ in range(5):
+            x = torch.randn(1, 256)
+            assert torch.equal(c.infer("dbl", x), x * 2)
+        assert c.lent is None and c.stats["in_slot"] == 0 and c.stats["out_slot"] == 0
+        assert _ping(pipeline)["local_clients"] == 0
+
+
+class Raw:
+    """A hand-written client on a DEALER socket: it sends what it likes."""
+
+    def __init__(self, ctx, address):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.rcvtimeo = 20000
+        self.sock.connect(address)
+        self.ids = 0
+
+    def call(self, header: dict, *payload) -> tuple[dict, list]:
+        self.ids += 1
+        self.sock.send_multipart([json.dumps({"v": 1, "id": self.ids, **header}).encode(), *payload])
+        frames = self.sock.recv_multipart()
+        reply = json.loads(frames[0])
+        assert reply["id"] == self.ids
+        return reply, frames[1:]
+
+    def lend(self, nbytes: int = 1024) -> list[str]:
+        reply, _ = self.call({"op": "lend", "nbytes": nbytes, "pid": os.getpid()})
+        assert reply["status"] == "ok", reply
+        return reply["slots"]
+
+
+def _handle(seg, shape=(1, 256), **kw) -> dict:
+    stride = [shape[1], 1]
+    return {"dtype": "float32", "shape": list(shape), "stride": stride, "loc": "shm", "seg": seg, "off": 0,
+            "nbytes": 4 * shape[0] * shape[1], **kw}
+
+
+def test_handles_the_client_was_not_lent_are_refused(pipeline):
+    ctx = zmq.Context()
+    try:
+        mallory, alice = Raw(ctx, pipeline.address), Raw(ctx, pipeline.address)
+        # no lease at all
+        reply, _ = mallory.call({"op": "infer", "task": "id", "x": _handle("dispatcher-0-lent.1.1")})
+        assert reply["code"] == "bad_request" and "holds no lent slots" in reply["error"], reply
+        with Client(pipeline.address, timeout=30, shared_memory=False) as c:  # the blocks' slots are made
+            c.infer("dbl", torch.zeros(1, 256))
+        mine, hers = mallory.lend(), alice.lend()
+        assert not set(mine) & set(hers)
+        # alice's slot (another client's data), a block's slot, a path out of the directory, a made-up name
+        others = [e for e in os.listdir(pipeline.shm) if e not in mine and e not in hers]
+        assert others  # the blocks' and the dispatcher's own slots
+        for seg in [hers[0], *others[:3], "../../etc/passwd", "forged"]:
+            reply, frames = mallory.call({"op": "infer", "task": "id", "x": _handle(seg), "out": "shm"})
+            assert reply["status"] == "error" and reply["code"] == "bad_request", (seg, reply)
+            assert "not a slot lent to this client" in reply["error"] and not frames, reply
+        # its own slot, but the tensor does not fit, or is not where a lent tensor must be
+        reply, _ = mallory.call({"op": "infer", "task": "id", "x": _handle(mine[0], shape=(2, 1024))})
+        assert reply["code"] == "bad_request" and "holds" in reply["error"], reply
+        reply, _ = mallory.call({"op": "infer", "task": "id", "x": _handle(mine[0], off=64)})
+        assert reply["code"] == "bad_request" and "offset 0" in reply["error"], reply
+        # a slot still in flight: here its request's result, which is the slot itself (the identity
+        # forwards it) and which this client never releases
+        reply, _ = mallory.call({"op": "infer", "task": "id", "x": _handle(mine[1]), "out": "shm"})
+        assert reply["status"] == "ok" and reply["x"]["seg"] == mine[1], reply
+        reply, _ = mallory.call({"op": "infer", "task": "id", "x": _handle(mine[1])})
+        assert reply["code"] == "bad_request" and "still in flight" in reply["error"], reply
+        # alice's slot was never taken: her own request through it works
+        reply, frames = alice.call({"op": "infer", "task": "dbl", "x": _handle(hers[0])})
+        assert reply["status"] == "ok" and len(frames) == 1, reply
+        # a handle after the lease ended is refused too
+        assert mallory.call({"op": "unlend"})[0]["status"] == "ok"
+        reply, _ = mallory.call({"op": "infer", "task": "id", "x": _handle(mine[0])})
+        assert reply["code"] == "bad_request", reply
+    finally:
+        ctx.destroy(linger=0)
+    with Client(pipeline.address, timeout=30) as c:  # the dispatcher serves on
+        x = torch.randn(1, 256)
+        assert torch.equal(c.infer("dbl", x), x * 2)
+
+
+def test_a_result_the_client_does_not_release_is_released_when_its_lease_ends(pipeline):
+    ctx = zmq.Context()
+    try:
+        raw = Raw(ctx, pipeline.address)
+        slots = raw.lend()
+        reply, frames = raw.call({"op": "infer", "task": "dbl", "x": _handle(slots[0]), "out": "shm"})
+        assert reply["status"] == "ok" and reply["x"]["loc"] == "shm" and not frames, reply
+        assert pipeline.command("d", "ping")["in_flight"] == 1  # the result's slot waits for the client
+        assert raw.call({"op": "unlend"})[0]["status"] == "ok"
+        assert pipeline.command("d", "ping")["in_flight"] == 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+_DYING = r"""
+import os, sys, time, torch
+from blockflow.client import Client
+c = Client(sys.argv[1], timeout=30)
+c.infer("id", torch.zeros(1, 256))
+deadline = time.monotonic() + 20
+while c.lent is None and time.monotonic() < deadline:
+    time.sleep(0.01)
+assert c.lent is not None
+from blockflow.tensormq.shm import W_GENERATION
+gens = {name: int(m.hdr[W_GENERATION]) for name, m in c.lent.mapped.items()}
+f = c.submit("slow", torch.ones(1, 256))
+# the dispatcher took the request once it put the slot in flight (a new generation)
+while time.monotonic() < deadline and all(int(m.hdr[W_GENERATION]) == gens[n] for n, m in c.lent.mapped.items()):
+    time.sleep(0.001)
+print("sent", c.stats["in_slot"], flush=True)
+os._exit(0)  # dies with its request in flight: never reads the result nor gives the slots back
+"""
+
+
+def test_a_client_that_dies_mid_request_leaks_no_slot(pipeline):
+    out = subprocess.run([sys.executable, "-c", _DYING, pipeline.address], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "sent 1", out.stderr[-2000:]
+    # the pid check ends the lease; the result of the request in flight is released with it
+    _until(lambda: _ping(pipeline)["local_clients"] == 0, what="the dead client's lease to end")
+    _until(lambda: pipeline.command("s", "ping")["in_flight"] == 0, what="the result slot to be released")
+    assert not [e for e in os.listdir(pipeline.shm) if e.startswith("dispatcher-0-lent")]
+    with Client(pipeline.address, timeout=30) as c:
+        x = torch.randn(1, 256)
+        assert torch.equal(c.infer("dbl", x), x * 2)
