@@ -33,9 +33,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError, TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-from typing import Callable
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 import msgspec
 import zmq
@@ -46,14 +44,16 @@ from blockflow import settings
 from blockflow.blocks.spec import SERVE_BLOCK, SERVE_HOST, BlockSpec, HostSpec
 from blockflow.dispatcher.spec import SERVE_DISPATCHER, DispatcherSpec
 from blockflow.protocol import (DISPATCHER, EXIT_BOOT_ERROR, EXIT_NODE_LOST, Cmd, Fail, Host, Outstanding, Tasks,
-                                Topology, describe_exit, identity)
+                                Topology, describe_exit)
 from blockflow.schema import BlockDecl, validate_update
 from blockflow.tensormq.curve import ClusterKeys
 
 from .controller import ControlError, Controller
-from .launcher import ChildHandle, LocalLauncher
+from .children import Child, ChildState, HostedProcess, ProcessTable
+from .launcher import LocalLauncher
 from .models import ModelCatalog
-from .reconcile import Desired, Plan, Running, diff_tasks, plan, without_block
+from .operation import Kind, Operation, Phase
+from .reconcile import Desired, Running, diff_tasks, plan, without_block
 from .state import StateDir, process_record, slot_budget
 
 log = logging.getLogger("blockflow.manager")
@@ -131,132 +131,14 @@ def visible_gpus(env: str | None = None, physical: int | None = None) -> int:
         seen.add(entry)
     return min(len(seen), physical)
 
-@dataclass(eq=False)
-class Child:
-    """A running block or the dispatcher, as the manager sees it."""
-
-    name: str
-    decl: BlockDecl | None          # None for the dispatcher
-    incarnation: int
-    process: ChildHandle             # manager/launcher.py: how it was started, where it runs
-    status: str = "starting"         # starting, ready, restarting, failed, stopping
-    endpoint: str | None = None
-    ready_info: dict = field(default_factory=dict)
-    restarts: int = 0                # respawns of this block name since it was declared
-    streak: int = 0                  # respawns in the current crash loop (see RESTART_WINDOW)
-    last_exit: str | None = None
-    failure: str | None = None
-    started: float = field(default_factory=time.time)
-    spawned_at: float = field(default_factory=time.monotonic)
-    ready_at: float = 0.0            # monotonic; silence is counted from here
-    #: wall clock: since when requests are routed to this process (READY for a respawn, the switch
-    #: for a process an update started); GET /status counts its KPI records from here (metrics.py)
-    serving_since: float | None = None
-    stop_asked: float | None = None  # monotonic, when stop_later() asked it to stop
-    gone: bool = False               # exited and cleaned up after
-    block: str = ""                  # the declared block this process is a replica of
-    replica: int = 0                 # which replica (0: the one named like the block)
-    host: "Child | None" = None      # the shared process it runs in (blocks/host.py), if any
-    hosted_spec: str | None = None   # its BlockSpec as JSON, until the host is asked to start it
-
-    @property
-    def ident(self) -> bytes:
-        return identity(self.name, self.incarnation)
-
-    @property
-    def instance(self) -> str:
-        return f"{self.name}#{self.incarnation}"
-
-    def describe(self) -> dict:
-        d = {"name": self.name, "pid": self.process.pid, "node": self.process.node, "status": self.status,
-             "endpoint": self.endpoint,
-             "restarts": self.restarts, "incarnation": self.incarnation, "last_exit": self.last_exit,
-             "failure": self.failure, "started": self.started, "serving_since": self.serving_since}
-        if self.decl is not None:
-            d.update(self.decl.as_dict())
-            d["block"], d["replica"] = self.block, self.replica
-        waiting = getattr(self.process, "waiting_for", None)
-        if waiting:  # Ray mode: no live node advertises its resource yet (ray_launcher.py)
-            d["waiting_for_node"] = waiting
-        return d
-
-
-class HostedProcess:
-    """A block in a shared process (blocks/host.py), seen through the little of
-    ``multiprocessing.Process`` the manager uses: its pid is the host's; it has exited when the
-    host has (the host's exit code), or when the host said its thread ended (0, or 1 when its
-    loop crashed). Killing it kills the host: every block of the group goes down with it."""
-
-    def __init__(self, host: "Child", controller: Controller, ident: bytes):
-        self.host, self.controller, self.ident = host, controller, ident
-
-    @property
-    def node(self) -> str:
-        return self.host.process.node
-
-    @property
-    def pid(self) -> int | None:
-        return self.host.process.pid
-
-    @property
-    def exitcode(self) -> int | None:
-        code = self.host.process.exitcode
-        if code is not None:
-            return code
-        crashed = self.controller.gone.get(self.ident)
-        return None if crashed is None else int(crashed)
-
-    def host_alive(self) -> bool:
-        return self.host.process.exitcode is None
-
-    def is_alive(self) -> bool:
-        return self.exitcode is None
-
-    def join(self, timeout: float | None = None) -> None:
-        deadline = time.monotonic() + (timeout if timeout is not None else 3600.0)
-        while self.exitcode is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-
-    def terminate(self) -> None:
-        """No SIGTERM for one block of several: it was asked to stop, and kill() is next."""
-
-    def kill(self) -> None:
-        self.host.process.kill()
-
-
-@dataclass(eq=False)
-class Operation:
-    """One change queued by a REST handler: what it wants (computed when it starts, against the
-    state of that moment) and how far the supervisor got with it."""
-
-    kind: str                                   # update, delete_block, delete_all
-    desire: Callable[[], Desired]               # raises ValueError (-> 409) or KeyError (-> 404)
-    body: dict | None = None                    # the update as posted (kept in state.json)
-    transport: str | None = None
-    manifests: dict = field(default_factory=dict)
-    future: Future = field(default_factory=Future)
-    started: float = field(default_factory=time.monotonic)
-    # progress, set by the supervisor
-    phase: str = "queued"                       # queued, starting, draining
-    desired: Desired | None = None
-    processes: dict[str, BlockDecl] = field(default_factory=dict)  # the desired blocks, one per replica
-    plan: Plan | None = None
-    new: dict[str, Child] = field(default_factory=dict)
-    retired: list[Child] = field(default_factory=list)
-    diff: dict = field(default_factory=dict)
-    acks: list[Future] = field(default_factory=list)
-    prepared: list[Future] | None = None        # acknowledgements of prepare(), once sent
-    prepare_sent: float = 0.0
-    switched: float = 0.0
-    outstanding: Future | None = None
-    drained: bool = False
-    stop_sent: bool = False
-
-
 class Manager:
     def __init__(self, repo: str, state: StateDir, dispatcher_address: str = "tcp://127.0.0.1:5580",
-                 token: str | None = None, window: int = settings.WINDOW, ray_address: str | None = None):
+                 token: str | None = None, window: int = settings.WINDOW, ray_address: str | None = None,
+                 launcher=None):
         self.repo = os.path.abspath(repo)
+        #: how children are started (manager/launcher.py); None: chosen by start(), the forkserver
+        #: or Ray's (tests/test_manager_units.py passes one whose children are threads)
+        self.launcher = launcher
         #: Ray mode (issue 30): the cluster to place blocks with a ``node`` on (ray_launcher.py),
         #: the CURVE keys of the deployment (tensormq/curve.py) and the controller's TCP endpoint
         self.ray_address = ray_address
@@ -268,23 +150,17 @@ class Manager:
         self.window = window
         self.catalog = ModelCatalog(self.repo)
         self.lock = threading.RLock()
-        #: one Child per block process, by process name: a block's replica 0 has the block's name,
-        #: replica r > 0 ``name.r<r>`` (schema.replica_name); ``declared`` keeps the blocks as declared
-        self.blocks: dict[str, Child] = {}
-        self.declared: dict[str, BlockDecl] = {}
-        #: shared processes by their ``process`` name (blocks/host.py); each stops once it hosts nothing
-        self.hosts: dict[str, Child] = {}
+        self.table = ProcessTable()  # manager/children.py: every child, its state and launcher handle
         self.tasks: dict[str, list[str]] = {}
         self.manifests: dict[str, dict | None] = {}
         self.update_body: dict | None = None
         self.shm_budget: dict | None = None  # what the last update needs of the slot filesystem (state.slot_budget)
         self.transport = "tensormq"
         self.version = 0
-        self.dispatcher: Child | None = None
         self.events: queue.Queue = queue.Queue()
         self.ops: collections.deque[Operation] = collections.deque()
         self.op: Operation | None = None
-        self.stopping_children: list[Child] = []
+        self.table.stopping: list[Child] = []
         self._incarnations: dict[str, int] = {}
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
@@ -299,12 +175,13 @@ class Manager:
         self.state.clean_leftovers()
         self.state.sweep_orphans()
         self.version = self.state.recorded_version()  # versions only grow across restarts, --fresh too
-        if self.ray_address:
+        if self.launcher is None and self.ray_address:
             from .ray_launcher import RayLauncher
             self.launcher = RayLauncher(self.ray_address)
-            self.keys = ClusterKeys.generate()
-        else:
+        elif self.launcher is None:
             self.launcher = LocalLauncher()  # manager/launcher.py: the forkserver, running since `blockflow serve` began
+        if self.ray_address:
+            self.keys = ClusterKeys.generate()
         self.gpus = visible_gpus()
         self.ctx = zmq.Context()
         self.controller = Controller(self.ctx, f"ipc://{os.path.join(self.state.sock, 'controller.sock')}",
@@ -312,21 +189,21 @@ class Manager:
         if self.keys is not None:
             self.controller_tcp = self.controller.listen_between_nodes(self.launcher.ip, self.keys)
         self.controller.start()
-        self.dispatcher = self.spawn_dispatcher()
+        self.table.dispatcher = d = self.spawn_dispatcher()
         try:
-            info = self.controller.wait_ready(self.dispatcher.ident, READY_TIMEOUT, alive=self.dispatcher.process.is_alive)
+            info = self.controller.wait_ready(d.ident, READY_TIMEOUT, alive=d.process.is_alive)
         except (ControlError, TimeoutError) as exc:
-            self.stop_now([self.dispatcher])
+            self.stop_now([d])
             raise RuntimeError(f"the dispatcher did not start on {self.dispatcher_address}: {exc} "
-                               f"({describe_exit(self.dispatcher.process.exitcode)}); "
+                               f"({describe_exit(d.process.exitcode)}); "
                                "is the port in use? try --dispatcher-port") from None
-        self.mark_ready(self.dispatcher, info)
-        self.dispatcher_address = self.dispatcher.endpoint  # a respawn binds the same port (matters for port 0)
+        self.mark_ready(d, info)
+        self.dispatcher_address = d.endpoint  # a respawn binds the same port (matters for port 0)
         self._persist()
         self._supervisor = threading.Thread(target=self.supervise, name="supervisor", daemon=True)
         self._supervisor.start()
         log.info("manager ready: repo %s, state %s, dispatcher %s", self.repo, self.state.root,
-                 self.dispatcher.endpoint)
+                 d.endpoint)
 
     def stop(self) -> None:
         """Shutdown order: stop supervising (so nothing is respawned and no operation advances),
@@ -352,19 +229,18 @@ class Manager:
                 if kind == "op":
                     ops.append(item)
             for op in ops:
-                _resolve(op.future, error=UpdateFailed("the server is shutting down"))
-            children = list(self.blocks.values()) + self.stopping_children
+                op.resolve(error=UpdateFailed("the server is shutting down"))
+            children = list(self.table.blocks.values()) + self.table.stopping
             for op in ops:
                 children += list(op.new.values()) + op.retired
-            self.blocks.clear()
-            self.declared.clear()
+            hosts = list(self.table.hosts.values())
+            self.table.clear()
             self.tasks.clear()
             self.stop_now(children)
-            self.stop_now(list(self.hosts.values()))  # after their blocks: they stop with nothing left to host
-            self.hosts.clear()
-            if self.dispatcher is not None:
-                self.stop_now([self.dispatcher])
-                self.dispatcher = None
+            self.stop_now(hosts)  # after their blocks: they stop with nothing left to host
+            if self.table.dispatcher is not None:
+                self.stop_now([self.table.dispatcher])
+                self.table.dispatcher = None
             self.controller.stop()
             self.ctx.term()
             self._persist()
@@ -373,17 +249,12 @@ class Manager:
         log.info("manager stopped")
 
     # -- spawning (never waits: READY arrives as an event) ----------------------------------------
-    def _next_incarnation(self, name: str) -> int:
-        inc = self._incarnations.get(name, -1) + 1
-        self._incarnations[name] = inc
-        return inc
-
     def spawn_block(self, decl: BlockDecl, restarts: int = 0, streak: int = 0, block: str | None = None,
                     replica: int = 0, declared: dict[str, BlockDecl] | None = None) -> Child:
         """Start the process ``decl.name``: replica ``replica`` of ``block`` (default: the block itself).
         A block with a ``process`` goes into that shared process (started here if need be), once
         the process is ready (check_starting)."""
-        inc = self._next_incarnation(decl.name)
+        inc = self.table.next_incarnation(decl.name)
         # the declaration goes to the block whole (Note [One declaration per block] in blockflow/schema.py)
         spec = BlockSpec(**msgspec.structs.asdict(decl), repo=self.repo, run_dir=self.state.run_dir,
                          sock_dir=self.state.sock, shm_dir=self.state.shm, incarnation=inc,
@@ -393,7 +264,7 @@ class Manager:
         if decl.node is not None:
             spec = replace(spec, verified=None)  # its node's copy of the files: the block checks it there
         if decl.process is not None:
-            host = self.host_for(decl, self.declared if declared is None else declared)
+            host = self.host_for(decl, self.table.declared if declared is None else declared)
             c = Child(decl.name, decl, inc, None, restarts=restarts, streak=streak, block=block or decl.name,
                       replica=replica, host=host, hosted_spec=spec.to_json())
             c.process = HostedProcess(host, self.controller, c.ident)
@@ -409,46 +280,46 @@ class Manager:
     def host_for(self, decl: BlockDecl, declared: dict[str, BlockDecl]) -> Child:
         """The shared process ``decl.process``: the running one, or a new one whose torch thread
         pool is the largest ``threads`` among the ``declared`` blocks of the group."""
-        host = self.hosts.get(decl.process)
-        if host is not None and host.process.exitcode is None and host.status in ("starting", "ready"):
+        host = self.table.hosts.get(decl.process)
+        if host is not None and host.process.exitcode is None and host.status in (ChildState.STARTING, ChildState.READY):
             return host
         name = f"@{decl.process}"
         threads = max((d.threads or 0 for d in declared.values() if d.process == decl.process), default=0)
-        inc = self._next_incarnation(name)
+        inc = self.table.next_incarnation(name)
         spec = self.cluster_spec(HostSpec(name=name, device=decl.device, threads=threads or None, incarnation=inc,
                                           controller=self.controller.endpoint, parent_pid=os.getpid()), decl.node)
         proc = self.launcher.start(SERVE_HOST, spec, f"blockflow-{name}", node=decl.node)
         log.info("spawned shared process %s#%d (pid %s, %s)", name, inc, proc.pid, decl.device)
         restarts = host.restarts + 1 if host is not None else 0
-        self.hosts[decl.process] = new = Child(name, None, inc, proc, restarts=restarts)
+        self.table.hosts[decl.process] = new = Child(name, None, inc, proc, restarts=restarts)
         return new
 
     def check_hosts(self) -> None:
         """Shared processes: READY (-> ready, and their waiting blocks are sent to them), an
         exit (-> gone: their blocks see it as their own), nothing left to host (-> stopped)."""
-        members = [c for c in [*self.blocks.values(), *self.stopping_children,
+        members = [c for c in [*self.table.blocks.values(), *self.table.stopping,
                                *(self.op.new.values() if self.op else ())] if c.host is not None and not c.gone]
-        for group, host in list(self.hosts.items()):
-            if host.status == "starting" and host.ident in self.controller.ready:
+        for group, host in list(self.table.hosts.items()):
+            if host.status is ChildState.STARTING and host.ident in self.controller.ready:
                 self.mark_ready(host, self.controller.ready[host.ident])
                 log.info("shared process %s#%d (pid %s) is ready", host.name, host.incarnation, host.process.pid)
             if host.process.exitcode is not None:
-                if host.status != "stopping":
+                if host.status is not ChildState.STOPPING:
                     log.warning("shared process %s (pid %s) exited: %s", host.instance, host.process.pid,
                                 describe_exit(host.process.exitcode))
-                    host.status = "failed"
-                del self.hosts[group]
+                    host.status = ChildState.FAILED
+                del self.table.hosts[group]
                 self.controller.forget(host.ident)
                 if host.process.pid:
                     self.state.remove_slots_of(host.process.pid)
                 continue
-            if not any(c.host is host for c in members) and host.status != "stopping":
+            if not any(c.host is host for c in members) and host.status is not ChildState.STOPPING:
                 self.stop_later([host])
-                del self.hosts[group]
+                del self.table.hosts[group]
                 continue
-            if host.status == "ready":
+            if host.status is ChildState.READY:
                 for c in members:
-                    if c.host is host and c.hosted_spec is not None and c.status == "starting":
+                    if c.host is host and c.hosted_spec is not None and c.status is ChildState.STARTING:
                         self.controller.cast(host.ident, Cmd.HOST, Host(c.hosted_spec)).add_done_callback(
                             _log_refusal)
                         c.hosted_spec = None
@@ -463,7 +334,7 @@ class Manager:
         return spec if node is None else replace(spec, controller=self.controller_tcp)
 
     def spawn_dispatcher(self, restarts: int = 0, streak: int = 0) -> Child:
-        inc = self._next_incarnation(DISPATCHER)
+        inc = self.table.next_incarnation(DISPATCHER)
         spec = DispatcherSpec(sock_dir=self.state.sock, shm_dir=self.state.shm, address=self.dispatcher_address,
                               run_dir=self.state.run_dir,
                               transport=self.transport, controller=self.controller.endpoint,
@@ -474,25 +345,25 @@ class Manager:
         return Child(DISPATCHER, None, inc, proc, restarts=restarts, streak=streak)
 
     def mark_ready(self, c: Child, info: dict) -> None:
-        c.status, c.endpoint, c.ready_info, c.ready_at = "ready", info["endpoint"], info, time.monotonic()
+        c.status, c.endpoint, c.ready_info, c.ready_at = ChildState.READY, info["endpoint"], info, time.monotonic()
         c.serving_since = time.time()  # publish() routes to it next; an update's switch() says so again
 
     def stop_later(self, children) -> None:
         """Ask each child to stop; reap_children() escalates to SIGTERM and SIGKILL."""
         now = time.monotonic()
         for c in children:
-            if c.gone or c in self.stopping_children:
+            if c.gone or c in self.table.stopping:
                 continue
-            c.status, c.stop_asked = "stopping", now
+            c.status, c.stop_asked = ChildState.STOPPING, now
             if c.process.exitcode is None:
                 self.controller.cast(c.ident, Cmd.STOP)
-            self.stopping_children.append(c)
+            self.table.stopping.append(c)
 
     def stop_now(self, children, timeout: float = STOP_KILL_S) -> None:
         """Shutdown only (the supervisor has stopped): ask politely, SIGTERM, SIGKILL, and wait."""
         children = [c for c in children if not c.gone]
         for c in children:
-            c.status = "stopping"
+            c.status = ChildState.STOPPING
             if c.process.is_alive():
                 try:
                     self.controller.cast(c.ident, Cmd.STOP)
@@ -539,25 +410,30 @@ class Manager:
         self.catalog.check_update(upd)
         self.shm_budget = slot_budget(upd, self.window, self.state.shm)
         desired = Desired(dict(upd.blocks), dict(upd.tasks))
-        return self.submit(Operation("update", lambda: desired, body=body, transport=upd.transport,
+        return self.submit(Operation(Kind.UPDATE, lambda: desired, body=body, transport=upd.transport,
                                      manifests=upd.manifests))
 
     def delete_block(self, name: str) -> dict:
         self.child(name)  # KeyError -> 404 before anything is queued
 
         def desire() -> Desired:
-            if name not in self.declared:
+            if name not in self.table.declared:
                 raise KeyError(name)
-            return without_block(self.declared, self.tasks, name)
-        return self.submit(Operation("delete_block", desire))
+            return without_block(self.table.declared, self.tasks, name)
+        return self.submit(Operation(Kind.DELETE_BLOCK, desire))
 
     def delete_all(self) -> dict:
-        return self.submit(Operation("delete_all", lambda: Desired()))
+        return self.submit(Operation(Kind.DELETE_ALL, lambda: Desired()))
 
-    def submit(self, op: Operation) -> dict:
+    def enqueue(self, op: Operation) -> Future:
+        """Queue ``op`` for the supervisor; its future is answered once it is done or failed."""
         if self._stopping.is_set():
             raise UpdateFailed("the server is shutting down")
         self.events.put(("op", op))
+        return op.future
+
+    def submit(self, op: Operation) -> dict:
+        self.enqueue(op)
         # The supervisor resolves every operation: done, failed, or refused at shutdown. One
         # queued just after the supervisor's last round is refused here.
         deadline = time.monotonic() + READY_TIMEOUT + DRAIN_TIMEOUT + 4 * STOP_KILL_S + 60
@@ -567,7 +443,7 @@ class Manager:
             except FutureTimeout:
                 supervised = self._supervisor is not None and self._supervisor.is_alive()
                 if time.monotonic() > deadline or (self._stopping.is_set() and not supervised):
-                    _resolve(op.future, error=UpdateFailed("the server is shutting down" if self._stopping.is_set()
+                    op.resolve(error=UpdateFailed("the server is shutting down" if self._stopping.is_set()
                                                            else f"{op.kind} did not finish in time"))
 
     # -- reading (REST) ----------------------------------------------------------------------------
@@ -575,9 +451,9 @@ class Manager:
         table = {}
         for tid, path in self.tasks.items():
             # per hop, its replicas that serve now (replica 0 stands for a block with none ready)
-            choices = [[c for c in self.replicas(n) if c.status == "ready"] or self.replicas(n)[:1] for n in path]
+            choices = [[c for c in self.table.replicas(n) if c.status is ChildState.READY] or self.table.replicas(n)[:1] for n in path]
             hops = [cs[0] for cs in choices]
-            down = [c for c in hops if c.status != "ready"]
+            down = [c for c in hops if c.status is not ChildState.READY]
             entry = self.manifests.get(hops[0].decl.files[0])
             table[tid] = {"path": [[c.name, c.endpoint] for c in hops], "blocks": [c.instance for c in hops],
                           "input": _input_spec(entry, hops[0].decl.input_dtype)}
@@ -587,22 +463,16 @@ class Manager:
                 table[tid]["unavailable"] = ", ".join(f"block {c.block} is {c.status}" for c in down)
         return table
 
-    def replicas(self, block: str) -> list[Child]:
-        """The processes of a declared block, replica 0 first."""
-        decl = self.declared.get(block)
-        return [self.blocks[n] for n in decl.replica_names() if n in self.blocks] if decl else []
-
-
     def child(self, name: str) -> Child:
         with self.lock:
-            c = self.blocks.get(name)
+            c = self.table.blocks.get(name)
         if c is None:
             raise KeyError(name)
         return c
 
     def command(self, name: str, cmd: Cmd, args=None, timeout: float = 5.0):
         c = self.child(name)
-        if c.status != "ready":
+        if c.status is not ChildState.READY:
             raise Conflict(f"block {name} is {c.status}")
         return self.controller.request(c.ident, cmd, args, timeout=timeout)
 
@@ -614,9 +484,9 @@ class Manager:
     def snapshot(self) -> dict:
         with self.lock:
             return {"version": self.version, "transport": self.transport,
-                    "blocks": [{**c.describe(), "next_hops": self.hop_kinds(c)} for c in self.blocks.values()],
+                    "blocks": [{**c.describe(), "next_hops": self.hop_kinds(c)} for c in self.table.blocks.values()],
                     "tasks": [{"id": t, "path": p} for t, p in self.tasks.items()],
-                    "dispatcher": self.dispatcher.describe() if self.dispatcher else None,
+                    "dispatcher": self.table.dispatcher.describe() if self.table.dispatcher else None,
                     "state_dir": self.state.root, "run_dir": self.state.run_dir,
                     "shm": self.shm_budget, **self.cluster_info()}
 
@@ -628,27 +498,35 @@ class Manager:
         return {"cluster": {"ray": self.ray_address, "node": self.launcher.node, "controller": self.controller_tcp,
                             "server_public_key": self.keys.server_public}}
 
+    @property
+    def dispatcher(self) -> Child | None:
+        return self.table.dispatcher
+
     def ready(self) -> bool:
         with self.lock:
-            return (self.dispatcher is not None and self.dispatcher.status == "ready"
-                    and all(c.status == "ready" for c in self.blocks.values()))
+            return self.table.ready()
 
     # -- the supervisor loop -------------------------------------------------------------------
     def supervise(self) -> None:
         while not self._stopping.is_set():
             try:
-                self.wait_for_events(TICK)
-                with self.lock:
-                    if self._stopping.is_set():
-                        return
-                    self.reap_children()
-                    self.check_health()
-                    self.check_hosts()
-                    self.check_starting()
-                    self.respawn_children()
-                    self.reconcile()
+                self.round()
             except Exception:
                 log.exception("supervisor loop error (continuing)")
+
+    def round(self, wait: float = TICK) -> None:
+        """One round of the supervisor (the module's docstring): the supervisor thread runs them
+        back to back; tests/test_manager_units.py runs them one by one, without that thread."""
+        self.wait_for_events(wait)
+        with self.lock:
+            if self._stopping.is_set():
+                return
+            self.reap_children()
+            self.check_health()
+            self.check_hosts()
+            self.check_starting()
+            self.respawn_children()
+            self.reconcile()
 
     def wait_for_events(self, timeout: float) -> None:
         try:
@@ -671,18 +549,15 @@ class Manager:
             self.handle_pong(child, result)
         # "notice" (READY or boot error) and "wake": check_starting() looks at every starting child
 
-    def _all_children(self) -> list[Child]:
-        return list(self.blocks.values()) + ([self.dispatcher] if self.dispatcher else [])
-
     def reap_children(self) -> None:
-        for c in self._all_children():
-            if c.status == "ready" and c.process.exitcode is not None:
+        for c in self.table.supervised():
+            if c.status is ChildState.READY and c.process.exitcode is not None:
                 self.on_child_down(c, describe_exit(c.process.exitcode), c.process.exitcode == EXIT_BOOT_ERROR)
         now = time.monotonic()
-        for c in list(self.stopping_children):
+        for c in list(self.table.stopping):
             if c.process.exitcode is not None:
                 self._gone(c)
-                self.stopping_children.remove(c)
+                self.table.stopping.remove(c)
             elif now - c.stop_asked > STOP_KILL_S:
                 log.warning("%s (pid %s) ignored SIGTERM; killing it", c.instance, c.process.pid)
                 c.process.kill()
@@ -699,8 +574,8 @@ class Manager:
         if now - self._last_health > HANG_TIMEOUT / 2:
             self._grace_from = now
         self._last_health = now
-        for c in self._all_children():
-            if c.status != "ready":
+        for c in self.table.supervised():
+            if c.status is not ChildState.READY:
                 continue
             seen = max(self.controller.last_seen.get(c.ident, c.ready_at), c.ready_at, self._grace_from)
             # No exemption while an update is due: a block answers pings while its inference
@@ -718,7 +593,7 @@ class Manager:
         """Liveness: a block whose inference thread has been in one inference for longer than
         its ``max_inference_s`` is stuck (the control thread still answers, so silence would
         never tell)."""
-        if c.decl is None or c.status != "ready" or not isinstance(result, dict):
+        if c.decl is None or c.status is not ChildState.READY or not isinstance(result, dict):
             return
         busy = result.get("busy_s")
         if isinstance(busy, (int, float)) and busy > c.decl.max_inference_s:
@@ -742,11 +617,11 @@ class Manager:
         if time.time() - c.started > RESTART_WINDOW:
             c.streak = 0  # it ran for a while: this is not a crash loop
         if boot_error or c.streak >= MAX_RESTARTS:
-            c.status = "failed"
+            c.status = ChildState.FAILED
             c.failure = f"{how}; not respawned ({'cannot start' if boot_error else f'{MAX_RESTARTS} restarts within {RESTART_WINDOW:.0f}s'})"
             log.error("%s failed: %s", c.instance, c.failure)
         else:
-            c.status = "restarting"
+            c.status = ChildState.RESTARTING
             log.warning("%s (pid %s) died: %s; respawning (restart %d of %d)", c.instance, c.process.pid, how,
                         c.streak + 1, MAX_RESTARTS)
         if c.decl is not None:
@@ -761,21 +636,21 @@ class Manager:
     def check_starting(self) -> None:
         """Starting children: READY (-> ready), a boot error, an early exit or no READY in time
         (-> failed: a new block fails its update, a respawn is marked failed)."""
-        starting = [c for c in self._all_children() if c.status == "starting"]
+        starting = [c for c in self.table.supervised() if c.status is ChildState.STARTING]
         if self.op is not None:
-            starting += [c for c in self.op.new.values() if c.status == "starting"]
+            starting += [c for c in self.op.new.values() if c.status is ChildState.STARTING]
         changed = False
         now = time.monotonic()
         for c in starting:
             info = self.controller.ready.get(c.ident)
             if info is not None:
                 self.mark_ready(c, info)
-                if c is self.dispatcher or self.blocks.get(c.name) is c:
+                if self.table.serves(c):
                     log.info("%s (pid %s) is ready on %s", c.instance, c.process.pid, c.endpoint)
                     changed = True
                 continue
             boot = self.controller.boot_errors.get(c.ident)
-            if c.restarts and c.process.exitcode == EXIT_NODE_LOST and self.blocks.get(c.name) is c:
+            if c.restarts and c.process.exitcode == EXIT_NODE_LOST and self.table.blocks.get(c.name) is c:
                 # a respawn that Ray placed on a node that was dying (before its health checks
                 # said so) is placed again: not a failure of the block, nor a crash to count
                 log.warning("%s was placed on a node that is gone; placing it again", c.instance)
@@ -783,7 +658,7 @@ class Manager:
                 again = self.spawn_block(c.decl, restarts=c.restarts, streak=c.streak, block=c.block,
                                          replica=c.replica)
                 again.last_exit = c.last_exit
-                self.blocks[c.name] = again
+                self.table.blocks[c.name] = again
                 continue
             if c.restarts and getattr(c.process, "waiting_for", None) and c.process.exitcode is None:
                 c.spawned_at = now  # a respawn waits for a node with its resource as long as it takes
@@ -802,8 +677,8 @@ class Manager:
                 c.failure += f" [{describe_exit(c.process.exitcode)}]"
             log.error("%s", c.failure)
             self.stop_later([c])
-            c.status = "failed"
-            changed = changed or c is self.dispatcher or self.blocks.get(c.name) is c
+            c.status = ChildState.FAILED
+            changed = changed or self.table.serves(c)
         if changed:
             self.publish()
             self._persist()
@@ -811,58 +686,73 @@ class Manager:
     def respawn_children(self) -> None:
         # the new incarnation carries how the last one ended: GET /system and `blockflow status`
         # say why a block restarted after it is ready again, not only while it is down
-        for name, c in list(self.blocks.items()):
-            if c.status == "restarting":
-                self.blocks[name] = self.spawn_block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1,
+        for name, c in list(self.table.blocks.items()):
+            if c.status is ChildState.RESTARTING:
+                self.table.blocks[name] = self.spawn_block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1,
                                                      block=c.block, replica=c.replica)
-                self.blocks[name].last_exit = c.last_exit
+                self.table.blocks[name].last_exit = c.last_exit
                 self._persist()
-        if self.dispatcher is not None and self.dispatcher.status == "restarting":
-            old = self.dispatcher
-            self.dispatcher = self.spawn_dispatcher(restarts=old.restarts + 1, streak=old.streak + 1)
-            self.dispatcher.last_exit = old.last_exit
+        if self.table.dispatcher is not None and self.table.dispatcher.status is ChildState.RESTARTING:
+            old = self.table.dispatcher
+            self.table.dispatcher = self.spawn_dispatcher(restarts=old.restarts + 1, streak=old.streak + 1)
+            self.table.dispatcher.last_exit = old.last_exit
             self._persist()
 
     # -- operations, step by step ------------------------------------------------------------------
     def reconcile(self) -> None:
+        """Advance the operation in progress (the next queued one if none) as far as it can go
+        this round: each phase below falls through to the next once it is complete."""
         if self.op is None:
             if not self.ops:
                 return
             self.begin(self.ops.popleft())
             if self.op is None:
                 return
-        op = self.op
-        if op.phase == "starting":
-            failed = [c for c in op.new.values() if c.status == "failed"]
-            if failed:
+        op, now = self.op, time.monotonic()
+        if op.phase in (Phase.STARTING, Phase.PREPARING):
+            failed = op.failed_block()
+            if failed is not None:
                 self.stop_later(op.new.values())  # roll back: the old blocks were never touched
-                if op.prepared is not None:
+                if op.phase is Phase.PREPARING:
                     self.publish()  # but for the sockets and slots prepare() opened towards the new ones
-                self.finish(op, error=UpdateFailed(failed[0].failure, failed[0].name))
-            elif all(c.status == "ready" for c in op.new.values()):
-                if op.prepared is None:
-                    op.prepared, op.prepare_sent = self.prepare(op), time.monotonic()
-                if all(f.done() for f in op.prepared) or time.monotonic() - op.prepare_sent > PREPARE_TIMEOUT:
-                    self.switch(op)
-        if op.phase == "draining":
-            self.drain(op)
+                op.enter(Phase.FAILED, now)
+                self.finish(op, error=UpdateFailed(failed.failure, failed.name))
+                return
+        if op.phase is Phase.STARTING and op.new_ready():
+            op.acks = self.prepare(op)
+            op.enter(Phase.PREPARING, now)
+        if op.phase is Phase.PREPARING and op.acknowledged(PREPARE_TIMEOUT, now):
+            self.switch(op)
+            op.enter(Phase.SWITCHED, now)
+        if op.phase is Phase.SWITCHED and op.acknowledged(ACK_TIMEOUT, now):
+            op.enter(Phase.DRAINING, now)
+        if op.phase is Phase.DRAINING and self.drained(op, now):
+            self.stop_later(op.retired)
+            op.enter(Phase.STOPPING, now)
+        if op.phase is Phase.STOPPING and all(c.gone for c in op.retired):
+            if op.retired:
+                names = [c.instance for c in op.retired]
+                self._fail_requests(names, f"blocks {', '.join(names)} were removed by a system update")
+                self.publish()  # blocks close their sockets to the retired ones and reclaim slots
+            op.enter(Phase.DONE, now)
+            self.finish(op)
 
     def begin(self, op: Operation) -> None:
         try:
             op.desired = op.desire()
         except KeyError as exc:
-            _resolve(op.future, error=exc)
+            op.resolve(error=exc)
             return
         except ValueError as exc:
-            _resolve(op.future, error=Conflict(str(exc)))
+            op.resolve(error=Conflict(str(exc)))
             return
         # an update replaces failed blocks; a deletion leaves the other blocks as they are
-        current = {n: Running(c.decl, c.status == "failed" and op.kind == "update") for n, c in self.blocks.items()}
+        current = {n: Running(c.decl, c.status is ChildState.FAILED and op.kind is Kind.UPDATE) for n, c in self.table.blocks.items()}
         op.processes = one_per_replica(op.desired.blocks)
         op.plan = plan(current, op.processes)
         down = self._nodes_down([op.processes[n] for n in op.plan.starts])
         if down:
-            _resolve(op.future, error=UpdateFailed(down[0], down[1]))
+            op.resolve(error=UpdateFailed(down[0], down[1]))
             return
         which = replica_of(op.desired.blocks)
         try:
@@ -872,9 +762,9 @@ class Manager:
         except Exception as exc:  # e.g. the forkserver is gone: answer, do not leave the caller waiting
             self.stop_later(op.new.values())
             log.exception("%s: could not spawn its blocks", op.kind)
-            _resolve(op.future, error=UpdateFailed(f"could not start a block process: {exc}"))
+            op.resolve(error=UpdateFailed(f"could not start a block process: {exc}"))
             return
-        op.phase = "starting"
+        op.enter(Phase.STARTING)
         self.op = op
 
     def _nodes_down(self, starting: list[BlockDecl]) -> tuple[str, str] | None:
@@ -899,13 +789,12 @@ class Manager:
         blocks/process.py), so that no request pays for it. Returns the acknowledgements;
         each wakes the supervisor. A process that does not answer in PREPARE_TIMEOUT only
         leaves its first request to do it."""
-        procs = [op.new.get(n) or self.blocks.get(n) for n in op.processes]
+        procs = [op.new.get(n) or self.table.blocks.get(n) for n in op.processes]
         by_block: dict[str, list[Child]] = {}
         for c in procs:
-            if c is not None and c.status == "ready" and c.endpoint:
+            if c is not None and c.status is ChildState.READY and c.endpoint:
                 by_block.setdefault(c.block, []).append(c)
-        d = self.dispatcher
-        disp = d if d is not None and d.status == "ready" else None
+        disp = self.table.dispatcher_ready()
         results = disp.ready_info.get("results", []) if disp is not None else []
         nexts: dict[Child, dict] = {}
         for path in op.desired.tasks.values():
@@ -923,9 +812,9 @@ class Manager:
                                    else results[0]] if results else []
                     nexts.setdefault(c, {}).update(dict.fromkeys(targets))
         new = {c.endpoint for c in op.new.values()}
-        live = [c.endpoint for c in [*self.blocks.values(), *op.new.values()] if c.status == "ready"] + list(results)
+        live = [c.endpoint for c in [*self.table.blocks.values(), *op.new.values()] if c.status is ChildState.READY] + list(results)
         # the blocks being replaced still serve until the switch: their devices stay known
-        devices = {c.endpoint: c.decl.device for c in [*self.blocks.values(), *op.new.values()]
+        devices = {c.endpoint: c.decl.device for c in [*self.table.blocks.values(), *op.new.values()]
                    if c.endpoint and c.decl is not None}
         receivers = self.receivers(draining=list(op.new.values()))
         futures = []
@@ -941,16 +830,16 @@ class Manager:
 
     def switch(self, op: Operation) -> None:
         """Every new block is READY: make the desired state the current one."""
-        current = self.blocks
+        current = self.table.blocks
         op.retired = [current[n] for n in op.plan.retires]
-        self.blocks = {n: op.new[n] if n in op.new else current[n] for n in op.processes}
-        self.declared = dict(op.desired.blocks)
+        self.table.blocks = {n: op.new[n] if n in op.new else current[n] for n in op.processes}
+        self.table.declared = dict(op.desired.blocks)
         old_tasks, self.tasks = self.tasks, dict(op.desired.tasks)
-        if op.kind == "update":
+        if op.kind is Kind.UPDATE:
             self.update_body, self.transport = op.body, op.transport
             self.manifests = dict(op.manifests)
         elif self.update_body:  # state.json keeps the update that describes what runs now
-            kept = [b for b in self.update_body.get("blocks", []) if b.get("name") in self.declared]
+            kept = [b for b in self.update_body.get("blocks", []) if b.get("name") in self.table.declared]
             self.update_body = {**self.update_body, "blocks": kept} if kept else None
         self.version += 1
         op.diff = {**op.plan.as_diff(), "tasks": diff_tasks(old_tasks, self.tasks).as_dict()}
@@ -959,35 +848,23 @@ class Manager:
             c.serving_since = now
         op.acks = self.publish(draining=op.retired)
         op.switched = time.monotonic()
-        op.phase = "draining"
         self._persist()
 
-    def drain(self, op: Operation) -> None:
-        """Let requests already on a retired block's path finish, then stop it (one step per round)."""
-        now = time.monotonic()
-        if not all(f.done() for f in op.acks) and now - op.switched < ACK_TIMEOUT:
-            return
-        names = [c.instance for c in op.retired]
-        if op.retired and not op.drained:
-            disp = self.dispatcher
-            if disp is None or disp.status != "ready" or now - op.switched > DRAIN_TIMEOUT:
-                op.drained = True
-            elif op.outstanding is None:
-                op.outstanding = self.controller.cast(disp.ident, Cmd.OUTSTANDING, Outstanding(names))
-            elif op.outstanding.done():
-                left = op.outstanding.result()["outstanding"] if not op.outstanding.exception() else 0
-                op.drained, op.outstanding = not left, None
-            if not op.drained:
-                return
-        if not op.stop_sent:
-            self.stop_later(op.retired)
-            op.stop_sent = True
-        if not all(c.gone for c in op.retired):
-            return
-        if op.retired:
-            self._fail_requests(names, f"blocks {', '.join(names)} were removed by a system update")
-            self.publish()  # blocks close their sockets to the retired ones and reclaim slots
-        self.finish(op)
+    def drained(self, op: Operation, now: float) -> bool:
+        """Whether the requests already on a retired block's path have finished: the dispatcher
+        holds none (asked once per answer), it cannot say (not ready), or DRAIN_TIMEOUT passed."""
+        disp = self.table.dispatcher_ready()
+        if not op.retired or disp is None or now - op.switched > DRAIN_TIMEOUT:
+            return True
+        if op.outstanding is None:
+            op.outstanding = self.controller.cast(disp.ident, Cmd.OUTSTANDING,
+                                                  Outstanding([c.instance for c in op.retired]))
+            return False
+        if not op.outstanding.done():
+            return False
+        left = op.outstanding.result()["outstanding"] if not op.outstanding.exception() else 0
+        op.outstanding = None
+        return not left
 
     def finish(self, op: Operation, error: Exception | None = None) -> None:
         self.op = None
@@ -995,17 +872,10 @@ class Manager:
         took = time.monotonic() - op.started
         if error is not None:
             log.warning("%s failed after %.2fs: %s", op.kind, took, error)
-            _resolve(op.future, error=error)
+            op.resolve(error=error)
             return
-        if op.kind == "update":
-            result = {"version": self.version, "diff": op.diff, "seconds": round(took, 3),
-                      "shm": self.shm_budget}
-        elif op.kind == "delete_block":
-            result = {"removed": op.plan.drain[0], "version": self.version}
-        else:
-            result = {"removed": list(op.plan.drain), "version": self.version}
         log.info("applied %s version %d in %.2fs: %s", op.kind, self.version, took, op.diff)
-        _resolve(op.future, result)
+        op.resolve(op.result(self.version, self.shm_budget))
 
     # -- telling the processes ---------------------------------------------------------------------
     def publish(self, draining: list[Child] = ()) -> list[Future]:
@@ -1016,19 +886,19 @@ class Manager:
         endpoints stay live, because a producer reclaims the slots of every hop that is not
         live, which would turn the handles still queued there into stale ones. The drain
         publishes again once they are stopped."""
-        live = [c.endpoint for c in [*self.blocks.values(), *draining] if c.status == "ready"]
-        if self.dispatcher is not None:
-            live += list(self.dispatcher.ready_info.get("results", []))
-        devices = {c.endpoint: c.decl.device for c in self.blocks.values() if c.endpoint}
+        live = [c.endpoint for c in [*self.table.blocks.values(), *draining] if c.status is ChildState.READY]
+        if self.table.dispatcher is not None:
+            live += list(self.table.dispatcher.ready_info.get("results", []))
+        devices = {c.endpoint: c.decl.device for c in self.table.blocks.values() if c.endpoint}
         futures = []
         receivers = self.receivers(draining)
-        if self.dispatcher is not None and self.dispatcher.status == "ready":
-            futures.append(self.controller.cast(self.dispatcher.ident, Cmd.TASKS,
+        if self.table.dispatcher is not None and self.table.dispatcher.status is ChildState.READY:
+            futures.append(self.controller.cast(self.table.dispatcher.ident, Cmd.TASKS,
                                                 Tasks(self.task_table(), self.version)))
-            futures.append(self.controller.cast(self.dispatcher.ident, Cmd.UPDATE, Topology(
-                live, devices, self.routes_from(self.dispatcher, receivers), self.transport)))
-        for c in self.blocks.values():
-            if c.status == "ready":
+            futures.append(self.controller.cast(self.table.dispatcher.ident, Cmd.UPDATE, Topology(
+                live, devices, self.routes_from(self.table.dispatcher, receivers), self.transport)))
+        for c in self.table.blocks.values():
+            if c.status is ChildState.READY:
                 futures.append(self.controller.cast(c.ident, Cmd.UPDATE, Topology(live, devices,
                                                                                   self.routes_from(c, receivers))))
         for f in futures:
@@ -1040,9 +910,9 @@ class Manager:
         node, its node) of every ready process that tensors are sent to: blocks, and the
         dispatcher's result socket."""
         out = [(c.endpoint, c.ready_info.get("near"), c.process.node)
-               for c in [*self.blocks.values(), *draining] if c.status == "ready" and c.endpoint]
-        d = self.dispatcher
-        if d is not None and d.status == "ready" and len(d.ready_info.get("results", [])) == 2:
+               for c in [*self.table.blocks.values(), *draining] if c.status is ChildState.READY and c.endpoint]
+        d = self.table.dispatcher
+        if d is not None and d.status is ChildState.READY and len(d.ready_info.get("results", [])) == 2:
             ipc, tcp = d.ready_info["results"]
             out.append((tcp, ipc, d.process.node))
         return out
@@ -1066,7 +936,7 @@ class Manager:
             for i, name in enumerate(path):
                 if c.block != name:
                     continue
-                nexts = self.replicas(path[i + 1]) if i + 1 < len(path) else [self.dispatcher]
+                nexts = self.table.replicas(path[i + 1]) if i + 1 < len(path) else [self.table.dispatcher]
                 for n in nexts:
                     if n is None:
                         continue
@@ -1080,9 +950,10 @@ class Manager:
         return kinds
 
     def _fail_requests(self, instances: list[str], reason: str) -> None:
-        if self.dispatcher is None or self.dispatcher.status != "ready":
+        d = self.table.dispatcher_ready()
+        if d is None:
             return
-        self.controller.cast(self.dispatcher.ident, Cmd.FAIL, Fail(instances, reason)) \
+        self.controller.cast(d.ident, Cmd.FAIL, Fail(instances, reason)) \
             .add_done_callback(_log_refusal)
 
     def _persist(self) -> None:
@@ -1092,8 +963,8 @@ class Manager:
         self.state.save({
             "server": process_record(os.getpid()) if not self._stopping.is_set() else None,
             "version": self.version, "update": self.update_body,
-            "blocks": {n: rec(c) for n, c in self.blocks.items() if c.process.pid},
-            "dispatcher": rec(self.dispatcher) if self.dispatcher and self.dispatcher.process.pid else None,
+            "blocks": {n: rec(c) for n, c in self.table.blocks.items() if c.process.pid},
+            "dispatcher": rec(self.table.dispatcher) if self.table.dispatcher and self.table.dispatcher.process.pid else None,
             "shm_dir": self.state.shm, "run_dir": self.state.run_dir,
         })
 
@@ -1109,17 +980,6 @@ def one_per_replica(blocks: dict[str, BlockDecl]) -> dict[str, BlockDecl]:
 def replica_of(blocks: dict[str, BlockDecl]) -> dict[str, tuple[str, int]]:
     """Process name -> (block, replica), for the processes ``one_per_replica`` names."""
     return {n: (decl.name, r) for decl in blocks.values() for r, n in enumerate(decl.replica_names())}
-
-
-def _resolve(fut: Future, result=None, error: BaseException | None = None) -> None:
-    """Answer an operation's caller, unless it gave up waiting already."""
-    try:
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-    except InvalidStateError:
-        pass
 
 
 def _log_refusal(fut: Future) -> None:
