@@ -21,6 +21,12 @@ and resolves the future. A block that fails to start fails the whole update and 
 changes. Only the supervisor thread changes state; the lock lets REST readers see one round's
 result whole.
 
+The manager coordinates four parts, each its own class: the process table (children.py: every
+child, its ``ChildState``, its launcher handle), the spawner (spawner.py: a child's spec, handed to
+the launcher), the operation in progress (operation.py: its ``Phase``) and the topology publisher
+(topology.py: what the dispatcher and the blocks are told). tests/test_manager_units.py drives
+them, through this class, with fake children at the launcher seam.
+
 Blocks are forked from a forkserver that has torch imported already, so a new block costs a
 fork and a model load, not a fresh interpreter (about 2 s of torch import each). The
 forkserver is stopped last at shutdown, so nothing the server started outlives it.
@@ -35,16 +41,11 @@ import threading
 import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 
-import msgspec
 import zmq
 from msgspec.structs import replace
 
 from blockflow import settings
-# specs and entry points only: the manager never imports a block or the dispatcher (nor torch)
-from blockflow.blocks.spec import SERVE_BLOCK, SERVE_HOST, BlockSpec, HostSpec
-from blockflow.dispatcher.spec import SERVE_DISPATCHER, DispatcherSpec
-from blockflow.protocol import (DISPATCHER, EXIT_BOOT_ERROR, EXIT_NODE_LOST, Cmd, Fail, Host, Outstanding, Tasks,
-                                Topology, describe_exit)
+from blockflow.protocol import EXIT_BOOT_ERROR, EXIT_NODE_LOST, Cmd, Host, Outstanding, describe_exit
 from blockflow.schema import BlockDecl, validate_update
 from blockflow.tensormq.curve import ClusterKeys
 
@@ -53,6 +54,8 @@ from .children import Child, ChildState, HostedProcess, ProcessTable
 from .launcher import LocalLauncher
 from .models import ModelCatalog
 from .operation import Kind, Operation, Phase
+from .spawner import Spawner
+from .topology import Deployment, TopologyPublisher, log_refusal
 from .reconcile import Desired, Running, diff_tasks, plan, without_block
 from .state import StateDir, process_record, slot_budget
 
@@ -131,6 +134,7 @@ def visible_gpus(env: str | None = None, physical: int | None = None) -> int:
         seen.add(entry)
     return min(len(seen), physical)
 
+
 class Manager:
     def __init__(self, repo: str, state: StateDir, dispatcher_address: str = "tcp://127.0.0.1:5580",
                  token: str | None = None, window: int = settings.WINDOW, ray_address: str | None = None,
@@ -151,17 +155,11 @@ class Manager:
         self.catalog = ModelCatalog(self.repo)
         self.lock = threading.RLock()
         self.table = ProcessTable()  # manager/children.py: every child, its state and launcher handle
-        self.tasks: dict[str, list[str]] = {}
-        self.manifests: dict[str, dict | None] = {}
-        self.update_body: dict | None = None
+        self.deployed = Deployment()  # manager/topology.py: the tasks, version, transport of what runs
         self.shm_budget: dict | None = None  # what the last update needs of the slot filesystem (state.slot_budget)
-        self.transport = "tensormq"
-        self.version = 0
         self.events: queue.Queue = queue.Queue()
         self.ops: collections.deque[Operation] = collections.deque()
         self.op: Operation | None = None
-        self.table.stopping: list[Child] = []
-        self._incarnations: dict[str, int] = {}
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._next_ping = 0.0
@@ -174,7 +172,7 @@ class Manager:
         self.state.prepare()
         self.state.clean_leftovers()
         self.state.sweep_orphans()
-        self.version = self.state.recorded_version()  # versions only grow across restarts, --fresh too
+        self.deployed.version = self.state.recorded_version()  # versions only grow across restarts, --fresh too
         if self.launcher is None and self.ray_address:
             from .ray_launcher import RayLauncher
             self.launcher = RayLauncher(self.ray_address)
@@ -189,7 +187,11 @@ class Manager:
         if self.keys is not None:
             self.controller_tcp = self.controller.listen_between_nodes(self.launcher.ip, self.keys)
         self.controller.start()
-        self.table.dispatcher = d = self.spawn_dispatcher()
+        self.spawner = Spawner(self.table, self.launcher, self.controller, self.state, self.repo, self.catalog,
+                               self.window, self.token, self.keys, self.controller_tcp)
+        self.topology = TopologyPublisher(self.table, self.deployed, self.controller,
+                                          wake=lambda: self.events.put(("wake", None)), cluster=self.keys is not None)
+        self.table.dispatcher = d = self.spawner.dispatcher(self.dispatcher_address, self.deployed.transport)
         try:
             info = self.controller.wait_ready(d.ident, READY_TIMEOUT, alive=d.process.is_alive)
         except (ControlError, TimeoutError) as exc:
@@ -235,7 +237,7 @@ class Manager:
                 children += list(op.new.values()) + op.retired
             hosts = list(self.table.hosts.values())
             self.table.clear()
-            self.tasks.clear()
+            self.deployed.tasks.clear()
             self.stop_now(children)
             self.stop_now(hosts)  # after their blocks: they stop with nothing left to host
             if self.table.dispatcher is not None:
@@ -248,52 +250,7 @@ class Manager:
         self.launcher.close()
         log.info("manager stopped")
 
-    # -- spawning (never waits: READY arrives as an event) ----------------------------------------
-    def spawn_block(self, decl: BlockDecl, restarts: int = 0, streak: int = 0, block: str | None = None,
-                    replica: int = 0, declared: dict[str, BlockDecl] | None = None) -> Child:
-        """Start the process ``decl.name``: replica ``replica`` of ``block`` (default: the block itself).
-        A block with a ``process`` goes into that shared process (started here if need be), once
-        the process is ready (check_starting)."""
-        inc = self.table.next_incarnation(decl.name)
-        # the declaration goes to the block whole (Note [One declaration per block] in blockflow/schema.py)
-        spec = BlockSpec(**msgspec.structs.asdict(decl), repo=self.repo, run_dir=self.state.run_dir,
-                         sock_dir=self.state.sock, shm_dir=self.state.shm, incarnation=inc,
-                         controller=self.controller.endpoint, parent_pid=os.getpid(), window=self.window,
-                         verified=self.catalog.verified(decl.files))
-        spec = self.cluster_spec(spec, decl.node)
-        if decl.node is not None:
-            spec = replace(spec, verified=None)  # its node's copy of the files: the block checks it there
-        if decl.process is not None:
-            host = self.host_for(decl, self.table.declared if declared is None else declared)
-            c = Child(decl.name, decl, inc, None, restarts=restarts, streak=streak, block=block or decl.name,
-                      replica=replica, host=host, hosted_spec=spec.to_json())
-            c.process = HostedProcess(host, self.controller, c.ident)
-            log.info("block %s#%d goes into shared process %s (%s on %s)", decl.name, inc, host.name, decl.model,
-                     decl.device)
-            return c
-        proc = self.launcher.start(SERVE_BLOCK, spec, f"blockflow-{decl.name}", node=decl.node)
-        where = f"pid {proc.pid}" if decl.node is None else f"through Ray, on a node with {decl.node!r}"
-        log.info("spawned block %s#%d (%s, %s on %s)", decl.name, inc, where, decl.model, decl.device)
-        return Child(decl.name, decl, inc, proc, restarts=restarts, streak=streak, block=block or decl.name,
-                     replica=replica)
-
-    def host_for(self, decl: BlockDecl, declared: dict[str, BlockDecl]) -> Child:
-        """The shared process ``decl.process``: the running one, or a new one whose torch thread
-        pool is the largest ``threads`` among the ``declared`` blocks of the group."""
-        host = self.table.hosts.get(decl.process)
-        if host is not None and host.process.exitcode is None and host.status in (ChildState.STARTING, ChildState.READY):
-            return host
-        name = f"@{decl.process}"
-        threads = max((d.threads or 0 for d in declared.values() if d.process == decl.process), default=0)
-        inc = self.table.next_incarnation(name)
-        spec = self.cluster_spec(HostSpec(name=name, device=decl.device, threads=threads or None, incarnation=inc,
-                                          controller=self.controller.endpoint, parent_pid=os.getpid()), decl.node)
-        proc = self.launcher.start(SERVE_HOST, spec, f"blockflow-{name}", node=decl.node)
-        log.info("spawned shared process %s#%d (pid %s, %s)", name, inc, proc.pid, decl.device)
-        restarts = host.restarts + 1 if host is not None else 0
-        self.table.hosts[decl.process] = new = Child(name, None, inc, proc, restarts=restarts)
-        return new
-
+    # -- shared processes, readiness, stopping (never waits: READY and exits arrive as events) ------
     def check_hosts(self) -> None:
         """Shared processes: READY (-> ready, and their waiting blocks are sent to them), an
         exit (-> gone: their blocks see it as their own), nothing left to host (-> stopped)."""
@@ -321,28 +278,8 @@ class Manager:
                 for c in members:
                     if c.host is host and c.hosted_spec is not None and c.status is ChildState.STARTING:
                         self.controller.cast(host.ident, Cmd.HOST, Host(c.hosted_spec)).add_done_callback(
-                            _log_refusal)
+                            log_refusal)
                         c.hosted_spec = None
-
-    def cluster_spec(self, spec, node: str | None):
-        """Ray mode: the spec of a block or shared process gets the cluster's keys and listens
-        for other nodes (at this host's address; the node agent puts its node's); one placed on
-        another node reaches the controller over CURVE TCP."""
-        if self.keys is None:
-            return spec
-        spec = replace(spec, curve=self.keys.to_json(), bind_host=self.launcher.ip)
-        return spec if node is None else replace(spec, controller=self.controller_tcp)
-
-    def spawn_dispatcher(self, restarts: int = 0, streak: int = 0) -> Child:
-        inc = self.table.next_incarnation(DISPATCHER)
-        spec = DispatcherSpec(sock_dir=self.state.sock, shm_dir=self.state.shm, address=self.dispatcher_address,
-                              run_dir=self.state.run_dir,
-                              transport=self.transport, controller=self.controller.endpoint,
-                              parent_pid=os.getpid(), incarnation=inc, token=self.token, window=self.window)
-        if self.keys is not None:
-            spec = replace(spec, curve=self.keys.to_json(), bind_host=self.launcher.ip)
-        proc = self.launcher.start(SERVE_DISPATCHER, spec, "blockflow-dispatcher")
-        return Child(DISPATCHER, None, inc, proc, restarts=restarts, streak=streak)
 
     def mark_ready(self, c: Child, info: dict) -> None:
         c.status, c.endpoint, c.ready_info, c.ready_at = ChildState.READY, info["endpoint"], info, time.monotonic()
@@ -419,7 +356,7 @@ class Manager:
         def desire() -> Desired:
             if name not in self.table.declared:
                 raise KeyError(name)
-            return without_block(self.table.declared, self.tasks, name)
+            return without_block(self.table.declared, self.deployed.tasks, name)
         return self.submit(Operation(Kind.DELETE_BLOCK, desire))
 
     def delete_all(self) -> dict:
@@ -447,22 +384,6 @@ class Manager:
                                                            else f"{op.kind} did not finish in time"))
 
     # -- reading (REST) ----------------------------------------------------------------------------
-    def task_table(self) -> dict:
-        table = {}
-        for tid, path in self.tasks.items():
-            # per hop, its replicas that serve now (replica 0 stands for a block with none ready)
-            choices = [[c for c in self.table.replicas(n) if c.status is ChildState.READY] or self.table.replicas(n)[:1] for n in path]
-            hops = [cs[0] for cs in choices]
-            down = [c for c in hops if c.status is not ChildState.READY]
-            entry = self.manifests.get(hops[0].decl.files[0])
-            table[tid] = {"path": [[c.name, c.endpoint] for c in hops], "blocks": [c.instance for c in hops],
-                          "input": _input_spec(entry, hops[0].decl.input_dtype)}
-            if any(len(cs) > 1 for cs in choices):  # the dispatcher picks a replica per hop and request
-                table[tid]["replicas"] = [[[c.name, c.endpoint, c.instance] for c in cs] for cs in choices]
-            if down:
-                table[tid]["unavailable"] = ", ".join(f"block {c.block} is {c.status}" for c in down)
-        return table
-
     def child(self, name: str) -> Child:
         with self.lock:
             c = self.table.blocks.get(name)
@@ -483,9 +404,10 @@ class Manager:
 
     def snapshot(self) -> dict:
         with self.lock:
-            return {"version": self.version, "transport": self.transport,
-                    "blocks": [{**c.describe(), "next_hops": self.hop_kinds(c)} for c in self.table.blocks.values()],
-                    "tasks": [{"id": t, "path": p} for t, p in self.tasks.items()],
+            return {"version": self.deployed.version, "transport": self.deployed.transport,
+                    "blocks": [{**c.describe(), "next_hops": self.topology.hop_kinds(c)}
+                               for c in self.table.blocks.values()],
+                    "tasks": [{"id": t, "path": p} for t, p in self.deployed.tasks.items()],
                     "dispatcher": self.table.dispatcher.describe() if self.table.dispatcher else None,
                     "state_dir": self.state.root, "run_dir": self.state.run_dir,
                     "shm": self.shm_budget, **self.cluster_info()}
@@ -497,6 +419,13 @@ class Manager:
             return {}
         return {"cluster": {"ray": self.ray_address, "node": self.launcher.node, "controller": self.controller_tcp,
                             "server_public_key": self.keys.server_public}}
+
+    @property
+    def version(self) -> int:
+        return self.deployed.version
+
+    def task_table(self) -> dict:
+        return self.topology.task_table()
 
     @property
     def dispatcher(self) -> Child | None:
@@ -629,8 +558,8 @@ class Manager:
             # unavailable (so no new request is sent to a dead socket, where it would wait for
             # its deadline), then it answers the requests the block held. Both go down the same
             # control pipe, so they arrive in this order.
-            self.publish()
-            self._fail_requests([c.instance], f"block {c.name} failed ({how}) while holding the request")
+            self.topology.publish()
+            self.topology.fail_requests([c.instance], f"block {c.name} failed ({how}) while holding the request")
         self._persist()
 
     def check_starting(self) -> None:
@@ -655,7 +584,7 @@ class Manager:
                 # said so) is placed again: not a failure of the block, nor a crash to count
                 log.warning("%s was placed on a node that is gone; placing it again", c.instance)
                 self.controller.forget(c.ident)
-                again = self.spawn_block(c.decl, restarts=c.restarts, streak=c.streak, block=c.block,
+                again = self.spawner.block(c.decl, restarts=c.restarts, streak=c.streak, block=c.block,
                                          replica=c.replica)
                 again.last_exit = c.last_exit
                 self.table.blocks[c.name] = again
@@ -680,7 +609,7 @@ class Manager:
             c.status = ChildState.FAILED
             changed = changed or self.table.serves(c)
         if changed:
-            self.publish()
+            self.topology.publish()
             self._persist()
 
     def respawn_children(self) -> None:
@@ -688,13 +617,14 @@ class Manager:
         # say why a block restarted after it is ready again, not only while it is down
         for name, c in list(self.table.blocks.items()):
             if c.status is ChildState.RESTARTING:
-                self.table.blocks[name] = self.spawn_block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1,
+                self.table.blocks[name] = self.spawner.block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1,
                                                      block=c.block, replica=c.replica)
                 self.table.blocks[name].last_exit = c.last_exit
                 self._persist()
         if self.table.dispatcher is not None and self.table.dispatcher.status is ChildState.RESTARTING:
             old = self.table.dispatcher
-            self.table.dispatcher = self.spawn_dispatcher(restarts=old.restarts + 1, streak=old.streak + 1)
+            self.table.dispatcher = self.spawner.dispatcher(self.dispatcher_address, self.deployed.transport,
+                                                            restarts=old.restarts + 1, streak=old.streak + 1)
             self.table.dispatcher.last_exit = old.last_exit
             self._persist()
 
@@ -714,12 +644,12 @@ class Manager:
             if failed is not None:
                 self.stop_later(op.new.values())  # roll back: the old blocks were never touched
                 if op.phase is Phase.PREPARING:
-                    self.publish()  # but for the sockets and slots prepare() opened towards the new ones
+                    self.topology.publish()  # but for the sockets and slots prepare() opened towards the new ones
                 op.enter(Phase.FAILED, now)
                 self.finish(op, error=UpdateFailed(failed.failure, failed.name))
                 return
         if op.phase is Phase.STARTING and op.new_ready():
-            op.acks = self.prepare(op)
+            op.acks = self.topology.prepare(op)
             op.enter(Phase.PREPARING, now)
         if op.phase is Phase.PREPARING and op.acknowledged(PREPARE_TIMEOUT, now):
             self.switch(op)
@@ -732,8 +662,8 @@ class Manager:
         if op.phase is Phase.STOPPING and all(c.gone for c in op.retired):
             if op.retired:
                 names = [c.instance for c in op.retired]
-                self._fail_requests(names, f"blocks {', '.join(names)} were removed by a system update")
-                self.publish()  # blocks close their sockets to the retired ones and reclaim slots
+                self.topology.fail_requests(names, f"blocks {', '.join(names)} were removed by a system update")
+                self.topology.publish()  # blocks close their sockets to the retired ones and reclaim slots
             op.enter(Phase.DONE, now)
             self.finish(op)
 
@@ -747,7 +677,8 @@ class Manager:
             op.resolve(error=Conflict(str(exc)))
             return
         # an update replaces failed blocks; a deletion leaves the other blocks as they are
-        current = {n: Running(c.decl, c.status is ChildState.FAILED and op.kind is Kind.UPDATE) for n, c in self.table.blocks.items()}
+        current = {n: Running(c.decl, c.status is ChildState.FAILED and op.kind is Kind.UPDATE)
+                   for n, c in self.table.blocks.items()}
         op.processes = one_per_replica(op.desired.blocks)
         op.plan = plan(current, op.processes)
         down = self._nodes_down([op.processes[n] for n in op.plan.starts])
@@ -757,7 +688,7 @@ class Manager:
         which = replica_of(op.desired.blocks)
         try:
             for n in op.plan.starts:
-                op.new[n] = self.spawn_block(op.processes[n], block=which[n][0], replica=which[n][1],
+                op.new[n] = self.spawner.block(op.processes[n], block=which[n][0], replica=which[n][1],
                                              declared=op.desired.blocks)
         except Exception as exc:  # e.g. the forkserver is gone: answer, do not leave the caller waiting
             self.stop_later(op.new.values())
@@ -782,71 +713,25 @@ class Manager:
                         d.name)
         return None
 
-    def prepare(self, op: Operation) -> list[Future]:
-        """Every new block is READY; before the switch, every new block and every process the
-        new tasks make send to a new block (the dispatcher to a new first block) connects to
-        its next hops and makes its slots towards them (Note [Ready to serve] in
-        blocks/process.py), so that no request pays for it. Returns the acknowledgements;
-        each wakes the supervisor. A process that does not answer in PREPARE_TIMEOUT only
-        leaves its first request to do it."""
-        procs = [op.new.get(n) or self.table.blocks.get(n) for n in op.processes]
-        by_block: dict[str, list[Child]] = {}
-        for c in procs:
-            if c is not None and c.status is ChildState.READY and c.endpoint:
-                by_block.setdefault(c.block, []).append(c)
-        disp = self.table.dispatcher_ready()
-        results = disp.ready_info.get("results", []) if disp is not None else []
-        nexts: dict[Child, dict] = {}
-        for path in op.desired.tasks.values():
-            hops = [by_block.get(name, []) for name in path]
-            if disp is not None:
-                for c in hops[0]:
-                    entry = op.manifests.get(c.decl.files[0]) if op.transport == "tensormq" else None
-                    nexts.setdefault(disp, {})[c.endpoint] = _input_spec(entry)
-            for i, senders in enumerate(hops):
-                for c in senders:
-                    if i + 1 < len(hops):
-                        targets = [r.endpoint for r in hops[i + 1]]
-                    else:  # the dispatcher reaches the last block the way it is reached itself
-                        targets = [results[1] if c.endpoint.startswith("tcp://") and len(results) > 1
-                                   else results[0]] if results else []
-                    nexts.setdefault(c, {}).update(dict.fromkeys(targets))
-        new = {c.endpoint for c in op.new.values()}
-        live = [c.endpoint for c in [*self.table.blocks.values(), *op.new.values()] if c.status is ChildState.READY] + list(results)
-        # the blocks being replaced still serve until the switch: their devices stay known
-        devices = {c.endpoint: c.decl.device for c in [*self.table.blocks.values(), *op.new.values()]
-                   if c.endpoint and c.decl is not None}
-        receivers = self.receivers(draining=list(op.new.values()))
-        futures = []
-        for c, hops in nexts.items():
-            if c not in op.new.values() and not new & set(hops):
-                continue  # it sends to no new block: nothing to prepare
-            args = Topology(live, devices, self.routes_from(c, receivers), prepare=hops)
-            fut = self.controller.cast(c.ident, Cmd.UPDATE, args)
-            fut.add_done_callback(_log_refusal)
-            fut.add_done_callback(lambda _f: self.events.put(("wake", None)))
-            futures.append(fut)
-        return futures
-
     def switch(self, op: Operation) -> None:
         """Every new block is READY: make the desired state the current one."""
         current = self.table.blocks
         op.retired = [current[n] for n in op.plan.retires]
         self.table.blocks = {n: op.new[n] if n in op.new else current[n] for n in op.processes}
         self.table.declared = dict(op.desired.blocks)
-        old_tasks, self.tasks = self.tasks, dict(op.desired.tasks)
+        old_tasks, self.deployed.tasks = self.deployed.tasks, dict(op.desired.tasks)
         if op.kind is Kind.UPDATE:
-            self.update_body, self.transport = op.body, op.transport
-            self.manifests = dict(op.manifests)
-        elif self.update_body:  # state.json keeps the update that describes what runs now
-            kept = [b for b in self.update_body.get("blocks", []) if b.get("name") in self.table.declared]
-            self.update_body = {**self.update_body, "blocks": kept} if kept else None
-        self.version += 1
-        op.diff = {**op.plan.as_diff(), "tasks": diff_tasks(old_tasks, self.tasks).as_dict()}
+            self.deployed.update_body, self.deployed.transport = op.body, op.transport
+            self.deployed.manifests = dict(op.manifests)
+        elif self.deployed.update_body:  # state.json keeps the update that describes what runs now
+            kept = [b for b in self.deployed.update_body.get("blocks", []) if b.get("name") in self.table.declared]
+            self.deployed.update_body = {**self.deployed.update_body, "blocks": kept} if kept else None
+        self.deployed.version += 1
+        op.diff = {**op.plan.as_diff(), "tasks": diff_tasks(old_tasks, self.deployed.tasks).as_dict()}
         now = time.time()
         for c in op.new.values():  # ready for a while, sent requests from this publish on
             c.serving_since = now
-        op.acks = self.publish(draining=op.retired)
+        op.acks = self.topology.publish(draining=op.retired)
         op.switched = time.monotonic()
         self._persist()
 
@@ -874,87 +759,8 @@ class Manager:
             log.warning("%s failed after %.2fs: %s", op.kind, took, error)
             op.resolve(error=error)
             return
-        log.info("applied %s version %d in %.2fs: %s", op.kind, self.version, took, op.diff)
-        op.resolve(op.result(self.version, self.shm_budget))
-
-    # -- telling the processes ---------------------------------------------------------------------
-    def publish(self, draining: list[Child] = ()) -> list[Future]:
-        """Send the task table to the dispatcher and the live hops to every process; never waits.
-        Returns the futures of the processes' acknowledgements.
-
-        ``draining``: blocks on their way out whose queued requests must still finish. Their
-        endpoints stay live, because a producer reclaims the slots of every hop that is not
-        live, which would turn the handles still queued there into stale ones. The drain
-        publishes again once they are stopped."""
-        live = [c.endpoint for c in [*self.table.blocks.values(), *draining] if c.status is ChildState.READY]
-        if self.table.dispatcher is not None:
-            live += list(self.table.dispatcher.ready_info.get("results", []))
-        devices = {c.endpoint: c.decl.device for c in self.table.blocks.values() if c.endpoint}
-        futures = []
-        receivers = self.receivers(draining)
-        if self.table.dispatcher is not None and self.table.dispatcher.status is ChildState.READY:
-            futures.append(self.controller.cast(self.table.dispatcher.ident, Cmd.TASKS,
-                                                Tasks(self.task_table(), self.version)))
-            futures.append(self.controller.cast(self.table.dispatcher.ident, Cmd.UPDATE, Topology(
-                live, devices, self.routes_from(self.table.dispatcher, receivers), self.transport)))
-        for c in self.table.blocks.values():
-            if c.status is ChildState.READY:
-                futures.append(self.controller.cast(c.ident, Cmd.UPDATE, Topology(live, devices,
-                                                                                  self.routes_from(c, receivers))))
-        for f in futures:
-            f.add_done_callback(_log_refusal)
-        return futures
-
-    def receivers(self, draining=()) -> list[tuple[str, str | None, str | None]]:
-        """Ray mode: (the TCP endpoint paths name it by, its endpoint for processes of its own
-        node, its node) of every ready process that tensors are sent to: blocks, and the
-        dispatcher's result socket."""
-        out = [(c.endpoint, c.ready_info.get("near"), c.process.node)
-               for c in [*self.table.blocks.values(), *draining] if c.status is ChildState.READY and c.endpoint]
-        d = self.table.dispatcher
-        if d is not None and d.status is ChildState.READY and len(d.ready_info.get("results", [])) == 2:
-            ipc, tcp = d.ready_info["results"]
-            out.append((tcp, ipc, d.process.node))
-        return out
-
-    def routes_from(self, sender: Child, receivers) -> dict | None:
-        """Ray mode: ``{TCP endpoint: endpoint on this node}`` (Topology's ``near``), the receivers on
-        ``sender``'s node, which it hands handles to (Transport.near); it sends every other hop
-        bytes over CURVE TCP. Decided by the nodes' identities (Ray's node ids), never by
-        comparing addresses. Nothing without Ray."""
-        if self.keys is None:
-            return None
-        return {addr: near for addr, near, node in receivers if node == sender.process.node and near}
-
-    def hop_kinds(self, c: Child) -> dict[str, str]:
-        """How ``c``'s tensors travel to each next hop of the tasks through it (GET /system):
-        ``in_process`` to a block of the same shared process (the tensor itself: blocks/handover.py),
-        ``handles`` on one node with TensorMQ, ``bytes`` with ZeroMQ, ``tcp`` (bytes over CURVE
-        TCP) to another node. The dispatcher is the hop after a path's last block."""
-        kinds = {}
-        for path in self.tasks.values():
-            for i, name in enumerate(path):
-                if c.block != name:
-                    continue
-                nexts = self.table.replicas(path[i + 1]) if i + 1 < len(path) else [self.table.dispatcher]
-                for n in nexts:
-                    if n is None:
-                        continue
-                    hop = n.name if n.decl is not None else DISPATCHER
-                    if c.host is not None and n.host is c.host:
-                        kinds[hop] = "in_process"
-                    elif n.process.node != c.process.node:
-                        kinds[hop] = "tcp"
-                    else:
-                        kinds[hop] = "handles" if (c.decl.transport == "tensormq") else "bytes"
-        return kinds
-
-    def _fail_requests(self, instances: list[str], reason: str) -> None:
-        d = self.table.dispatcher_ready()
-        if d is None:
-            return
-        self.controller.cast(d.ident, Cmd.FAIL, Fail(instances, reason)) \
-            .add_done_callback(_log_refusal)
+        log.info("applied %s version %d in %.2fs: %s", op.kind, self.deployed.version, took, op.diff)
+        op.resolve(op.result(self.deployed.version, self.shm_budget))
 
     def _persist(self) -> None:
         def rec(c: Child) -> dict:
@@ -962,9 +768,9 @@ class Manager:
                     "endpoint": c.endpoint, "status": c.status, "restarts": c.restarts}
         self.state.save({
             "server": process_record(os.getpid()) if not self._stopping.is_set() else None,
-            "version": self.version, "update": self.update_body,
+            "version": self.deployed.version, "update": self.deployed.update_body,
             "blocks": {n: rec(c) for n, c in self.table.blocks.items() if c.process.pid},
-            "dispatcher": rec(self.table.dispatcher) if self.table.dispatcher and self.table.dispatcher.process.pid else None,
+            "dispatcher": rec(d) if (d := self.table.dispatcher) and d.process.pid else None,
             "shm_dir": self.state.shm, "run_dir": self.state.run_dir,
         })
 
@@ -982,19 +788,3 @@ def replica_of(blocks: dict[str, BlockDecl]) -> dict[str, tuple[str, int]]:
     return {n: (decl.name, r) for decl in blocks.values() for r, n in enumerate(decl.replica_names())}
 
 
-def _log_refusal(fut: Future) -> None:
-    exc = fut.exception()
-    if exc is not None:
-        log.warning("a process did not take a control message: %s", exc)
-
-
-def _input_spec(entry: dict | None, dtype: str | None = None) -> dict | None:
-    """What a task's first block takes, for the dispatcher's check of a request (its manifest
-    entry): dtype and shape, and ``shapes`` where it takes several tensors (``input_shapes``);
-    ``dtype``: the block's declared ``input_dtype``, before the manifest's."""
-    if not entry:
-        return {"dtype": dtype, "shape": None} if dtype else None
-    spec = {"dtype": dtype or entry.get("dtype"), "shape": entry.get("input_shape")}
-    if entry.get("input_shapes"):
-        spec["shapes"] = entry["input_shapes"]
-    return spec
