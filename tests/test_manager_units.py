@@ -299,7 +299,9 @@ def test_a_retired_block_is_stopped_only_once_the_dispatcher_holds_nothing_on_it
     disp.outstanding = 0
     assert result(op)["diff"]["removed"] == ["b2"]
     assert old_b2.exitcode == 0
-    # the requests b2 might still hold are answered once it is gone, not before
+    # the requests b2 might still hold are answered once it is gone, not before (FAIL is cast, not
+    # awaited, before the update is answered)
+    wait_for(lambda: Cmd.FAIL in disp.commands, TIMEOUT, "the dispatcher to be told to fail what b2 held")
     assert disp.commands.index(Cmd.FAIL) > disp.commands.index(Cmd.OUTSTANDING)
 
 
