@@ -72,6 +72,12 @@ class Child:
     def instance(self) -> str:
         return f"{self.name}#{self.incarnation}"
 
+    def mark_ready(self, info: dict) -> None:
+        """READY arrived (``info``: the Ready message): it serves from now on."""
+        self.status, self.endpoint, self.ready_info, self.ready_at = ChildState.READY, info["endpoint"], info, \
+            time.monotonic()
+        self.serving_since = time.time()  # publish() routes to it next; an update's switch() says so again
+
     def describe(self) -> dict:
         d = {"name": self.name, "pid": self.process.pid, "node": self.process.node, "status": self.status.value,
              "endpoint": self.endpoint,

@@ -9,9 +9,10 @@ never waits on a process (gunicorn's Arbiter in spirit)::
         reap_children()       # exits, and stopping children: escalate stop -> TERM -> KILL
         check_health()        # pings; silence past HANG_TIMEOUT or an inference past
                               # max_inference_s: kill, answer its requests, respawn
+        check_hosts()         # shared processes: READY, exits, nothing left to host
         check_starting()      # READY arrived? boot error? past READY_TIMEOUT?
         respawn_children()    # spawn (no wait) what died
-        reconcile()           # advance the operation in progress one step
+        reconcile()           # advance the operation in progress
 
 An operation (an update, a block deletion, DELETE /system) is checked at the edge, in the
 REST thread, then queued; the REST thread waits on its future. The supervisor starts the new
@@ -21,11 +22,13 @@ and resolves the future. A block that fails to start fails the whole update and 
 changes. Only the supervisor thread changes state; the lock lets REST readers see one round's
 result whole.
 
-The manager coordinates four parts, each its own class: the process table (children.py: every
+The manager coordinates five parts, each its own class: the process table (children.py: every
 child, its ``ChildState``, its launcher handle), the spawner (spawner.py: a child's spec, handed to
-the launcher), the operation in progress (operation.py: its ``Phase``) and the topology publisher
-(topology.py: what the dispatcher and the blocks are told). tests/test_manager_units.py drives
-them, through this class, with fake children at the launcher seam.
+the launcher), the supervisor's rounds over the children (supervision.py: the steps above but the
+first and the last), the operation in progress (operation.py: its ``Phase``; ``reconcile`` here
+moves it on) and the topology publisher (topology.py: what the dispatcher and the blocks are
+told). tests/test_manager_units.py drives them, through this class, with fake children at the
+launcher seam.
 
 Blocks are forked from a forkserver that has torch imported already, so a new block costs a
 fork and a model load, not a fresh interpreter (about 2 s of torch import each). The
@@ -45,41 +48,27 @@ import zmq
 from msgspec.structs import replace
 
 from blockflow import settings
-from blockflow.protocol import EXIT_BOOT_ERROR, EXIT_NODE_LOST, Cmd, Host, Outstanding, describe_exit
+from blockflow.protocol import Cmd, Outstanding, describe_exit
 from blockflow.schema import BlockDecl, validate_update
 from blockflow.tensormq.curve import ClusterKeys
 
 from .controller import ControlError, Controller
-from .children import Child, ChildState, HostedProcess, ProcessTable
+from .children import Child, ChildState, ProcessTable
 from .launcher import LocalLauncher
 from .models import ModelCatalog
 from .operation import Kind, Operation, Phase
 from .spawner import Spawner
-from .topology import Deployment, TopologyPublisher, log_refusal
+from .supervision import HANG_TIMEOUT, READY_TIMEOUT, STOP_KILL_S, Supervisor
+from .topology import Deployment, TopologyPublisher
 from .reconcile import Desired, Running, diff_tasks, plan, without_block
 from .state import StateDir, process_record, slot_budget
 
 log = logging.getLogger("blockflow.manager")
 
-#: Seconds a new block has to load its model and report READY.
-READY_TIMEOUT = settings.READY_TIMEOUT
-#: Seconds between health pings.
-PING_INTERVAL = settings.PING_INTERVAL
-#: A process silent for this long is considered hung, killed and respawned.
-HANG_TIMEOUT = settings.HANG_TIMEOUT
-#: Respawns allowed per block before it is marked failed.
-MAX_RESTARTS = settings.MAX_RESTARTS
-#: A process that ran this long before dying starts a fresh restart budget: the limit is meant
-#: for crash loops (as systemd's StartLimitBurst within StartLimitIntervalSec), not for a server
-#: that lost a block five times over a month.
-RESTART_WINDOW = settings.RESTART_WINDOW
 #: Seconds an update waits for requests on a retired block's path to finish.
 DRAIN_TIMEOUT = settings.DRAIN_TIMEOUT
 #: How long the supervisor sleeps when nothing happens (it wakes at once on an event).
 TICK = 0.05
-#: A child asked to stop gets this long before SIGTERM, and STOP_KILL_S before SIGKILL.
-STOP_TERM_S = 1.0
-STOP_KILL_S = 5.0
 #: Seconds the switch waits for processes to take a topology update before draining anyway. A
 #: hung process is killed within HANG_TIMEOUT, which fails its acknowledgement at once; this is
 #: the bound for one that answers pings but not the update (its inference thread is busy).
@@ -162,9 +151,6 @@ class Manager:
         self.op: Operation | None = None
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
-        self._next_ping = 0.0
-        self._last_health = 0.0   # when check_health last ran (monotonic)
-        self._grace_from = 0.0    # silence before this moment does not count (see check_health)
         self.gpus = 0
 
     # -- life-cycle --------------------------------------------------------------------------
@@ -191,15 +177,17 @@ class Manager:
                                self.window, self.token, self.keys, self.controller_tcp)
         self.topology = TopologyPublisher(self.table, self.deployed, self.controller,
                                           wake=lambda: self.events.put(("wake", None)), cluster=self.keys is not None)
+        self.supervisor = Supervisor(self.table, self.controller, self.spawner, self.topology, self.state,
+                                     self.launcher.node, self.events, changed=self._persist)
         self.table.dispatcher = d = self.spawner.dispatcher(self.dispatcher_address, self.deployed.transport)
         try:
             info = self.controller.wait_ready(d.ident, READY_TIMEOUT, alive=d.process.is_alive)
         except (ControlError, TimeoutError) as exc:
-            self.stop_now([d])
+            self.supervisor.stop_now([d])
             raise RuntimeError(f"the dispatcher did not start on {self.dispatcher_address}: {exc} "
                                f"({describe_exit(d.process.exitcode)}); "
                                "is the port in use? try --dispatcher-port") from None
-        self.mark_ready(d, info)
+        d.mark_ready(info)
         self.dispatcher_address = d.endpoint  # a respawn binds the same port (matters for port 0)
         self._persist()
         self._supervisor = threading.Thread(target=self.supervise, name="supervisor", daemon=True)
@@ -238,10 +226,10 @@ class Manager:
             hosts = list(self.table.hosts.values())
             self.table.clear()
             self.deployed.tasks.clear()
-            self.stop_now(children)
-            self.stop_now(hosts)  # after their blocks: they stop with nothing left to host
+            self.supervisor.stop_now(children)
+            self.supervisor.stop_now(hosts)  # after their blocks: they stop with nothing left to host
             if self.table.dispatcher is not None:
-                self.stop_now([self.table.dispatcher])
+                self.supervisor.stop_now([self.table.dispatcher])
                 self.table.dispatcher = None
             self.controller.stop()
             self.ctx.term()
@@ -249,93 +237,6 @@ class Manager:
             self.state.remove_runtime()
         self.launcher.close()
         log.info("manager stopped")
-
-    # -- shared processes, readiness, stopping (never waits: READY and exits arrive as events) ------
-    def check_hosts(self) -> None:
-        """Shared processes: READY (-> ready, and their waiting blocks are sent to them), an
-        exit (-> gone: their blocks see it as their own), nothing left to host (-> stopped)."""
-        members = [c for c in [*self.table.blocks.values(), *self.table.stopping,
-                               *(self.op.new.values() if self.op else ())] if c.host is not None and not c.gone]
-        for group, host in list(self.table.hosts.items()):
-            if host.status is ChildState.STARTING and host.ident in self.controller.ready:
-                self.mark_ready(host, self.controller.ready[host.ident])
-                log.info("shared process %s#%d (pid %s) is ready", host.name, host.incarnation, host.process.pid)
-            if host.process.exitcode is not None:
-                if host.status is not ChildState.STOPPING:
-                    log.warning("shared process %s (pid %s) exited: %s", host.instance, host.process.pid,
-                                describe_exit(host.process.exitcode))
-                    host.status = ChildState.FAILED
-                del self.table.hosts[group]
-                self.controller.forget(host.ident)
-                if host.process.pid:
-                    self.state.remove_slots_of(host.process.pid)
-                continue
-            if not any(c.host is host for c in members) and host.status is not ChildState.STOPPING:
-                self.stop_later([host])
-                del self.table.hosts[group]
-                continue
-            if host.status is ChildState.READY:
-                for c in members:
-                    if c.host is host and c.hosted_spec is not None and c.status is ChildState.STARTING:
-                        self.controller.cast(host.ident, Cmd.HOST, Host(c.hosted_spec)).add_done_callback(
-                            log_refusal)
-                        c.hosted_spec = None
-
-    def mark_ready(self, c: Child, info: dict) -> None:
-        c.status, c.endpoint, c.ready_info, c.ready_at = ChildState.READY, info["endpoint"], info, time.monotonic()
-        c.serving_since = time.time()  # publish() routes to it next; an update's switch() says so again
-
-    def stop_later(self, children) -> None:
-        """Ask each child to stop; reap_children() escalates to SIGTERM and SIGKILL."""
-        now = time.monotonic()
-        for c in children:
-            if c.gone or c in self.table.stopping:
-                continue
-            c.status, c.stop_asked = ChildState.STOPPING, now
-            if c.process.exitcode is None:
-                self.controller.cast(c.ident, Cmd.STOP)
-            self.table.stopping.append(c)
-
-    def stop_now(self, children, timeout: float = STOP_KILL_S) -> None:
-        """Shutdown only (the supervisor has stopped): ask politely, SIGTERM, SIGKILL, and wait."""
-        children = [c for c in children if not c.gone]
-        for c in children:
-            c.status = ChildState.STOPPING
-            if c.process.is_alive():
-                try:
-                    self.controller.cast(c.ident, Cmd.STOP)
-                except Exception:
-                    pass
-        deadline = time.monotonic() + timeout
-        for c in children:
-            c.process.join(max(0.0, min(STOP_TERM_S, deadline - time.monotonic())))
-            if c.process.is_alive():
-                c.process.terminate()
-        for c in children:
-            c.process.join(max(0.0, deadline - time.monotonic()))
-            if c.process.is_alive():
-                log.warning("%s (pid %s) ignored SIGTERM; killing it", c.instance, c.process.pid)
-                c.process.kill()
-                c.process.join(2)
-            self._gone(c)
-
-    def _gone(self, c: Child) -> None:
-        if c.gone:
-            return
-        c.gone = True
-        c.last_exit = c.last_exit or describe_exit(c.process.exitcode)
-        self.controller.forget(c.ident)
-        self._remove_slots(c)
-
-    def _remove_slots(self, c: Child) -> None:
-        """A dead producer's slot files are ours to remove (a clean exit left none)."""
-        if c.process.pid is None or c.process.exitcode is None or c.process.node != self.launcher.node:
-            return  # on another node its agent removes them (ray_launcher.py): a pid names nothing here
-        if isinstance(c.process, HostedProcess) and c.process.host_alive():
-            return  # the others still use theirs; this one unlinked its own (check_hosts does the rest)
-        removed = self.state.remove_slots_of(c.process.pid)
-        if removed:
-            log.info("removed %d slot files that %s (pid %d) left behind", removed, c.instance, c.process.pid)
 
     # -- operations, queued by REST threads --------------------------------------------------------
     def apply(self, body) -> dict:
@@ -450,11 +351,12 @@ class Manager:
         with self.lock:
             if self._stopping.is_set():
                 return
-            self.reap_children()
-            self.check_health()
-            self.check_hosts()
-            self.check_starting()
-            self.respawn_children()
+            pending = list(self.op.new.values()) if self.op is not None else []
+            self.supervisor.reap_children()
+            self.supervisor.check_health()
+            self.supervisor.check_hosts(pending)
+            self.supervisor.check_starting(pending)
+            self.supervisor.respawn_children(self.dispatcher_address, self.deployed.transport)
             self.reconcile()
 
     def wait_for_events(self, timeout: float) -> None:
@@ -475,158 +377,8 @@ class Manager:
             self.ops.append(item)
         elif kind == "pong":
             child, result = item
-            self.handle_pong(child, result)
+            self.supervisor.handle_pong(child, result)
         # "notice" (READY or boot error) and "wake": check_starting() looks at every starting child
-
-    def reap_children(self) -> None:
-        for c in self.table.supervised():
-            if c.status is ChildState.READY and c.process.exitcode is not None:
-                self.on_child_down(c, describe_exit(c.process.exitcode), c.process.exitcode == EXIT_BOOT_ERROR)
-        now = time.monotonic()
-        for c in list(self.table.stopping):
-            if c.process.exitcode is not None:
-                self._gone(c)
-                self.table.stopping.remove(c)
-            elif now - c.stop_asked > STOP_KILL_S:
-                log.warning("%s (pid %s) ignored SIGTERM; killing it", c.instance, c.process.pid)
-                c.process.kill()
-            elif now - c.stop_asked > STOP_TERM_S:
-                c.process.terminate()
-
-    def check_health(self) -> None:
-        now = time.monotonic()
-        if now < self._next_ping:
-            return
-        self._next_ping = now + PING_INTERVAL
-        # Silence only means a hang if we were pinging all along (the loop may have been
-        # starved of CPU): judging then would kill every healthy process.
-        if now - self._last_health > HANG_TIMEOUT / 2:
-            self._grace_from = now
-        self._last_health = now
-        for c in self.table.supervised():
-            if c.status is not ChildState.READY:
-                continue
-            seen = max(self.controller.last_seen.get(c.ident, c.ready_at), c.ready_at, self._grace_from)
-            # No exemption while an update is due: a block answers pings while its inference
-            # thread finishes the request before applying it (blocks/process.py, Later), so
-            # silence is a hang then too, and killing it fails the due acknowledgement at once
-            # (Controller.forget): no update waits on a hung process longer than this.
-            if now - seen > HANG_TIMEOUT:
-                self.kill_child(c, f"hung ({now - seen:.2f}s without answering), killed")
-                continue
-            fut = self.controller.cast(c.ident, Cmd.PING)
-            fut.add_done_callback(lambda f, c=c: self.events.put(
-                ("pong", (c, f.result() if not f.exception() else None))))
-
-    def handle_pong(self, c: Child, result: dict | None) -> None:
-        """Liveness: a block whose inference thread has been in one inference for longer than
-        its ``max_inference_s`` is stuck (the control thread still answers, so silence would
-        never tell)."""
-        if c.decl is None or c.status is not ChildState.READY or not isinstance(result, dict):
-            return
-        busy = result.get("busy_s")
-        if isinstance(busy, (int, float)) and busy > c.decl.max_inference_s:
-            self.kill_child(c, f"stuck in one inference for {busy:.1f}s (max_inference_s "
-                               f"{c.decl.max_inference_s:g}), killed")
-
-    def kill_child(self, c: Child, how: str) -> None:
-        log.warning("%s (pid %s): %s", c.instance, c.process.pid, how)
-        c.process.kill()  # SIGKILL (a block in a shared process: its host, and the group with it)
-        c.process.join(1)  # SIGKILL takes milliseconds; the slot files are removed once it is gone
-        self.on_child_down(c, how, False)
-
-    def on_child_down(self, c: Child, how: str, boot_error: bool) -> None:
-        c.last_exit = how
-        if c.process.exitcode == EXIT_NODE_LOST:
-            # best effort: its node may still run it (a partition); if this does not reach it, it
-            # stops by itself when our pings stop (BLOCKFLOW_CONTROL_LEASE)
-            self.controller.cast(c.ident, Cmd.STOP)
-        self.controller.forget(c.ident)
-        self._remove_slots(c)
-        if time.time() - c.started > RESTART_WINDOW:
-            c.streak = 0  # it ran for a while: this is not a crash loop
-        if boot_error or c.streak >= MAX_RESTARTS:
-            c.status = ChildState.FAILED
-            c.failure = f"{how}; not respawned ({'cannot start' if boot_error else f'{MAX_RESTARTS} restarts within {RESTART_WINDOW:.0f}s'})"
-            log.error("%s failed: %s", c.instance, c.failure)
-        else:
-            c.status = ChildState.RESTARTING
-            log.warning("%s (pid %s) died: %s; respawning (restart %d of %d)", c.instance, c.process.pid, how,
-                        c.streak + 1, MAX_RESTARTS)
-        if c.decl is not None:
-            # Order matters: first the dispatcher learns that tasks through the block are
-            # unavailable (so no new request is sent to a dead socket, where it would wait for
-            # its deadline), then it answers the requests the block held. Both go down the same
-            # control pipe, so they arrive in this order.
-            self.topology.publish()
-            self.topology.fail_requests([c.instance], f"block {c.name} failed ({how}) while holding the request")
-        self._persist()
-
-    def check_starting(self) -> None:
-        """Starting children: READY (-> ready), a boot error, an early exit or no READY in time
-        (-> failed: a new block fails its update, a respawn is marked failed)."""
-        starting = [c for c in self.table.supervised() if c.status is ChildState.STARTING]
-        if self.op is not None:
-            starting += [c for c in self.op.new.values() if c.status is ChildState.STARTING]
-        changed = False
-        now = time.monotonic()
-        for c in starting:
-            info = self.controller.ready.get(c.ident)
-            if info is not None:
-                self.mark_ready(c, info)
-                if self.table.serves(c):
-                    log.info("%s (pid %s) is ready on %s", c.instance, c.process.pid, c.endpoint)
-                    changed = True
-                continue
-            boot = self.controller.boot_errors.get(c.ident)
-            if c.restarts and c.process.exitcode == EXIT_NODE_LOST and self.table.blocks.get(c.name) is c:
-                # a respawn that Ray placed on a node that was dying (before its health checks
-                # said so) is placed again: not a failure of the block, nor a crash to count
-                log.warning("%s was placed on a node that is gone; placing it again", c.instance)
-                self.controller.forget(c.ident)
-                again = self.spawner.block(c.decl, restarts=c.restarts, streak=c.streak, block=c.block,
-                                         replica=c.replica)
-                again.last_exit = c.last_exit
-                self.table.blocks[c.name] = again
-                continue
-            if c.restarts and getattr(c.process, "waiting_for", None) and c.process.exitcode is None:
-                c.spawned_at = now  # a respawn waits for a node with its resource as long as it takes
-                continue
-            if boot is None and c.process.exitcode is None and now - c.spawned_at < READY_TIMEOUT:
-                continue
-            if boot is not None:
-                why = boot.get("error", "boot error")
-            elif c.process.exitcode is not None:
-                why = f"{c.ident.decode()} exited before it was ready"
-            else:
-                why = f"{c.ident.decode()} did not report READY within {READY_TIMEOUT:.0f}s"
-            what = f"block {c.name} ({' + '.join(c.decl.files)} on {c.decl.device})" if c.decl else "the dispatcher"
-            c.failure = f"{what} did not start: {why}"
-            if c.process.exitcode is not None:
-                c.failure += f" [{describe_exit(c.process.exitcode)}]"
-            log.error("%s", c.failure)
-            self.stop_later([c])
-            c.status = ChildState.FAILED
-            changed = changed or self.table.serves(c)
-        if changed:
-            self.topology.publish()
-            self._persist()
-
-    def respawn_children(self) -> None:
-        # the new incarnation carries how the last one ended: GET /system and `blockflow status`
-        # say why a block restarted after it is ready again, not only while it is down
-        for name, c in list(self.table.blocks.items()):
-            if c.status is ChildState.RESTARTING:
-                self.table.blocks[name] = self.spawner.block(c.decl, restarts=c.restarts + 1, streak=c.streak + 1,
-                                                     block=c.block, replica=c.replica)
-                self.table.blocks[name].last_exit = c.last_exit
-                self._persist()
-        if self.table.dispatcher is not None and self.table.dispatcher.status is ChildState.RESTARTING:
-            old = self.table.dispatcher
-            self.table.dispatcher = self.spawner.dispatcher(self.dispatcher_address, self.deployed.transport,
-                                                            restarts=old.restarts + 1, streak=old.streak + 1)
-            self.table.dispatcher.last_exit = old.last_exit
-            self._persist()
 
     # -- operations, step by step ------------------------------------------------------------------
     def reconcile(self) -> None:
@@ -642,7 +394,7 @@ class Manager:
         if op.phase in (Phase.STARTING, Phase.PREPARING):
             failed = op.failed_block()
             if failed is not None:
-                self.stop_later(op.new.values())  # roll back: the old blocks were never touched
+                self.supervisor.stop_later(op.new.values())  # roll back: the old blocks were never touched
                 if op.phase is Phase.PREPARING:
                     self.topology.publish()  # but for the sockets and slots prepare() opened towards the new ones
                 op.enter(Phase.FAILED, now)
@@ -657,7 +409,7 @@ class Manager:
         if op.phase is Phase.SWITCHED and op.acknowledged(ACK_TIMEOUT, now):
             op.enter(Phase.DRAINING, now)
         if op.phase is Phase.DRAINING and self.drained(op, now):
-            self.stop_later(op.retired)
+            self.supervisor.stop_later(op.retired)
             op.enter(Phase.STOPPING, now)
         if op.phase is Phase.STOPPING and all(c.gone for c in op.retired):
             if op.retired:
@@ -691,7 +443,7 @@ class Manager:
                 op.new[n] = self.spawner.block(op.processes[n], block=which[n][0], replica=which[n][1],
                                              declared=op.desired.blocks)
         except Exception as exc:  # e.g. the forkserver is gone: answer, do not leave the caller waiting
-            self.stop_later(op.new.values())
+            self.supervisor.stop_later(op.new.values())
             log.exception("%s: could not spawn its blocks", op.kind)
             op.resolve(error=UpdateFailed(f"could not start a block process: {exc}"))
             return

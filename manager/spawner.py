@@ -5,7 +5,7 @@ server keeps its sockets, slots and KPI logs, and its controller), asks the laun
 (manager/launcher.py) to start it, and returns the new ``Child`` for the process table
 (manager/children.py), STARTING. A block declared with a ``process`` goes into that shared
 process, started here if need be. It never waits: READY arrives at the controller, and the
-supervisor (manager.py) moves the child on.
+supervisor (supervision.py) moves the child on.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class Spawner:
                     replica: int = 0, declared: dict[str, BlockDecl] | None = None) -> Child:
         """Start the process ``decl.name``: replica ``replica`` of ``block`` (default: the block itself).
         A block with a ``process`` goes into that shared process (started here if need be), once
-        the process is ready (Manager.check_hosts)."""
+        the process is ready (Supervisor.check_hosts)."""
         inc = self.table.next_incarnation(decl.name)
         # the declaration goes to the block whole (Note [One declaration per block] in blockflow/schema.py)
         spec = BlockSpec(**msgspec.structs.asdict(decl), repo=self.repo, run_dir=self.dirs.run_dir,

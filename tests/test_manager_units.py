@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from blockflow import protocol
-from blockflow.manager import manager as mgr
+from blockflow.manager import manager as mgr, supervision
 from blockflow.manager.children import ChildState, ProcessTable
 from blockflow.manager.manager import Manager, UpdateFailed
 from blockflow.manager.operation import Kind, Operation, Phase
@@ -354,8 +354,8 @@ def test_a_new_block_that_dies_after_the_switch_is_respawned_like_any_other(mana
 
 
 def test_a_hung_block_is_killed_and_respawned(manager, monkeypatch):
-    monkeypatch.setattr(mgr, "HANG_TIMEOUT", 0.5)
-    monkeypatch.setattr(mgr, "PING_INTERVAL", 0.05)
+    monkeypatch.setattr(supervision, "HANG_TIMEOUT", 0.5)
+    monkeypatch.setattr(supervision, "PING_INTERVAL", 0.05)
     m = manager()
     result(update(m, [block("b1")], {"t": ["b1"]}))
     hung = m.launcher.current("b1")
@@ -365,7 +365,7 @@ def test_a_hung_block_is_killed_and_respawned(manager, monkeypatch):
 
 
 def test_a_crash_loop_marks_the_block_failed_and_the_next_update_replaces_it(manager, monkeypatch):
-    monkeypatch.setattr(mgr, "MAX_RESTARTS", 1)
+    monkeypatch.setattr(supervision, "MAX_RESTARTS", 1)
     m = manager()
     result(update(m, [block("b1")], {"t": ["b1"]}))
     m.launcher.behaviour["b1"] = "exit"  # every respawn dies before READY: a crash loop
