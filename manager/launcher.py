@@ -23,7 +23,7 @@ handles also say ``waiting_for`` (the resource a child waits for a node with). `
 whether a hop between two blocks stays on one host (by the identity of the machine, never by
 comparing addresses).
 
-``HostedProcess`` (manager.py) is the third kind of handle: a block inside a shared process,
+``HostedProcess`` (children.py) is the third kind of handle: a block inside a shared process,
 which lives and dies with its host's handle.
 """
 from __future__ import annotations
