@@ -211,14 +211,31 @@ class InputDecl:
             if d["size"]:
                 dims.append(int(d["size"]))
             else:
-                low, high = (int(d["low"]), int(d["high"])) if d["low"] else DEFAULT_DIM_BOUNDS
-                dims.append((d["name"], low, high))
+                dims.append((d["name"], *((int(d["low"]), int(d["high"])) if d["low"] else (None, None))))
         low = high = None
         if m["low"] is not None:
             low, high = int(m["low"]), int(m["high"])
             if low > high or dtype.startswith("float") or dtype == "bfloat16":
                 raise ValueError(f"--input {text!r}: a value range low..high (low <= high) is for integer inputs")
         return cls(m["name"], dtype, tuple(dims), low, high)
+
+    @staticmethod
+    def bind(decls: list["InputDecl"]) -> list["InputDecl"]:
+        """``decls`` with every dynamic dimension's bounds as declared once (``S=2..128`` in one
+        input, ``S`` in another), :data:`DEFAULT_DIM_BOUNDS` where never; refused when an input
+        is declared twice or a dimension with two bounds."""
+        if len({d.name for d in decls}) != len(decls):
+            raise ValueError(f"--input names {', '.join(d.name for d in decls)}: declare each input once")
+        bounds: dict[str, tuple] = {}
+        for decl in decls:
+            for dim in decl.dims:
+                if not isinstance(dim, int) and dim[1] is not None:
+                    if bounds.setdefault(dim[0], dim[1:]) != dim[1:]:
+                        raise ValueError(f"--input: dimension {dim[0]} is given bounds {bounds[dim[0]][0]}.."
+                                         f"{bounds[dim[0]][1]} and {dim[1]}..{dim[2]}; give them once")
+        return [InputDecl(d.name, d.dtype, tuple(dim if isinstance(dim, int) else
+                                                 (dim[0], *bounds.get(dim[0], DEFAULT_DIM_BOUNDS)) for dim in d.dims),
+                          d.low, d.high) for d in decls]
 
     def example_shape(self) -> list[int]:
         """The shape traced with: a dynamic dimension at 2 (torch.export specialises 0 and 1)
@@ -285,6 +302,12 @@ def export_graph(net: nn.Module, decls: list[InputDecl], example: tuple) -> fx.G
             node.meta["type"] = int
         elif val is None and node.op == "call_function":
             node.meta["type"] = type(None)
+    # each dynamic dimension's symbol (s43) -> its declared name and bounds, for the manifest
+    symbols = {}
+    for node, decl in zip([n for n in graph.nodes if n.op == "placeholder"], decls):
+        for size, dim in zip(node.meta["val"].shape, decl.dims):
+            if not isinstance(dim, int):
+                symbols[str(size)] = dim
     out = next(n for n in graph.nodes if n.op == "output")
     flat, spec = list(out.args[0]), gm._out_spec
     keys = spec.context if isinstance(spec.context, list) and all(isinstance(k, str) for k in spec.context) else None
@@ -293,7 +316,9 @@ def export_graph(net: nn.Module, decls: list[InputDecl], example: tuple) -> fx.G
     out.args = (value,)
     graph._codegen = fx.graph.CodeGen()  # plain positional inputs, no pytree
     # a plain GraphModule over the same graph and parameters: the program's own refuses eval()
-    return fx.GraphModule(gm, graph).eval()
+    plain = fx.GraphModule(gm, graph).eval()
+    plain.meta["dims"] = symbols
+    return plain
 
 
 def _model_line(exc: BaseException) -> str:
@@ -489,8 +514,34 @@ def split(gm: fx.GraphModule, positions: list[int]) -> list[fx.GraphModule]:
         else:
             values = crossing(gm, stop)
             out = values[0] if len(values) == 1 else tuple(values)
-        blocks.append(_block(gm, inputs, body, out))
+        block = _block(gm, inputs, body, out)
+        block.meta["members"] = (inputs, _out_nodes(out))
+        blocks.append(block)
     return blocks
+
+
+def _out_nodes(out) -> list[fx.Node]:
+    return list(out.values()) if isinstance(out, dict) else list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def dim_fields(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node]) -> dict:
+    """The manifest fields of a block's dynamic dimensions, for a graph ``torch.export`` made
+    with some (:func:`export_graph`): ``input_dims``/``output_dims`` (per member, each dimension
+    its size or the name of the declared dynamic one, None for a size computed from them) and
+    ``dim_bounds`` (name -> [low, high]); ``input_names`` where the block takes the model's inputs."""
+    symbols = gm.meta.get("dims") or {}
+    if not symbols:
+        return {}
+
+    def dims(node: fx.Node) -> list:
+        shape = node.meta["val"].shape
+        return [symbols[str(d)][0] if str(d) in symbols else int(d) if isinstance(d, int) else None for d in shape]
+
+    fields = {"input_dims": [dims(n) for n in inputs], "output_dims": [dims(n) for n in outputs],
+              "dim_bounds": {name: [low, high] for name, low, high in symbols.values()}}
+    if all(n.op == "placeholder" for n in inputs):
+        fields["input_names"] = [n.name for n in inputs]
+    return fields
 
 
 def _block(gm: fx.GraphModule, inputs: list[fx.Node], body: list[fx.Node], out) -> fx.GraphModule:
@@ -694,9 +745,7 @@ def export_split(model: str, out: str | os.PathLike, cuts: list[str] | None = No
         raise ValueError(f"input shape must be positive integers, got {input_shape!r}")
     if name is not None and not _NAME_RE.fullmatch(name):
         raise ValueError(f"--name {name!r} must match {_NAME_RE.pattern} (it names a directory)")
-    decls = [InputDecl.parse(text) for text in inputs or []]  # refused here, before the worker starts
-    if len({d.name for d in decls}) != len(decls):
-        raise ValueError(f"--input names {', '.join(d.name for d in decls)}: declare each input once")
+    InputDecl.bind([InputDecl.parse(text) for text in inputs or []])  # refused here, before the worker starts
     args = dict(model=model, out=str(Path(out).resolve()), cuts=list(cuts or []), blocks=blocks,
                 input_shape=list(input_shape), name=name, fmt=fmt, method=method, seed=seed,
                 inputs=list(inputs or []))
@@ -713,7 +762,7 @@ def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None
     current directory, so a callable is imported from there as it would be in the caller)."""
     net, default_name = build_model(model, seed)
     name = name or default_name
-    gm, example = _graph(net, [InputDecl.parse(text) for text in inputs], input_shape, seed)
+    gm, example = _graph(net, InputDecl.bind([InputDecl.parse(text) for text in inputs]), input_shape, seed)
     if not cuts:
         cuts = balance(gm, blocks, example)
         log.info("balanced cuts for %d blocks of %s: %s", blocks, name, " ".join(cuts) or "(none)")
@@ -730,13 +779,14 @@ def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None
     model_dir = Path(out) / name
     model_dir.mkdir(parents=True, exist_ok=True)
     inputs = [example, *outs[:-1]]
-    jobs = [(repo.FULL, gm, example, want, None)]
-    jobs += [(f"block{i}", mod, x, y, cut) for i, (mod, x, y, cut)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    jobs = [(repo.FULL, gm, example, want, None, (placeholders, _out_nodes(list(gm.graph.nodes)[-1].args[0])))]
+    jobs += [(f"block{i}", mod, x, y, cut, mod.meta["members"]) for i, (mod, x, y, cut)
              in enumerate(zip(parts, inputs, outs, [*cuts, None]), 1)]
     entries = {}
-    for bname, mod, x, y, cut in jobs:
+    for bname, mod, x, y, cut, members in jobs:
         fname, entry = _write_block(model_dir, bname, mod, x, y, fmt, method, seed)
-        entries[fname] = dict(entry, cut=cut)
+        entries[fname] = dict(entry, cut=cut, **dim_fields(gm, *members))
     manifest_path = _merge_manifest(model_dir, name, seed, model, cuts, entries)
     return {"manifest": str(manifest_path), "name": name, "cuts": cuts}
 
