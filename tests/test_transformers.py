@@ -21,15 +21,22 @@ from test_split import blockflow, one_line_error
 pytest.importorskip("transformers")
 
 HF_MODELS = '''
-from transformers import BertConfig, BertModel
+from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
 
 
 def bert():
     """A 4-layer BERT encoder, small enough for the CPU box."""
     return BertModel(BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                                 intermediate_size=128, max_position_embeddings=128))
+
+
+def gpt2():
+    """A 4-layer GPT-2 decoder, one forward pass without a cache."""
+    return GPT2Model(GPT2Config(vocab_size=1000, n_embd=64, n_layer=4, n_head=4, n_positions=128, use_cache=False))
 '''
-BERT_CUTS = ("encoder.layer.1", "encoder.layer.2")
+#: model -> its cuts (both: after the second and third of four layers)
+CUTS = {"bert": ("encoder.layer.1", "encoder.layer.2"), "gpt2": ("h.1", "h.2")}
+BERT_CUTS = CUTS["bert"]
 BERT_INPUTS = ("input_ids:int64:N,S=2..64", "attention_mask:int64:N,S:0..1")
 #: Largest difference accepted between the served blocks and the model run directly (issue 43's goal).
 TOL = 1e-5
@@ -47,21 +54,23 @@ def hf_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bert_repo(tmp_path_factory, hf_models):
+    """BERT and GPT-2, each cut in 3 blocks by the CLI, ids and mask declared with --input."""
     models_dir, _ = hf_models
     repo = tmp_path_factory.mktemp("bert_repo")
-    res = blockflow("export", "--model", "hfmodels:bert", *[a for c in BERT_CUTS for a in ("--cut", c)],
-                    *[a for i in BERT_INPUTS for a in ("--input", i)], "--out", str(repo), cwd=models_dir,
-                    timeout=600)
-    assert res.returncode == 0, res.stderr
-    assert "cut after encoder.layer.1, encoder.layer.2" in res.stdout, res.stdout
+    for model, cuts in CUTS.items():
+        res = blockflow("export", "--model", f"hfmodels:{model}", *[a for c in cuts for a in ("--cut", c)],
+                        *[a for i in BERT_INPUTS for a in ("--input", i)], "--out", str(repo), cwd=models_dir,
+                        timeout=600)
+        assert res.returncode == 0, res.stderr
+        assert f"cut after {', '.join(cuts)}" in res.stdout, res.stdout
     return str(repo)
 
 
-def bert_direct(hf_models):
+def direct(hf_models, model: str):
     """The model the export split, built the same way (the export seeds with 0) and run eagerly."""
     _, ns = hf_models
     torch.manual_seed(0)
-    return ns["bert"]().eval()
+    return ns[model]().eval()
 
 
 def token_inputs(batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,24 +97,27 @@ def test_bert_manifest_declares_every_member_dtype_and_the_dynamic_length(bert_r
 
 @pytest.mark.parametrize("transport", ["tensormq", "zeromq"])
 def test_served_bert_blocks_equal_the_model_at_two_sequence_lengths(server_factory, bert_repo, hf_models, transport):
-    """The goal: int64 ids and a mask of two lengths through the same three blocks, each
-    answer within 1e-5 of the stock model run directly; refused, in one line naming what to do,
-    a float input and a length outside the declared bounds."""
+    """The goal: int64 ids and a mask of two lengths through the same three blocks of an
+    encoder (BERT) and a decoder (GPT-2), each answer within 1e-5 of the stock model run
+    directly; refused, in one line naming what to do, a float input and a length outside the
+    declared bounds."""
     srv = server_factory(bert_repo)
-    blocks = [{"name": f"b{i}", "model": f"bert/block{i}.pt", "threads": 1} for i in (1, 2, 3)]
-    srv.call("POST", "/system/update", {"transport": transport, "blocks": blocks,
-                                        "tasks": [{"id": "bert", "path": ["b1", "b2", "b3"]}]}, timeout=240)
-    net = bert_direct(hf_models)
+    blocks = [{"name": f"{m[0]}{i}", "model": f"{m}/block{i}.pt", "threads": 1} for m in CUTS for i in (1, 2, 3)]
+    srv.call("POST", "/system/update", {"transport": transport, "blocks": blocks, "tasks": [
+        {"id": m, "path": [f"{m[0]}{i}" for i in (1, 2, 3)]} for m in CUTS]}, timeout=240)
+    keys = {"bert": ["last_hidden_state", "pooler_output"], "gpt2": ["last_hidden_state"]}
     with Client(srv.dispatcher, timeout=120) as c:
-        for batch, seq in ((1, 7), (2, 24)):
-            ids, mask = token_inputs(batch, seq, seed=seq)
-            got = c.infer("bert", (ids, mask))
-            with torch.no_grad():
-                want = net(input_ids=ids, attention_mask=mask)
-            assert sorted(got) == ["last_hidden_state", "pooler_output"], got.keys()
-            for key in got:
-                assert got[key].shape == want[key].shape, key
-                assert (got[key] - want[key]).abs().max().item() <= TOL, (key, batch, seq)
+        for model in CUTS:
+            net = direct(hf_models, model)
+            for batch, seq in ((1, 7), (2, 24)):
+                ids, mask = token_inputs(batch, seq, seed=seq)
+                got = c.infer(model, (ids, mask))
+                with torch.no_grad():
+                    want = net(input_ids=ids, attention_mask=mask)
+                assert sorted(got) == keys[model], got.keys()
+                for key in got:
+                    assert got[key].shape == want[key].shape, key
+                    assert (got[key] - want[key]).abs().max().item() <= TOL, (model, key, batch, seq)
         ids, mask = token_inputs(1, 8, seed=1)
         with pytest.raises(BlockFlowError) as info:
             c.infer("bert", (ids.float(), mask))
