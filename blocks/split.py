@@ -785,8 +785,9 @@ def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None
              in enumerate(zip(parts, inputs, outs, [*cuts, None]), 1)]
     entries = {}
     for bname, mod, x, y, cut, members in jobs:
-        fname, entry = _write_block(model_dir, bname, mod, x, y, fmt, method, seed)
-        entries[fname] = dict(entry, cut=cut, **dim_fields(gm, *members))
+        dims = dim_fields(gm, *members)
+        fname, entry = _write_block(model_dir, bname, mod, x, y, fmt, method, seed, dims)
+        entries[fname] = dict(entry, cut=cut, **dims)
     manifest_path = _merge_manifest(model_dir, name, seed, model, cuts, entries)
     return {"manifest": str(manifest_path), "name": name, "cuts": cuts}
 
@@ -812,14 +813,14 @@ def _graph(net: nn.Module, decls: list[InputDecl], input_shape: list[int], seed:
 
 
 def _write_block(model_dir: Path, bname: str, mod: nn.Module, x, y, fmt: str, method: str,
-                 seed: int) -> tuple[str, dict]:
+                 seed: int, dims: dict) -> tuple[str, dict]:
     """Compile ``mod`` to ``model_dir/bname.pt[2]``: its file name and manifest entry (the
     same fields as a ResNet block's, plus ``input_shapes``/``output_shapes``/``output_keys``
     where ``x`` is a tuple of tensors or ``y`` a tuple or dict: :func:`repository.shape_fields`)."""
     fname = bname + repo.SUFFIX[fmt]
     try:
         if fmt == "export":
-            data = repo.export_program_bytes(mod, x)
+            data = repo.export_program_bytes(mod, x, dims.get("input_dims"), dims.get("dim_bounds"))
         else:
             data = repo.compile_to_bytes(mod, method, x, strict=isinstance(y, (torch.Tensor, tuple)))
     except Exception as exc:  # torch.jit/torch.export raise many kinds; say which block and what to try

@@ -21,6 +21,7 @@ from test_split import blockflow, one_line_error
 pytest.importorskip("transformers")
 
 HF_MODELS = '''
+import torch
 from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
 
 
@@ -33,6 +34,20 @@ def bert():
 def gpt2():
     """A 4-layer GPT-2 decoder, one forward pass without a cache."""
     return GPT2Model(GPT2Config(vocab_size=1000, n_embd=64, n_layer=4, n_head=4, n_positions=128, use_cache=False))
+
+
+class Branchy(torch.nn.Module):
+    """Control flow on a value: neither torch.fx nor torch.export can follow it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if h.sum() > 0:
+            return h * 2
+        return h
 '''
 #: model -> its cuts (both: after the second and third of four layers)
 CUTS = {"bert": ("encoder.layer.1", "encoder.layer.2"), "gpt2": ("h.1", "h.2")}
@@ -135,6 +150,32 @@ def test_cli_refuses_a_bert_cut_that_is_no_layer_naming_nearby_layers(tmp_path, 
                     *[a for i in BERT_INPUTS for a in ("--input", i)], "--out", str(tmp_path), cwd=models_dir,
                     timeout=600)
     one_line_error(res, Exit.BAD_INPUT, "encoder.layers.1", "encoder.layer.1")
+
+
+def test_bert_export_programs_take_two_lengths_through_the_same_blocks(tmp_path, hf_models):
+    """``--format export``: each block a .pt2 program with the batch and S dynamic."""
+    from blockflow.blocks import split
+    from blockflow.blocks.repository import load_block
+    models_dir, _ = hf_models
+    res = blockflow("export", "--model", "hfmodels:bert", *[a for c in BERT_CUTS for a in ("--cut", c)],
+                    *[a for i in BERT_INPUTS for a in ("--input", i)], "--format", "export", "--out", str(tmp_path),
+                    cwd=models_dir, timeout=600)
+    assert res.returncode == 0, res.stderr
+    blocks = [load_block(str(tmp_path), f"bert/block{i}.pt2") for i in (1, 2, 3)]
+    net = direct(hf_models, "bert")
+    for batch, seq in ((1, 5), (3, 40)):
+        ids, mask = token_inputs(batch, seq, seed=seq)
+        got = split.chain(blocks, (ids, mask))[-1]
+        with torch.no_grad():
+            want = net(input_ids=ids, attention_mask=mask)
+        assert max((got[k] - want[k]).abs().max().item() for k in want) <= TOL, (batch, seq)
+
+
+def test_a_model_export_cannot_follow_is_refused_naming_its_line(tmp_path, hf_models):
+    models_dir, _ = hf_models
+    res = blockflow("export", "--model", "hfmodels:Branchy", "--cut", "emb", "--input", "ids:int64:N,8",
+                    "--out", str(tmp_path), cwd=models_dir, timeout=600)
+    one_line_error(res, Exit.BAD_INPUT, "torch.export cannot export Branchy", "hfmodels.py:", "if h.sum() > 0")
 
 
 @pytest.mark.parametrize("decl, words", [
