@@ -806,7 +806,7 @@ def _graph(net: nn.Module, decls: list[InputDecl], input_shape: list[int], seed:
             if not str(exc).startswith("torch.fx cannot trace"):
                 raise
             log.info("%s; splitting the graph torch.export makes instead", exc)
-        decls = [InputDecl("x", "float32", tuple(input_shape))]
+        decls = [InputDecl("x", "float32", (("N", *DEFAULT_DIM_BOUNDS), *input_shape[1:]))]  # the batch dynamic
     example = tuple(d.example(net, gen) for d in decls)
     gm = export_graph(net, decls, example)
     return gm, example[0] if len(example) == 1 else example

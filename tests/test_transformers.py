@@ -144,6 +144,31 @@ def test_served_bert_blocks_equal_the_model_at_two_sequence_lengths(server_facto
         assert "dimension S between 2 and 64" in str(info.value) and "S=2..65" in str(info.value), info.value
 
 
+class IntOfShape(torch.nn.Module):
+    """``int()`` of a size: torch.fx cannot trace it, torch.export can."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        keep = int(x.shape[1]) // 2
+        return self.b(torch.cat([self.a(x)[:, :keep], x[:, keep:]], 1))
+
+
+def test_a_model_fx_cannot_trace_is_split_on_torch_export_with_a_dynamic_batch():
+    from blockflow.blocks import split
+    torch.manual_seed(0)
+    net = IntOfShape().eval()
+    with pytest.raises(ValueError, match="torch.fx cannot trace"):
+        split.trace(net)
+    gm, example = split._graph(net, [], [1, 8], seed=0)
+    blocks = split.split(gm, split.resolve_cuts(gm, ["a"], "IntOfShape"))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.allclose(split.chain(blocks, x)[-1], net(x), atol=TOL, rtol=0)
+
+
 def test_cli_refuses_a_bert_cut_that_is_no_layer_naming_nearby_layers(tmp_path, hf_models):
     models_dir, _ = hf_models
     res = blockflow("export", "--model", "hfmodels:bert", "--cut", "encoder.layers.1",
