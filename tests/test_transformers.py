@@ -121,6 +121,9 @@ def test_served_bert_blocks_equal_the_model_at_two_sequence_lengths(server_facto
     srv.call("POST", "/system/update", {"transport": transport, "blocks": blocks, "tasks": [
         {"id": m, "path": [f"{m[0]}{i}" for i in (1, 2, 3)]} for m in CUTS]}, timeout=240)
     keys = {"bert": ["last_hidden_state", "pooler_output"], "gpt2": ["last_hidden_state"]}
+    meta = srv.call("GET", "/v2/models/bert")  # the Open Inference Protocol: names, dtypes, S dynamic
+    assert meta["inputs"] == [{"name": n, "datatype": "INT64", "shape": [-1, -1]} for n in ("input_ids", "attention_mask")]
+    assert meta["outputs"][0] == {"name": "last_hidden_state", "datatype": "FP32", "shape": [-1, -1, 64]}, meta
     with Client(srv.dispatcher, timeout=120) as c:
         for model in CUTS:
             net = direct(hf_models, model)
