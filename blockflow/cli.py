@@ -139,10 +139,14 @@ def _export_split(args) -> int:
                         "blocks to balance (--blocks N)", Exit.USAGE)
     if args.cut and args.blocks:
         raise UserError("give --cut or --blocks, not both: --blocks N picks the N-1 cuts itself", Exit.USAGE)
+    if args.input and args.input_shape != DEFAULT_INPUT_SHAPE:
+        raise UserError("give --input (each input's name, dtype and dims) or --input-shape (one float32 "
+                        "tensor), not both", Exit.USAGE)
     shape = parse_shape(args.input_shape, "--input-shape")
     _make_out_dir(args.out)
     result = export_split(args.model, args.out, cuts=args.cut, blocks=args.blocks, input_shape=shape,
-                          name=args.name, fmt=args.format, method=args.method, seed=args.seed)
+                          name=args.name, fmt=args.format, method=args.method, seed=args.seed,
+                          inputs=args.input)
     if not args.cut:
         print(f"balanced cuts: {' '.join('--cut ' + c for c in result['cuts']) or '(none)'}")
     kind = f"TorchScript, {args.method}" if args.format == "torchscript" else "torch.export programs, .pt2"
@@ -526,6 +530,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured block times are most even (the cuts are printed)")
     e.add_argument("--input-shape", default=DEFAULT_INPUT_SHAPE, metavar="SHAPE",
                    help="input the model is traced, probed and timed with, batch first (not for the ResNet export)")
+    e.add_argument("--input", action="append", metavar="NAME:DTYPE:DIMS[:LOW..HIGH]",
+                   help="one input of forward, in order (repeatable), split on torch.export: e.g. "
+                        "input_ids:int64:N,S=2..128 (N the batch, S dynamic within 2..128) and "
+                        "attention_mask:int64:N,S:0..1 (integers traced within 0..1; token ids default "
+                        "to the embedding's range)")
     e.add_argument("--name", help="directory under --out (default: the model's name, or the callable's)")
     e.add_argument("--format", default=DEFAULT_FORMAT, choices=["torchscript", "export"],
                    help="torchscript: .pt files (torch.jit, deprecated by PyTorch); export: torch.export "

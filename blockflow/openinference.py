@@ -67,17 +67,35 @@ def fail(code: int, message: str):
 def declared_tensors(entry: dict | None, what: str) -> list[tuple[str, list[int]]]:
     """(name, shape) of each ``what`` ("input" or "output") a manifest entry declares, as
     GET /v2/models/{task} lists them (-1: any size): ``input``/``output`` for one tensor,
-    ``input_0``, ... or the output dict's keys for several; one of any shape without an entry."""
-    def dims(d):
-        return [-1, *d[1:]] if isinstance(d, list) and d else [-1]
-
+    ``input_0``, ... or the output dict's keys for several (the model's input names where the
+    entry has them); one of any shape without an entry.  A dynamic dimension (the entry's
+    ``input_dims``/``output_dims``) is -1 too."""
     entry = entry or {}
+    named = entry.get(f"{what}_dims") or []
+
+    def dims(d, i=0):
+        if not (isinstance(d, list) and d):
+            return [-1]
+        dynamic = named[i] if i < len(named) else []
+        return [-1, *(-1 if j < len(dynamic) and not isinstance(dynamic[j], int) else s
+                      for j, s in enumerate(d) if j)]
+
     shapes = entry.get(f"{what}_shapes")
     if not shapes:
         return [(what, dims(entry.get(f"{what}_shape")))]
-    names = entry.get("output_keys") if what == "output" else None
+    names = entry.get("output_keys" if what == "output" else "input_names")
     names = names or [f"{what}_{i}" for i in range(len(shapes))]
-    return [(n, dims(d)) for n, d in zip(names, shapes)]
+    return [(n, dims(d, i)) for i, (n, d) in enumerate(zip(names, shapes))]
+
+
+def declared_dtypes(entry: dict | None, what: str) -> list[str]:
+    """The Open Inference Protocol datatype of each ``what`` a manifest entry declares (in the
+    order of :func:`declared_tensors`): every member's where it records them
+    (``input_dtypes``/``output_dtypes``), else the entry's one ``dtype`` (FP32 without)."""
+    entry = entry or {}
+    count = len(declared_tensors(entry, what))
+    dtypes = entry.get(f"{what}_dtypes") or [entry.get("dtype")] * count
+    return [TORCH_TO_DATATYPE.get(d, "FP32") for d in dtypes]
 
 
 def _name_list(names: list) -> str:
@@ -325,15 +343,11 @@ class V2:
 
     def _metadata(self, task: str, path: list[str], system: dict) -> dict:
         first, last = self._end_entries(path, system)
-
-        def dtype(entry):
-            return MANIFEST_DTYPES.get((entry or {}).get("dtype"), "FP32")
-
         return {"name": task, "versions": ["1"], "platform": "blockflow",
-                "inputs": [{"name": n, "datatype": dtype(first), "shape": d}
-                           for n, d in declared_tensors(first, "input")],
-                "outputs": [{"name": n, "datatype": dtype(last), "shape": d}
-                            for n, d in declared_tensors(last, "output")],
+                "inputs": [{"name": n, "datatype": t, "shape": d}
+                           for (n, d), t in zip(declared_tensors(first, "input"), declared_dtypes(first, "input"))],
+                "outputs": [{"name": n, "datatype": t, "shape": d}
+                            for (n, d), t in zip(declared_tensors(last, "output"), declared_dtypes(last, "output"))],
                 "parameters": {"path": list(path)}}
 
     def _end_entries(self, path: list[str], system: dict) -> tuple[dict | None, dict | None]:

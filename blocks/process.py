@@ -202,7 +202,10 @@ class Block(ChildProcess):
             shapes = warmup_shapes(entry.get("input_shapes") or entry.get("input_shape"), spec.warmup_shapes,
                                    self.batching if self.runner.on_gpu else None)
             try:
-                self.runner.warm_up(shapes, getattr(torch, spec.input_dtype or entry.get("dtype", "float32")))
+                # one dtype, or one per member (a bundle of ids and a mask, of a mask and floats)
+                dtype = spec.input_dtype or entry.get("input_dtypes") or entry.get("dtype", "float32")
+                self.runner.warm_up(shapes, [getattr(torch, d) for d in dtype] if isinstance(dtype, list)
+                                    else getattr(torch, dtype))
             except Exception as exc:
                 raise BootError(f"block {self.name}: warm-up on input shapes {shapes} failed: "
                                 f"{type(exc).__name__}: {exc}") from None

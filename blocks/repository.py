@@ -520,18 +520,25 @@ def compile_to_bytes(mod: nn.Module, method: str, example: torch.Tensor | tuple[
     return buf.getvalue()
 
 
-def export_program_bytes(mod: nn.Module, example: torch.Tensor | tuple[torch.Tensor, ...]) -> bytes:
+def export_program_bytes(mod: nn.Module, example: torch.Tensor | tuple[torch.Tensor, ...],
+                         dims: list | None = None, bounds: dict | None = None) -> bytes:
     """``torch.export`` ``mod`` (eval mode, dynamic batch dimension) and serialise
     the program in memory.  ``example`` is the input, or a tuple of the positional
     inputs of a block that takes several tensors (all share the batch dimension).
     The example is widened to batch 2: torch.export specialises a dimension of
-    size 1, which would fix the batch to 1."""
+    size 1, which would fix the batch to 1.  ``dims`` (per input, a dimension's
+    name where it is dynamic, as the manifest's ``input_dims``) and ``bounds``
+    (name -> [low, high]) make more dimensions dynamic; the first is the batch."""
     mod.eval()
     args = example if isinstance(example, tuple) else (example,)
     args = tuple(torch.cat([a[:1], a[:1]]) if a.shape[0] < 2 else a for a in args)
-    batch = torch.export.Dim("batch", min=1, max=4096)
+    named = {"batch": torch.export.Dim("batch", min=1, max=4096)}
+    for name, (low, high) in (bounds or {}).items():
+        named.setdefault(name, torch.export.Dim(name, min=low, max=high))
+    dynamic = tuple({0: named["batch"], **{i: named[d] for i, d in enumerate(member) if i and isinstance(d, str)}}
+                    for member in (dims or [[None]] * len(args)))
     with torch.no_grad():
-        program = torch.export.export(mod, args, dynamic_shapes=tuple({0: batch} for _ in args))
+        program = torch.export.export(mod, args, dynamic_shapes=dynamic)
     buf = io.BytesIO()
     torch.export.save(program, buf)
     return buf.getvalue()

@@ -242,7 +242,7 @@ class BlockRunner:
         if self.on_gpu:
             torch.cuda.current_stream(self.device).synchronize()
 
-    def warm_up(self, shapes: list, dtype: torch.dtype = torch.float32) -> int:
+    def warm_up(self, shapes: list, dtype: torch.dtype | list[torch.dtype] = torch.float32) -> int:
         """Run the model (capturing its graphs on a GPU) per shape, before the block is ready,
         so no request pays a first call, TorchScript's optimisation or a capture; returns how
         many shapes ran. ``outputs`` then holds what each made (Note [Ready to serve] in
@@ -327,11 +327,15 @@ def _made_bytes(x, y) -> int:
     return y.numel() * y.element_size()
 
 
-def zeros_like_shape(shape: list, dtype: torch.dtype, device):
+def zeros_like_shape(shape: list, dtype: torch.dtype | list[torch.dtype], device):
     """A zero input of ``shape``: one tensor for a list of ints, a tuple of tensors for a list
-    of shapes (a block that takes several tensors: its manifest's ``input_shapes``)."""
+    of shapes (a block that takes several tensors: its manifest's ``input_shapes``), each of
+    ``dtype`` or of its own where ``dtype`` is a list (the manifest's ``input_dtypes``)."""
     if shape and all(isinstance(s, (list, tuple)) for s in shape):
-        return tuple(torch.zeros(s, dtype=dtype, device=device) for s in shape)
+        dtypes = dtype if isinstance(dtype, list) else [dtype] * len(shape)
+        return tuple(torch.zeros(s, dtype=d, device=device) for s, d in zip(shape, dtypes))
+    if isinstance(dtype, list):
+        dtype = dtype[0]
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

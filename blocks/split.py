@@ -46,13 +46,17 @@ import os
 import re
 import sys
 import time
+import traceback
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import fx, nn
-from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata, _extract_tensor_metadata
 
 from blockflow.tensormq import bundle
+from blockflow.tensormq.header import TENSOR_DTYPES
 
 from . import repository as repo
 
@@ -167,6 +171,174 @@ def _propagate_shapes(gm: fx.GraphModule, example: torch.Tensor, what: str) -> N
                          "give the shape it takes with --input-shape") from None
 
 
+# --------------------------------------------------------------------------
+# Inputs as the model takes them, and the torch.export graph
+# --------------------------------------------------------------------------
+
+#: Bounds of a dynamic dimension declared without them (``N``, or ``S`` alone).
+DEFAULT_DIM_BOUNDS = (1, 4096)
+_DECL_RE = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*):(?P<dtype>[a-z0-9]+):(?P<dims>[^:]+)"
+                      r"(?::(?P<low>-?\d+)\.\.(?P<high>-?\d+))?$")
+_DIM_RE = re.compile(r"^(?:(?P<size>\d+)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:=(?P<low>\d+)\.\.(?P<high>\d+))?)$")
+
+
+@dataclass(frozen=True)
+class InputDecl:
+    """One model input as ``--input name:dtype:dims[:low..high]`` declares it: its keyword
+    name, dtype, dimensions (an int, or the name of a dynamic dimension with its bounds, e.g.
+    ``N`` the batch, ``S=2..128``) and, for an integer input, the range its trace example is
+    drawn from (inclusive; default: ``0`` to the smallest ``nn.Embedding`` size - 1, token ids
+    in range)."""
+    name: str
+    dtype: str
+    dims: tuple  # int | (name, low, high)
+    low: int | None = None
+    high: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "InputDecl":
+        m = _DECL_RE.fullmatch(text.strip())
+        dtype = m and m["dtype"]
+        if not m or dtype not in TENSOR_DTYPES:
+            raise ValueError(f"--input {text!r}: give name:dtype:dims[:low..high], e.g. input_ids:int64:N,S=2..128 "
+                             f"or attention_mask:int64:N,S:0..1 (dtype one of {', '.join(TENSOR_DTYPES)})")
+        dims = []
+        for part in m["dims"].split(","):
+            d = _DIM_RE.fullmatch(part.strip())
+            if not d or (d["size"] and int(d["size"]) < 1) or (d["low"] and not 1 <= int(d["low"]) <= int(d["high"])):
+                raise ValueError(f"--input {text!r}: dimension {part!r} is neither a positive size nor a "
+                                 "dynamic one (a name, e.g. N or S=2..128 with 1 <= low <= high)")
+            if d["size"]:
+                dims.append(int(d["size"]))
+            else:
+                dims.append((d["name"], *((int(d["low"]), int(d["high"])) if d["low"] else (None, None))))
+        low = high = None
+        if m["low"] is not None:
+            low, high = int(m["low"]), int(m["high"])
+            if low > high or dtype.startswith("float") or dtype == "bfloat16":
+                raise ValueError(f"--input {text!r}: a value range low..high (low <= high) is for integer inputs")
+        return cls(m["name"], dtype, tuple(dims), low, high)
+
+    @staticmethod
+    def bind(decls: list["InputDecl"]) -> list["InputDecl"]:
+        """``decls`` with every dynamic dimension's bounds as declared once (``S=2..128`` in one
+        input, ``S`` in another), :data:`DEFAULT_DIM_BOUNDS` where never; refused when an input
+        is declared twice or a dimension with two bounds."""
+        if len({d.name for d in decls}) != len(decls):
+            raise ValueError(f"--input names {', '.join(d.name for d in decls)}: declare each input once")
+        bounds: dict[str, tuple] = {}
+        for decl in decls:
+            for dim in decl.dims:
+                if not isinstance(dim, int) and dim[1] is not None:
+                    if bounds.setdefault(dim[0], dim[1:]) != dim[1:]:
+                        raise ValueError(f"--input: dimension {dim[0]} is given bounds {bounds[dim[0]][0]}.."
+                                         f"{bounds[dim[0]][1]} and {dim[1]}..{dim[2]}; give them once")
+        return [InputDecl(d.name, d.dtype, tuple(dim if isinstance(dim, int) else
+                                                 (dim[0], *bounds.get(dim[0], DEFAULT_DIM_BOUNDS)) for dim in d.dims),
+                          d.low, d.high) for d in decls]
+
+    def example_shape(self) -> list[int]:
+        """The shape traced with: a dynamic dimension at 2 (torch.export specialises 0 and 1)
+        or within its bounds, a fixed one as declared."""
+        return [d if isinstance(d, int) else max(d[1], min(d[2], 2 if i == 0 else 8)) for i, d in enumerate(self.dims)]
+
+    def example(self, net: nn.Module, gen: torch.Generator) -> torch.Tensor:
+        shape, dtype = self.example_shape(), getattr(torch, self.dtype)
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=gen).to(dtype)
+        if dtype == torch.bool:
+            return torch.randint(0, 2, shape, generator=gen).bool()
+        if self.low is not None:
+            low, high = self.low, self.high
+        else:
+            sizes = [m.num_embeddings for m in net.modules() if isinstance(m, nn.Embedding)]
+            low, high = 0, (min(sizes) - 1 if sizes else 1)
+        return torch.randint(low, high + 1, shape, generator=gen, dtype=dtype)
+
+
+def export_graph(net: nn.Module, decls: list[InputDecl], example: tuple) -> fx.GraphModule:
+    """The model as one flat graph from ``torch.export`` (strict, then non-strict where strict
+    fails), taking the declared inputs positionally and returning a tensor, a tuple or a dict
+    (a Hugging Face ``ModelOutput`` becomes the dict of its tensors).  Its nodes carry what
+    :func:`trace` with an example gives (``nn_module_stack``, ``tensor_meta``, ``type``);
+    sizes of dynamic dimensions are nodes of type int that each block recomputes from its own
+    inputs (:func:`_block`)."""
+    what = type(net).__name__
+    named: dict[str, torch.export.Dim] = {}
+    dynamic = {d.name: {i: named.setdefault(dim[0], torch.export.Dim(dim[0], min=dim[1], max=dim[2]))
+                        for i, dim in enumerate(d.dims) if not isinstance(dim, int)} or None for d in decls}
+    kwargs = {d.name: x for d, x in zip(decls, example)}
+    errors = []
+    for strict in (True, False):
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program = torch.export.export(net, (), kwargs, dynamic_shapes=dynamic, strict=strict)
+            break
+        except Exception as exc:  # torch.export raises many kinds; the non-strict try says more
+            errors.append(exc)
+    else:
+        exc = errors[-1]
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"torch.export cannot export {what} on inputs "
+                         f"{', '.join(f'{d.name} {d.dtype} {list(x.shape)}' for d, x in zip(decls, example))} "
+                         f"({first[:300]}){_model_line(exc)}; check --input (names, dtypes, shapes as "
+                         "forward takes them)") from None
+    gm = program.module()
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":  # checks of the whole model's inputs
+            graph.erase_node(node)
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.sym_size.int:  # x.size(d): TorchScript cannot call the op itself
+            node.op, node.target = "call_method", "size"
+        elif isinstance(node.target, torch._ops.OpOverload):  # nor an overload: the packet, resolved by schema
+            node.target = node.target.overloadpacket
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+            node.meta["type"] = torch.Tensor
+        elif isinstance(val, (torch.SymInt, int)):
+            node.meta["type"] = int
+        elif val is None and node.op == "call_function":
+            node.meta["type"] = type(None)
+    # each dynamic dimension's symbol (s43) -> its declared name and bounds, for the manifest
+    symbols = {}
+    for node, decl in zip([n for n in graph.nodes if n.op == "placeholder"], decls):
+        for size, dim in zip(node.meta["val"].shape, decl.dims):
+            if not isinstance(dim, int):
+                symbols[str(size)] = dim
+    out = next(n for n in graph.nodes if n.op == "output")
+    flat, spec = list(out.args[0]), gm._out_spec
+    keys = spec.context if isinstance(spec.context, list) and all(isinstance(k, str) for k in spec.context) else None
+    value = (flat[0] if spec.is_leaf() or len(flat) == 1 and not keys
+             else dict(zip(keys, flat)) if keys and len(keys) == len(flat) else tuple(flat))
+    out.args = (value,)
+    graph._codegen = fx.graph.CodeGen()  # plain positional inputs, no pytree
+    # a plain GraphModule over the same graph and parameters: the program's own refuses eval()
+    plain = fx.GraphModule(gm, graph).eval()
+    plain.meta["dims"] = symbols
+    return plain
+
+
+def _model_line(exc: BaseException) -> str:
+    """`` at file:line: code`` of the innermost frame outside torch where ``exc`` was raised
+    (the model's line that export could not follow), or ``""``."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)]
+    inner = [f for f in frames if not f.filename.startswith(os.path.dirname(__file__))]
+    if not inner:
+        return ""
+    f = inner[-1]
+    return f" at {os.path.basename(f.filename)}:{f.lineno}: {(f.line or '').strip()[:120]}"
+
+
+def _is_size(node: fx.Node) -> bool:
+    """Whether ``node`` is the size of a dynamic dimension (a SymInt), which no hop carries:
+    each block recomputes it from its own inputs."""
+    return isinstance(node.meta.get("val"), torch.SymInt)
+
+
 def _shaped(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` was traced with an example, so its nodes know what they compute."""
     return any(n.op == "placeholder" and "tensor_meta" in n.meta for n in gm.graph.nodes)
@@ -202,10 +374,11 @@ def cut_positions(gm: fx.GraphModule) -> dict[str, int]:
 
 
 def crossing(gm: fx.GraphModule, pos: int) -> list[fx.Node]:
-    """Values made at or before node ``pos`` and used after it (attributes excluded)."""
+    """Values made at or before node ``pos`` and used after it (attributes, and the sizes of
+    dynamic dimensions, which each block recomputes, excluded)."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return [n for n in gm.graph.nodes
-            if index[n] <= pos and n.op != "get_attr" and any(index[u] > pos for u in n.users)]
+    return [n for n in gm.graph.nodes if index[n] <= pos and n.op != "get_attr" and not _is_size(n)
+            and any(index[u] > pos for u in n.users)]
 
 
 def _last_op(gm: fx.GraphModule) -> int:
@@ -334,15 +507,41 @@ def split(gm: fx.GraphModule, positions: list[int]) -> list[fx.GraphModule]:
     bounds = [-1, *positions, len(nodes) - 1]
     blocks = []
     for start, stop in zip(bounds, bounds[1:]):
-        inputs = [nodes[0]] if start < 0 else crossing(gm, start)
+        inputs = [n for n in nodes if n.op == "placeholder"] if start < 0 else crossing(gm, start)
         body = nodes[start + 1:stop + 1]
         if stop == len(nodes) - 1:
             out = nodes[-1].args[0]
         else:
             values = crossing(gm, stop)
             out = values[0] if len(values) == 1 else tuple(values)
-        blocks.append(_block(gm, inputs, body, out))
+        block = _block(gm, inputs, body, out)
+        block.meta["members"] = (inputs, _out_nodes(out))
+        blocks.append(block)
     return blocks
+
+
+def _out_nodes(out) -> list[fx.Node]:
+    return list(out.values()) if isinstance(out, dict) else list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def dim_fields(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node]) -> dict:
+    """The manifest fields of a block's dynamic dimensions, for a graph ``torch.export`` made
+    with some (:func:`export_graph`): ``input_dims``/``output_dims`` (per member, each dimension
+    its size or the name of the declared dynamic one, None for a size computed from them) and
+    ``dim_bounds`` (name -> [low, high]); ``input_names`` where the block takes the model's inputs."""
+    symbols = gm.meta.get("dims") or {}
+    if not symbols:
+        return {}
+
+    def dims(node: fx.Node) -> list:
+        shape = node.meta["val"].shape
+        return [symbols[str(d)][0] if str(d) in symbols else int(d) if isinstance(d, int) else None for d in shape]
+
+    fields = {"input_dims": [dims(n) for n in inputs], "output_dims": [dims(n) for n in outputs],
+              "dim_bounds": {name: [low, high] for name, low, high in symbols.values()}}
+    if all(n.op == "placeholder" for n in inputs):
+        fields["input_names"] = [n.name for n in inputs]
+    return fields
 
 
 def _block(gm: fx.GraphModule, inputs: list[fx.Node], body: list[fx.Node], out) -> fx.GraphModule:
@@ -354,9 +553,12 @@ def _block(gm: fx.GraphModule, inputs: list[fx.Node], body: list[fx.Node], out) 
 
     def lookup(node: fx.Node) -> fx.Node:
         if node not in env:
-            if node.op != "get_attr":
+            if node.op == "get_attr":
+                env[node] = g.get_attr(node.target)
+            elif _is_size(node):
+                env[node] = _size_from(g, node, inputs, env, lookup)
+            else:
                 raise RuntimeError(f"{node.name} crosses a cut the splitter accepted")  # a bug
-            env[node] = g.get_attr(node.target)
         return env[node]
 
     for node in body:
@@ -366,6 +568,23 @@ def _block(gm: fx.GraphModule, inputs: list[fx.Node], body: list[fx.Node], out) 
     g.output(fx.map_arg(out, lookup))
     block = fx.GraphModule(gm, g)
     return block.eval()
+
+
+def _size_from(g: fx.Graph, node: fx.Node, inputs: list[fx.Node], env: dict, lookup) -> fx.Node:
+    """The size ``node`` (a dynamic dimension, or arithmetic on such sizes) in a block taking
+    ``inputs``: read off the first input that has that dimension, else recomputed from the
+    sizes it is made of."""
+    want = str(node.meta["val"])
+    for inp in inputs:
+        val = inp.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for dim, size in enumerate(val.shape):
+                if str(size) == want:
+                    return g.call_method("size", (env[inp], dim))
+    if node.op == "call_function":
+        return g.node_copy(node, lookup)
+    raise CutError(f"the size {want} of a dynamic dimension is used after a cut that no tensor with that "
+                   "dimension crosses; cut where a tensor of that size crosses, or make the dimension static")
 
 
 def chain(blocks: list[nn.Module], x: torch.Tensor) -> list:
@@ -440,15 +659,16 @@ def node_times(gm: fx.GraphModule, example: torch.Tensor, repeats: int = TIMING_
     thread (as a block served with ``"threads": 1`` runs).  The minimum, not the mean: on a
     shared machine one preempted run would otherwise move the cuts."""
     timer = _NodeTimer(gm)
+    args = example if isinstance(example, tuple) else (example,)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
             for _ in range(2):
-                timer.run(example)
+                timer.run(*args)
             timer.times = [float("inf")] * len(timer.times)
             for _ in range(repeats):
-                timer.run(example)
+                timer.run(*args)
     finally:
         torch.set_num_threads(threads)
     return timer.times
@@ -504,9 +724,13 @@ def _min_max_partition(cum: list[float], ends: list[int], blocks: int) -> list[i
 def export_split(model: str, out: str | os.PathLike, cuts: list[str] | None = None,
                  blocks: int | None = None, input_shape: tuple[int, ...] = (1, *repo.INPUT_SHAPE),
                  name: str | None = None, fmt: str = "torchscript", method: str = "script",
-                 seed: int = 0) -> dict:
+                 seed: int = 0, inputs: list[str] | None = None) -> dict:
     """Split ``model`` (see :func:`build_model`) at ``cuts``, or at ``blocks - 1`` balanced
     cuts, and write ``out/<name>/block1..blockK`` plus ``full`` with their manifest.
+    ``inputs`` (``--input name:dtype:dims``, see :class:`InputDecl`) declares the model's
+    inputs and splits the graph ``torch.export`` makes; without them the model takes one
+    float32 tensor of ``input_shape`` and is traced by ``torch.fx``, falling back to
+    ``torch.export`` where ``torch.fx`` cannot trace it.
 
     Runs in a fresh interpreter (as :func:`blockflow.blocks.repository.export_model` does).
     Returns ``{"manifest": path, "name": name, "cuts": [the cuts made]}``; a cut that does
@@ -521,8 +745,10 @@ def export_split(model: str, out: str | os.PathLike, cuts: list[str] | None = No
         raise ValueError(f"input shape must be positive integers, got {input_shape!r}")
     if name is not None and not _NAME_RE.fullmatch(name):
         raise ValueError(f"--name {name!r} must match {_NAME_RE.pattern} (it names a directory)")
+    InputDecl.bind([InputDecl.parse(text) for text in inputs or []])  # refused here, before the worker starts
     args = dict(model=model, out=str(Path(out).resolve()), cuts=list(cuts or []), blocks=blocks,
-                input_shape=list(input_shape), name=name, fmt=fmt, method=method, seed=seed)
+                input_shape=list(input_shape), name=name, fmt=fmt, method=method, seed=seed,
+                inputs=list(inputs or []))
     code = ("import sys\nfrom blockflow.blocks import split\n"
             "split.repo.worker_main(sys.argv[1], split._export_in_process, split.log)\n")
     total = (len(cuts) + 2) if cuts else (blocks + 1)
@@ -531,13 +757,12 @@ def export_split(model: str, out: str | os.PathLike, cuts: list[str] | None = No
 
 def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None,
                        input_shape: list[int], name: str | None, fmt: str, method: str,
-                       seed: int) -> dict:
+                       seed: int, inputs: list[str]) -> dict:
     """The work of :func:`export_split`, in the export child (which runs in the caller's
     current directory, so a callable is imported from there as it would be in the caller)."""
     net, default_name = build_model(model, seed)
     name = name or default_name
-    example = torch.randn(*input_shape, generator=torch.Generator().manual_seed(seed))
-    gm = trace(net, example)
+    gm, example = _graph(net, InputDecl.bind([InputDecl.parse(text) for text in inputs]), input_shape, seed)
     if not cuts:
         cuts = balance(gm, blocks, example)
         log.info("balanced cuts for %d blocks of %s: %s", blocks, name, " ".join(cuts) or "(none)")
@@ -545,7 +770,7 @@ def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None
     parts = split(gm, positions)
     outs = chain(parts, example)
     with torch.no_grad():
-        want = gm(example)
+        want = bundle.call(gm, example)
     diff = max_diff(outs[-1], want)
     if diff > CHAIN_TOLERANCE:
         raise RuntimeError(f"the chained blocks of {name} differ from the whole model by {diff:g}")
@@ -554,26 +779,48 @@ def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None
     model_dir = Path(out) / name
     model_dir.mkdir(parents=True, exist_ok=True)
     inputs = [example, *outs[:-1]]
-    jobs = [(repo.FULL, gm, example, want, None)]
-    jobs += [(f"block{i}", mod, x, y, cut) for i, (mod, x, y, cut)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    jobs = [(repo.FULL, gm, example, want, None, (placeholders, _out_nodes(list(gm.graph.nodes)[-1].args[0])))]
+    jobs += [(f"block{i}", mod, x, y, cut, mod.meta["members"]) for i, (mod, x, y, cut)
              in enumerate(zip(parts, inputs, outs, [*cuts, None]), 1)]
     entries = {}
-    for bname, mod, x, y, cut in jobs:
-        fname, entry = _write_block(model_dir, bname, mod, x, y, fmt, method, seed)
-        entries[fname] = dict(entry, cut=cut)
+    for bname, mod, x, y, cut, members in jobs:
+        dims = dim_fields(gm, *members)
+        fname, entry = _write_block(model_dir, bname, mod, x, y, fmt, method, seed, dims)
+        entries[fname] = dict(entry, cut=cut, **dims)
     manifest_path = _merge_manifest(model_dir, name, seed, model, cuts, entries)
     return {"manifest": str(manifest_path), "name": name, "cuts": cuts}
 
 
+def _graph(net: nn.Module, decls: list[InputDecl], input_shape: list[int], seed: int):
+    """``(graph, example)``: the model's graph and the input it was traced on (a tensor, or a
+    tuple of the declared inputs).  With no ``--input`` a float32 tensor of ``input_shape``
+    through ``torch.fx``, then ``torch.export`` where fx cannot follow the model (a shape used
+    as a slice index, as Hugging Face models do)."""
+    gen = torch.Generator().manual_seed(seed)
+    if not decls:
+        example = torch.randn(*input_shape, generator=gen)
+        try:
+            return trace(net, example), example
+        except ValueError as exc:
+            if not str(exc).startswith("torch.fx cannot trace"):
+                raise
+            log.info("%s; splitting the graph torch.export makes instead", exc)
+        decls = [InputDecl("x", "float32", (("N", *DEFAULT_DIM_BOUNDS), *input_shape[1:]))]  # the batch dynamic
+    example = tuple(d.example(net, gen) for d in decls)
+    gm = export_graph(net, decls, example)
+    return gm, example[0] if len(example) == 1 else example
+
+
 def _write_block(model_dir: Path, bname: str, mod: nn.Module, x, y, fmt: str, method: str,
-                 seed: int) -> tuple[str, dict]:
+                 seed: int, dims: dict) -> tuple[str, dict]:
     """Compile ``mod`` to ``model_dir/bname.pt[2]``: its file name and manifest entry (the
     same fields as a ResNet block's, plus ``input_shapes``/``output_shapes``/``output_keys``
     where ``x`` is a tuple of tensors or ``y`` a tuple or dict: :func:`repository.shape_fields`)."""
     fname = bname + repo.SUFFIX[fmt]
     try:
         if fmt == "export":
-            data = repo.export_program_bytes(mod, x)
+            data = repo.export_program_bytes(mod, x, dims.get("input_dims"), dims.get("dim_bounds"))
         else:
             data = repo.compile_to_bytes(mod, method, x, strict=isinstance(y, (torch.Tensor, tuple)))
     except Exception as exc:  # torch.jit/torch.export raise many kinds; say which block and what to try
@@ -590,11 +837,24 @@ def _write_block(model_dir: Path, bname: str, mod: nn.Module, x, y, fmt: str, me
     return fname, {
         "name": bname, "file": fname, "sha256": digest,
         **repo.shape_fields(x, y),
-        "dtype": "float32", "params": sum(p.numel() for p in mod.parameters()),
+        **_dtype_fields(x, y), "params": sum(p.numel() for p in mod.parameters()),
         "param_bytes": sum(t.numel() * t.element_size() for t in tensors),
         "method": method if fmt == "torchscript" else "export", "format": fmt,
         "variant": None, "seed": seed,
     }
+
+
+def _dtype_fields(x, y) -> dict:
+    """``dtype``: the first input member's; ``input_dtypes``/``output_dtypes``: every member's,
+    where a block takes or returns several tensors or one that is not float32."""
+    xs, ys = repo.members(x), repo.members(y)
+    fields = {"dtype": str(xs[0].dtype).removeprefix("torch.")}
+    for key, ts, many in (("input_dtypes", xs, isinstance(x, (tuple, list, dict))),
+                          ("output_dtypes", ys, isinstance(y, (tuple, list, dict)))):
+        dtypes = [str(t.dtype).removeprefix("torch.") for t in ts]
+        if many or dtypes != ["float32"]:
+            fields[key] = dtypes
+    return fields
 
 
 def _merge_manifest(model_dir: Path, name: str, seed: int, source: str, cuts: list[str],

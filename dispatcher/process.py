@@ -371,15 +371,17 @@ class Dispatcher(ChildProcess):
             if isinstance(descs, TensorDesc):
                 if shapes:
                     raise ValueError(f"task {task} takes {len(shapes)} tensors (a tuple or dict), got one")
-                self.check_input(task, spec, descs)
+                self.check_input(task, dict(spec, dims=(spec.get("dims") or [None])[0]), descs)
                 return
             if spec and not shapes:
                 raise ValueError(f"task {task} takes one tensor, got {len(descs)}")
             if shapes and len(shapes) != len(descs):
                 raise ValueError(f"task {task} takes {len(shapes)} tensors, got {len(descs)}")
+            names, dtypes, dims = spec.get("names") or [], spec.get("dtypes") or [], spec.get("dims") or []
             for i, desc in enumerate(descs):
-                self.check_input(task, {"dtype": spec.get("dtype"), "shape": shapes[i]} if shapes else {}, desc,
-                                 f"[{i}]")
+                member = {"dtype": dtypes[i] if i < len(dtypes) else spec.get("dtype"), "shape": shapes[i],
+                          "dims": dims[i] if i < len(dims) else None, "bounds": spec.get("bounds")} if shapes else {}
+                self.check_input(task, member, desc, f" ({names[i]})" if i < len(names) else f"[{i}]")
 
         return check
 
@@ -394,6 +396,12 @@ class Dispatcher(ChildProcess):
                 want is not None and want != got for want, got in zip(shape[1:], desc.shape[1:]))):
             want = ["N"] + list(shape[1:])
             raise ValueError(f"task {task} takes tensors of shape {want}{member}, got {list(desc.shape)}")
+        for named, got in zip((spec.get("dims") or [])[1:], desc.shape[1:]):
+            low, high = (spec.get("bounds") or {}).get(named, (None, None)) if isinstance(named, str) else (None, None)
+            if low is not None and not low <= got <= high:
+                raise ValueError(f"task {task} takes dimension {named} between {low} and {high}{member}, got "
+                                 f"{got} (shape {list(desc.shape)}); send {named} in those bounds, or export "
+                                 f"again with --input ...{named}={min(low, got)}..{max(high, got)}")
 
     def route(self, replicas: list) -> tuple[list, tuple]:
         """A path through replicated blocks: per hop, the replica with the fewest of our

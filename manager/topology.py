@@ -198,10 +198,25 @@ def log_refusal(fut: Future) -> None:
 def input_spec(entry: dict | None, dtype: str | None = None) -> dict | None:
     """What a task's first block takes, for the dispatcher's check of a request (its manifest
     entry): dtype and shape, and ``shapes`` where it takes several tensors (``input_shapes``);
-    ``dtype``: the block's declared ``input_dtype``, before the manifest's."""
+    ``dtype``: the block's declared ``input_dtype``, before the manifest's (``dtypes``: one per
+    member); ``names``, ``dims`` and ``bounds``: the declared inputs and dynamic dimensions of a
+    model split by ``torch.export`` (None in a shape: a dynamic dimension)."""
     if not entry:
         return {"dtype": dtype, "shape": None} if dtype else None
     spec = {"dtype": dtype or entry.get("dtype"), "shape": entry.get("input_shape")}
     if entry.get("input_shapes"):
         spec["shapes"] = entry["input_shapes"]
+    if entry.get("input_dtypes") and not dtype:
+        spec["dtypes"] = entry["input_dtypes"]
+    if entry.get("input_names"):
+        spec["names"] = entry["input_names"]
+    dims = entry.get("input_dims")
+    if dims:  # a dynamic dimension is any size within its bounds, not the size exported with
+        def fixed(shape, member_dims):
+            return [d if isinstance(named, int) else None for d, named in zip(shape, member_dims)]
+        spec["dims"], spec["bounds"] = dims, entry.get("dim_bounds") or {}
+        if spec["shape"]:
+            spec["shape"] = fixed(spec["shape"], dims[0])
+        if spec.get("shapes"):
+            spec["shapes"] = [fixed(s, d) for s, d in zip(spec["shapes"], dims)]
     return spec
