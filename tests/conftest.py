@@ -121,14 +121,7 @@ def pytest_runtest_setup(item):
             _unit_test_running.clear()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    unit = _guarded(item)
-    try:
-        yield
-    finally:
-        if unit:
-            _unit_test_running.clear()
+pytest_runtest_call = pytest_runtest_setup  # the same guard around the test's call as around its setup
 
 
 #: The checkout's git-ignored model repository (experiments.common.DEFAULT_REPO, the one `make
@@ -249,6 +242,23 @@ def leak_check():
     for e in left_tmp:
         shutil.rmtree(os.path.join(tempfile.gettempdir(), e), ignore_errors=True)
     assert not left_tmp, f"state directories left behind in {tempfile.gettempdir()}: {sorted(left_tmp)}"
+
+
+@pytest.fixture
+def shm_dir():
+    """A private directory under /dev/shm for a test's own slot pools."""
+    d = tempfile.mkdtemp(prefix="bftest-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def ctx():
+    """A ZeroMQ context of the test's own, terminated after it."""
+    import zmq
+    c = zmq.Context()
+    yield c
+    c.term()
 
 
 @pytest.fixture

@@ -30,20 +30,6 @@ CUDA = pytest.mark.cuda
 MiB = 2 ** 20
 
 
-@pytest.fixture
-def shm_dir():
-    d = tempfile.mkdtemp(prefix="bftest-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.term()
-
-
 # =================================================================================================
 # On a GPU: two processes
 # =================================================================================================

@@ -19,13 +19,6 @@ from blockflow.tensormq import wire
 from blockflow.tensormq.wire import TensorDesc, WireError, check_path, loads_header
 
 
-@pytest.fixture
-def shm_dir():
-    d = tempfile.mkdtemp(prefix="bftest-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def test_bytes_roundtrip_is_zero_copy_on_receive():
     x = torch.randn(2, 3, 4)
     desc, payload = encode_bytes(x)

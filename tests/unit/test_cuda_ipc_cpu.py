@@ -21,20 +21,6 @@ from blockflow.tensormq.wire import TensorDesc, WireError
 MiB = 2 ** 20
 
 
-@pytest.fixture
-def shm_dir():
-    d = tempfile.mkdtemp(prefix="bftest-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.term()
-
-
 # -- defect 1: 'cuda' means 'cuda:0', once, in the schema and in the device map ----------------
 def test_schema_spells_cuda_as_cuda_0():
     from blockflow.schema import validate_update
