@@ -408,6 +408,57 @@ def steps_table(steps: dict) -> str:
     return "\n".join(lines)
 
 
+#: The parts of a block's hop in the picture, in the order a request meets them.
+PICTURE_STAGES = ("wait", "deser", "dev", "inf", "share", "fwd")
+
+
+def picture(path: dict, names: list[str], out: str | None) -> str | None:
+    """``hop_budget.png``: where a request's round trip goes, one bar per way the client's tensor
+    travels (lent slots, bytes), each split into the way in, every block's stages and the transit
+    to the next block, and the way out; beside them the floor, what the blocks' own work (their
+    ``inf``) costs. Medians of the rounds, so the parts do not add up to the round trip exactly:
+    the rest is drawn as "unaccounted"."""
+    from experiments.common import pyplot, results_dir, save_fig
+    plt = pyplot()
+    if plt is None:
+        return None
+    ways = [("lent slots", "")] + ([("bytes", "bytes:")] if f"bytes:total" in path else [])
+    colours = {"way in": "#546e7a", "transit": "#b0bec5", "wait": "#9e9e9e", "deser": "#8d6e63", "dev": "#ffb300",
+               "inf": "#1e88e5", "share": "#43a047", "fwd": "#8e24aa", "way out": "#37474f", "unaccounted": "#eceff1"}
+    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.7 * (len(ways) + 1)))
+    labels, seen = [], set()
+
+    def bar(y: int, parts: list[tuple[str, float]]) -> None:
+        left = 0.0
+        for kind, ms in parts:
+            ax.barh(y, ms, left=left, color=colours[kind], edgecolor="white", linewidth=0.5,
+                    label=None if kind in seen else kind)
+            seen.add(kind)
+            left += ms
+
+    for y, (label, prefix) in enumerate(ways):
+        def med(key: str) -> float:
+            return (path.get(prefix + key) or {}).get("median") or 0.0
+        parts = [("way in", med("way_in"))]
+        for i, b in enumerate(names):
+            if i:
+                parts.append(("transit", med(f"{b}.transit")))
+            parts += [(stage, med(f"{b}.{stage}")) for stage in PICTURE_STAGES]
+        parts.append(("way out", med("way_out")))
+        parts.append(("unaccounted", max(med("total") - sum(ms for _, ms in parts), 0.0)))
+        bar(y, parts)
+        labels.append(f"BlockFlow, {label}\n{med('total'):.2f} ms")
+    floor = sum((path.get(f"{b}.inf") or {}).get("median") or 0.0 for b in names)
+    bar(len(ways), [("inf", floor)])
+    labels.append(f"floor: the blocks' own work\n{floor:.2f} ms")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"ms of a request's round trip ({len(names)} identity blocks, 3.2 MB, medians of interleaved rounds)")
+    ax.legend(loc="lower right", ncols=5, fontsize=8)
+    fig.tight_layout()
+    return save_fig(fig, results_dir(out), "hop_budget.png")
+
+
 def main(argv=None) -> int:
     from experiments.common import env_info, parser, setup_logging, write_json
     ap = parser("hop_budget", __doc__)
@@ -445,6 +496,7 @@ def main(argv=None) -> int:
         print()
         print(ways_table(path))
     print(f"took {time.monotonic() - started:.0f} s")
+    picture(path, names, args.out)
     write_json(args.out, "hop_budget", {"env": env_info(), "settings": {
         "rounds": rounds, "n": n, "iters": iters, "chain": args.chain, "device": args.device, "shape": list(SHAPE),
         "quick": args.quick, "profile": args.profile, "client": args.client}, "path": path, "steps": steps, "blocks": names})

@@ -242,9 +242,41 @@ def _clock_rows(r: Results) -> list[list]:
     return rows
 
 
+def _request_path_rows(r: Results) -> list[list]:
+    """The way in and out (lent slots against bytes), the first request after an update, and what
+    tracing costs (issues 40 and 45)."""
+    rows = []
+    d = r("hop_budget")
+    p = (d or {}).get("path") or {}
+    if "bytes:total" in p:
+        def part(key: str) -> str:
+            lent, sent = p[key]["median"], p["bytes:" + key]["median"]
+            return f"{lent:.2f} vs {sent:.2f} ms ({lent / sent:.2f}x)"
+        rows.append(["a request through 3 identity blocks (3.2 MB, TensorMQ): a local client's lent slots / its bytes "
+                     "(medians of interleaved rounds)",
+                     f"round trip {part('total')}; way in {part('way_in')}; way out {part('way_out')} "
+                     f"({r.source('hop_budget')})", "fewer crossings and copies (issue 40 item 3)",
+                     "`python -m experiments.hop_budget --client both`"])
+    d = r("first_request")
+    if d is not None:
+        ratios = ", ".join(f"{label.split('/')[0]} {_x(row['ratio_median'])}" for label, row in d["series"].items())
+        rows.append(["the first request after an update / a steady one (ResNet50 4 blocks + head, median of the "
+                     "updates)", f"{ratios} ({r.source('first_request')})", "≈ 1x: no request pays for an update",
+                     "`python -m experiments.first_request`"])
+    d = r("tracing")
+    if d is not None:
+        st = d["settings"]
+        traced = "; ".join(f"{name} {_x(row['p50_over_off'], 3)} ({_ms(row['p50_ms'], 1)})"
+                           for name, row in st.items() if row.get("p50_over_off") is not None)
+        rows.append(["OpenTelemetry tracing: ResNet50 pipeline p50 traced / untraced (median of interleaved rounds)",
+                     f"{traced}; off {_ms(st['off']['p50_ms'], 1)} ({r.source('tracing')})", "reported (issue 45)",
+                     "`python -m experiments.tracing`"])
+    return rows
+
+
 def measured_here(r: Results) -> str:
-    rows = (_clock_rows(r) + _hop_rows(r) + _fused_rows(r) + _batching_rows(r) + _peers_rows(r)
-            + _kserve_rows(r) + _validation_rows(r))
+    rows = (_clock_rows(r) + _request_path_rows(r) + _hop_rows(r) + _fused_rows(r) + _batching_rows(r)
+            + _peers_rows(r) + _kserve_rows(r) + _validation_rows(r))
     return _table(["what", "measured (source, date, commit)", "goal", "command"], rows)
 
 
