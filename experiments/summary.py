@@ -265,7 +265,7 @@ def _request_path_rows(r: Results) -> list[list]:
                      "`python -m experiments.first_request`"])
     d = r("tracing")
     if d is not None:
-        st = d["settings"]
+        st = d["series"]
         traced = "; ".join(f"{name} {_x(row['p50_over_off'], 3)} ({_ms(row['p50_ms'], 1)})"
                            for name, row in st.items() if row.get("p50_over_off") is not None)
         rows.append(["OpenTelemetry tracing: ResNet50 pipeline p50 traced / untraced (median of interleaved rounds)",

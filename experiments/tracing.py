@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
         spans = receiver.spans()
     traces = _traces(spans)
-    result = {"transport": args.transport, "rounds": rounds, "n": n, "settings": {}}
+    settings = {"transport": args.transport, "rounds": rounds, "n": n, "quick": args.quick,
+                "ratios": {name: ratio for name, ratio in SETTINGS}}
+    result = {"experiment": "tracing", "env": common.env_info(settings), "settings": settings, "series": {}}
     off = [p50 for p50, _ in lat["off"]]
     for name, ratio in SETTINGS:
         p50s, p99s = [p for p, _ in lat[name]], [p for _, p in lat[name]]
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                "p50_range_ms": [min(p50s), max(p50s)]}
         if ratio is not None:
             row["p50_over_off"] = statistics.median(p / o for p, o in zip(p50s, off))
-        result["settings"][name] = row
+        result["series"][name] = row
     result["traces_received"] = len(traces)
     result["spans_per_trace"] = statistics.median(len(v) for v in traces.values()) if traces else None
     if traces and last_traced:
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                                          for s in chosen]}
         result["waterfall_png"] = waterfall(chosen, common.results_dir(args.out))
     path = common.write_json(args.out, "tracing", result)
-    for name, row in result["settings"].items():
+    for name, row in result["series"].items():
         extra = f", {row['p50_over_off']:.3f}x off" if "p50_over_off" in row else ""
         print(f"{name:>11}: p50 {row['p50_ms']:.2f} ms (range {row['p50_range_ms'][0]:.2f}-"
               f"{row['p50_range_ms'][1]:.2f}), p99 {row['p99_ms']:.2f} ms{extra}")
