@@ -354,6 +354,10 @@ class Dispatcher(ChildProcess):
             return
         if self.lender is None:
             raise WireError("this dispatcher has no shared-memory directory; send bytes")
+        if self.transport.mode != "tensormq":  # every hop carries bytes, the client's too (asked again later)
+            self.reply(client, cid, "error", code=ErrorCode.UNAVAILABLE, counted=False,
+                       error=f"transport {self.transport.mode}: requests carry their bytes, no slots are lent")
+            return
         try:
             slots = self.lender.lend(client, header.get("nbytes"), header.get("pid"))
         except ShmExhausted as exc:

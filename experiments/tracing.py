@@ -22,6 +22,7 @@ import time
 from . import common
 
 STAGES = ("wait", "deser", "dev", "inf", "share", "fwd")
+ROOT_SPAN = "blockflow request"  # the dispatcher's span of a request (blockflow/tracing.py)
 SETTINGS = (("off", None), ("ratio 0.01", 0.01), ("ratio 1.0", 1.0))
 
 
@@ -30,7 +31,7 @@ def waterfall(spans: list[dict], out: str) -> str | None:
     plt = common.pyplot()
     if plt is None:
         return None
-    root = next(s for s in spans if s["name"] == "blockflow request")
+    root = next(s for s in spans if s["name"] == ROOT_SPAN)
     t0 = root["start_ns"]
     blocks = sorted((s for s in spans if s is not root), key=lambda s: s["start_ns"])
     fig, ax = plt.subplots(figsize=(9, 0.5 * (len(blocks) + 2) + 1))
@@ -95,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                     last_traced = ms
             common.log.info("round %d/%d: %s", r + 1, rounds,
                             ", ".join(f"{k} p50 {v[-1][0]:.2f} ms" for k, v in lat.items()))
-        # the spans of the last round at ratio 1.0 are the last n traces; let them arrive
+        # every request at ratio 1.0 is traced: wait until that many traces are whole (each process
+        # exports on its own, so a trace's spans arrive apart)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(_traces(receiver.spans())) < rounds * n:
+        while time.monotonic() < deadline and len(_whole(_traces(receiver.spans()))) < rounds * n:
             time.sleep(0.2)
         spans = receiver.spans()
     traces = _traces(spans)
@@ -114,15 +116,19 @@ def main(argv: list[str] | None = None) -> int:
         result["series"][name] = row
     result["traces_received"] = len(traces)
     result["spans_per_trace"] = statistics.median(len(v) for v in traces.values()) if traces else None
-    if traces and last_traced:
+    whole = _whole(traces)
+    result["whole_traces"] = len(whole)
+    if whole and last_traced:
         # the median request of the last traced round, by the root span's own length
-        full = sorted((v for v in traces.values() if any(s["name"] == "blockflow request" for s in v)),
-                      key=lambda v: max(s["end_ns"] for s in v))[-n:]
-        full.sort(key=lambda v: next(s["end_ns"] - s["start_ns"] for s in v if s["name"] == "blockflow request"))
-        chosen = full[len(full) // 2]
+        last = sorted(whole, key=lambda v: max(s["end_ns"] for s in v))[-n:]
+        last.sort(key=lambda v: next(s["end_ns"] - s["start_ns"] for s in v if s["name"] == ROOT_SPAN))
+        chosen = last[len(last) // 2]
         result["waterfall"] = {"spans": [{k: s[k] for k in ("name", "start_ns", "end_ns", "attributes")}
                                          for s in chosen]}
         result["waterfall_png"] = waterfall(chosen, common.results_dir(args.out))
+    else:
+        result["waterfall"] = None
+        result["waterfall_missing"] = f"no whole trace arrived within 30 s ({len(traces)} traces, some spans only)"
     path = common.write_json(args.out, "tracing", result)
     for name, row in result["series"].items():
         extra = f", {row['p50_over_off']:.3f}x off" if "p50_over_off" in row else ""
@@ -130,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['p50_range_ms'][1]:.2f}), p99 {row['p99_ms']:.2f} ms{extra}")
     print(f"traces received {len(traces)}, spans per trace {result['spans_per_trace']}; wrote {path}")
     return 0
+
+
+def _whole(traces: dict[str, list[dict]]) -> list[list[dict]]:
+    """The traces that hold the dispatcher's root span and one span per block of the path."""
+    return [v for v in traces.values()
+            if sum(s["name"] == ROOT_SPAN for s in v) == 1 and len(v) == 1 + len(common.PIPELINE)]
 
 
 def _traces(spans: list[dict]) -> dict[str, list[dict]]:

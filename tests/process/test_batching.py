@@ -272,7 +272,7 @@ def test_topology_update_while_requests_wait_in_a_batch(server_factory, identity
         after = c.infer("t", torch.ones(1, 3))
         # one reply each: a second one is counted as a duplicate by the client (the trailing
         # request above gave a late duplicate time to arrive on the same socket first)
-        assert c.stats == {"duplicates": 0, "late": 0} and not c._waiting, c.stats
+        assert (c.stats["duplicates"], c.stats["late"]) == (0, 0) and not c._waiting, c.stats
     # the retired block b is drained, not dropped: every request waiting in a's batch when the
     # path switched is served, through b or c, with its own result
     errors = {i: y for i, y in replies.items() if isinstance(y, BlockFlowError)}

@@ -24,9 +24,8 @@ import torch
 
 from blockflow.client import BlockFlowError, Client
 
-from conftest import wait_for
+from conftest import ROOT, wait_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DASHBOARD = os.path.join(ROOT, "configs", "grafana", "blockflow.json")
 SCRAPE_CONFIG = os.path.join(ROOT, "configs", "prometheus.yml")
 TOKEN = "dashboard-test-token"
