@@ -288,6 +288,14 @@ def _node(row: dict) -> str:
     return node[:12] if len(node) == 56 and all(ch in "0123456789abcdef" for ch in node) else node
 
 
+def _cache_cell(cache) -> str:
+    """The CACHE cell: ``resident 1.0MB 12/3`` (hits/misses) for a block of a shared process with
+    a memory budget (blocks/cache.py), ``-`` for any other."""
+    if not isinstance(cache, dict):
+        return "-"
+    return f"{cache.get('state')} {cache.get('bytes', 0) / 2**20:.1f}MB {cache.get('hits', 0)}/{cache.get('misses', 0)}"
+
+
 def _cut(text: str, width: int) -> str:
     """``text`` in ``width`` characters, cut in the middle, so that both ends stay: the block's name
     and its replica (``resnet…al.r1``), a node id's start and end."""
@@ -319,12 +327,13 @@ STATUS_COLUMNS = {
     "ERRORS": lambda r: str(r.get("errors", 0)),
     "NEXT HOPS": lambda r: ",".join(f"{hop}:{kind}" for hop, kind in sorted((r.get("next_hops") or {}).items())) or "-",
     "LAST EXIT": lambda r: r.get("last_exit") or "-",
+    "CACHE": lambda r: _cache_cell(r.get("cache")),
 }
 #: What an operator reads first, the columns of plain ``blockflow status`` (NODE only where the
 #: processes run on more than one node, or wait for one). A replica's and a group's block are in
 #: the process name (``b2.r1``) and the shared PID; last exits are listed under the table.
 STATUS_NARROW = ("PROCESS", "STATUS", "PID", "NODE", "DEVICE", "RESTARTS", "UPTIME", "REQ/S", "P50 MS", "P99 MS",
-                 "ERRORS")
+                 "ERRORS", "CACHE")
 #: The width plain ``blockflow status`` fits (``--wide`` does not try).
 STATUS_WIDTH = 100
 
@@ -335,7 +344,9 @@ def format_status(rows: list[dict], system: dict, wide: bool = False) -> str:
     ``wide`` shows every column and the whole legend."""
     import textwrap
     multi_node = len({r.get("node") for r in rows}) > 1 or any(r.get("waiting_for_node") for r in rows)
-    heads = list(STATUS_COLUMNS) if wide else [h for h in STATUS_NARROW if h != "NODE" or multi_node]
+    cached = any(r.get("cache") for r in rows)  # a shared process with a memory budget
+    heads = [h for h in (STATUS_COLUMNS if wide else STATUS_NARROW)
+             if (h != "NODE" or multi_node or wide) and (h != "CACHE" or cached)]
     table = [heads] + [[STATUS_COLUMNS[h](r) for h in heads] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(heads))]
     if not wide:  # too wide: cut the columns of names, the process's last, down to 8 characters each
@@ -358,7 +369,9 @@ def format_status(rows: list[dict], system: dict, wide: bool = False) -> str:
     else:
         lines += [f"last exit of {r['process']}: {r['last_exit']}"[:STATUS_WIDTH] for r in rows if r.get("last_exit")]
         legend = (f"(REQ/S, P50, P99, ERRORS: the last {window:.0f} s or the process's life if shorter; P50/P99: time in the block, end to end for "
-                  f"{DISPATCHER}; --wide adds BLOCK, REPLICA, GROUP, NODE, NEXT HOPS, LAST EXIT)")
+                  f"{DISPATCHER}; --wide adds BLOCK, REPLICA, GROUP, NODE, NEXT HOPS, LAST EXIT"
+                  + ("; CACHE: a block of a group with a memory budget, resident or parked, its weights, "
+                     "hits/misses" if cached else "") + ")")
         lines += textwrap.wrap(legend, STATUS_WIDTH)
     lines.append(f"version {system.get('version')}; tasks:")
     for t in system.get("tasks", []):

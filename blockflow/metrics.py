@@ -275,6 +275,8 @@ class BlockFlowCollector:
                "last_exit": child.get("last_exit"), **series.last_minute(now, now if since is None else since)}
         if isinstance(ping, dict):
             row["queue"] = ping.get("queue")
+            if isinstance(ping.get("cache"), dict):  # a group with a memory budget (blocks/cache.py)
+                row["cache"] = ping["cache"]
         return row
 
     def _collect(self):
@@ -296,6 +298,7 @@ class BlockFlowCollector:
                     slots.add_metric(self.labels(name), info["in_flight"])
         yield queue
         yield slots
+        yield from self._cache_families(live)
 
         restarts = CounterMetricFamily("blockflow_block_restarts", "respawns of the block (or the dispatcher) "
                                        "since it was declared", labels=BLOCK_LABELS)
@@ -330,6 +333,41 @@ class BlockFlowCollector:
                 continue
         yield from (restarts, up, node, rss, cpu)
         yield from self.nvml.families(pids)
+
+    def _cache_families(self, live: dict):
+        """Residency, size, hits, misses, evictions and swap-in times of the blocks of shared
+        processes with a memory budget (blocks/cache.py), from their pings."""
+        resident = GaugeMetricFamily("blockflow_block_resident", "1 when the block's weights are on its device, 0 "
+                                     "while parked (a shared process with memory_budget_mb)", labels=BLOCK_LABELS)
+        weights = GaugeMetricFamily("blockflow_block_weight_bytes", "bytes of the block's weights, counted against "
+                                    "its shared process's memory budget", labels=BLOCK_LABELS)
+        budget = GaugeMetricFamily("blockflow_block_memory_budget_bytes", "the memory budget of the block's shared "
+                                   "process", labels=BLOCK_LABELS)
+        counters = {k: CounterMetricFamily(f"blockflow_block_cache_{k}", words, labels=BLOCK_LABELS) for k, words in (
+            ("hits", "requests that found the block's weights resident"),
+            ("misses", "requests that swapped the block's weights in first"),
+            ("evictions", "times the block was parked to make room for another"))}
+        swap = HistogramMetricFamily("blockflow_block_swap_in_seconds", "time a swap-in took (parking what made "
+                                     "room, the weights' copy, and on a GPU the graphs' capture)", labels=BLOCK_LABELS)
+        for name, info in live.items():
+            cache = info.get("cache") if isinstance(info, dict) else None
+            if not isinstance(cache, dict):
+                continue
+            labels = self.labels(name)
+            resident.add_metric(labels, 1 if cache.get("state") == "resident" else 0)
+            weights.add_metric(labels, cache.get("bytes", 0))
+            budget.add_metric(labels, cache.get("budget_bytes", 0))
+            for k, family in counters.items():
+                family.add_metric(labels, cache.get(k, 0))
+            hist = cache.get("swap_in_ms") or {}
+            bounds, counts = hist.get("buckets") or [], hist.get("counts") or []
+            if len(counts) == len(bounds) + 1:
+                cumulative, buckets = 0, []
+                for bound, n in zip([*[f"{b / 1e3:g}" for b in bounds], "+Inf"], counts):
+                    cumulative += n
+                    buckets.append((bound, cumulative))
+                swap.add_metric(labels, buckets, (hist.get("sum") or 0.0) / 1e3)
+        yield from (resident, weights, budget, *counters.values(), swap)
 
     def labels(self, name: str) -> list[str]:
         """The [block, replica] label values of process ``name``."""

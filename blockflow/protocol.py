@@ -178,6 +178,9 @@ class Topology(msgspec.Struct, omit_defaults=True):
     #: hops to connect to and make slots towards now; to the dispatcher each one's task input
     #: (``{"dtype", "shape"}``, None where unknown), to a block None
     prepare: dict[str, dict | None] | None = None
+    #: to a block of a shared process with a memory budget: how many tasks' paths go through it
+    #: (its block cache evicts a block several tasks share last: blocks/cache.py)
+    tasks: int | None = None
 
 
 class Host(msgspec.Struct):

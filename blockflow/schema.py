@@ -169,6 +169,12 @@ class BlockDecl(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node: _Name | None = None             # Ray mode: the custom resource of the nodes it may run on
     #: the dtype of the tensors the block takes (e.g. int64 token ids): its warm-up (and CUDA
     #: graphs) run on such inputs, and a task it starts refuses others; None: the manifest's
+    #: a shared process's budget for its blocks' weights (blocks/cache.py): the blocks of a group
+    #: that state it state the same; a group may then declare more blocks than fit at once
+    memory_budget_mb: _option(float, "must be a number of megabytes above 0, got {value!r:.40}", gt=0,
+                              le=1 << 24) | None = None
+    #: in a group with a memory budget: kept resident, never parked to make room
+    pinned: _option(bool, "must be true or false, got {value!r:.40}") = False
     input_dtype: _option(Literal[TENSOR_DTYPES],
                          "{value!r:.40} is not a dtype a tensor travels as; use one of " + ", ".join(TENSOR_DTYPES)
                          ) | None = None
@@ -382,6 +388,24 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None, nodes: se
             if first.device != decl.device:
                 raise UpdateError(f"{where}.device", f"shared process {decl.process!r} runs on {first.device} "
                                                      f"(block {first.name!r}); a process has one device")
+            budget = next((d for d in blocks.values() if d.process == decl.process and d.memory_budget_mb), None)
+            if budget is not None and decl.memory_budget_mb not in (None, budget.memory_budget_mb):
+                raise UpdateError(f"{where}.memory_budget_mb",
+                                  f"shared process {decl.process!r} has memory_budget_mb {budget.memory_budget_mb:g} "
+                                  f"(block {budget.name!r}); a process has one budget: state the same or none")
+    for process in {d.process for d in blocks.values() if d.process is not None}:
+        members = [d for d in blocks.values() if d.process == process]
+        budget = next((d.memory_budget_mb for d in members if d.memory_budget_mb), None)
+        for d in members:  # every member carries its group's budget: a new budget is a new group
+            if budget is not None and d.memory_budget_mb is None:
+                blocks[d.name] = msgspec.structs.replace(d, memory_budget_mb=budget)
+    for i, decl in enumerate(blocks.values()):
+        if decl.memory_budget_mb is not None and decl.process is None:
+            raise UpdateError(f"blocks[{i}].memory_budget_mb", "a memory budget is a shared process's: give the block "
+                                                             "a 'process' (the group whose blocks share the budget)")
+        if decl.pinned and decl.memory_budget_mb is None:
+            raise UpdateError(f"blocks[{i}].pinned", "pinned keeps a block resident within its shared process's "
+                                                     "memory_budget_mb, and this block's process has none")
 
     tasks: dict[str, list[str]] = {}
     for i, t in enumerate(tasks_in):

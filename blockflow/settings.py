@@ -100,6 +100,23 @@ REQUEST_TIMEOUT: float = _read("BLOCKFLOW_REQUEST_TIMEOUT", 30.0, _seconds,
 CLIENT_TIMEOUT: float = _read("BLOCKFLOW_CLIENT_TIMEOUT", 30.0, _seconds,
                               "default deadline of one client call", "30 s")
 
+
+def _cache_policy(raw: str) -> str:
+    if raw.strip().lower() not in ("sharing", "lru"):
+        raise ValueError(raw)
+    return raw.strip().lower()
+
+
+_cache_policy.__name__ = "eviction policy ('sharing' or 'lru')"
+
+# -- block cache (a shared process with memory_budget_mb: blocks/cache.py) -------------------------
+CACHE_POLICY: str = _read("BLOCKFLOW_CACHE_POLICY", "sharing", _cache_policy,
+                          "which parked-block victim a swap-in evicts first: `sharing` (least recently used among "
+                          "blocks of one task, a block several tasks share last) or `lru`")
+CACHE_WAIT_S: float = _read("BLOCKFLOW_CACHE_WAIT", 5.0, _seconds,
+                            "longest a request waits for room in its shared process's memory budget before it is "
+                            "answered `overloaded` (at most half the block's max_inference_s)", "5 s")
+
 # -- supervision ----------------------------------------------------------------------------------
 READY_TIMEOUT: float = _read("BLOCKFLOW_READY_TIMEOUT", 60.0, _seconds,
                              "time a new process has to load its model and announce READY", "60 s")

@@ -83,6 +83,9 @@ class BlockHost(ChildProcess):
     def __init__(self, spec: HostSpec):
         super().__init__(spec, spec.name, f"shared process {spec.name}", spec.name)
         self.members: dict[str, _Member] = {}
+        #: the block cache, once a member brings a memory budget (blocks/cache.py); None: every
+        #: member's weights stay on the device
+        self.cache = None
         #: whether serve() replaced the command line (forked from the forkserver): then it follows the members
         self.titled = False
 
@@ -118,10 +121,27 @@ class BlockHost(ChildProcess):
             spec.bind_host = self.spec.bind_host
         if spec.threads and spec.threads > torch.get_num_threads():  # a later, bigger member: one pool
             torch.set_num_threads(spec.threads)
-        member = self.members[key] = _Member(Block(spec))
+        block = Block(spec)
+        if spec.memory_budget_mb is not None:
+            block.cache = self.block_cache(spec.memory_budget_mb)
+        member = self.members[key] = _Member(block)
         member.thread.start()
         self.set_title(self.titled)
         return {"hosting": key, "pid": os.getpid()}
+
+    def block_cache(self, budget_mb: float):
+        """The process's block cache, made by its first member with a budget; a later member
+        brings its update's budget (the manager gives every member of a group the same one)."""
+        from blockflow import settings
+        from .cache import POLICIES, BlockCache
+        budget = int(budget_mb * 2**20)
+        if self.cache is None:
+            self.cache = BlockCache(budget, POLICIES[settings.CACHE_POLICY]())
+            log.info("%s: memory budget %.1f MB (%s eviction)", self.label, budget_mb, settings.CACHE_POLICY)
+        elif self.cache.budget != budget:
+            log.info("%s: memory budget %.1f -> %.1f MB", self.label, self.cache.budget / 2**20, budget_mb)
+            self.cache.budget = budget
+        return self.cache
 
     def last_heard(self) -> float:
         """The manager pings the members, not the process that hosts them: hearing from it is

@@ -63,6 +63,7 @@ message on the data socket is that wake-up and nothing else: it is never answere
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -74,6 +75,7 @@ from collections import deque
 import torch
 import zmq
 
+from blockflow import settings
 from blockflow.childproc import BootError, ChildProcess, Later, exit_with, serve, spec_from_argv
 from blockflow.protocol import RETURN_HOP, ErrorCode, Monitor, NoArgs, Ready, Topology
 from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
@@ -166,6 +168,12 @@ class Block(ChildProcess):
         #: the wake-up socket is the control thread's, and the neighbours' inference threads' in
         #: a shared process: each use holds this lock (ZeroMQ sockets are not thread-safe)
         self.wake_lock = threading.Lock()
+        #: a block of a shared process with a memory budget: the process's block cache (set by
+        #: blocks/host.py before it starts) and this block's entry in it; None elsewhere
+        self.cache = None
+        self.cache_entry = None
+        #: milliseconds the request (or batch) being run waited for its weights to swap in
+        self.swap_ms = 0.0
 
     # -- start-up ----------------------------------------------------------------------------
     def init_process(self) -> None:
@@ -188,27 +196,10 @@ class Block(ChildProcess):
         if self.device.type == "cuda":
             from .runner import trim_cuda_context
             log.info("block %s: CUDA context on %s: %s", self.name, self.device, trim_cuda_context(self.device))
-        from .repository import BlockFileError, open_block
-        try:
-            self.model, entry = open_block(spec.repo, spec.model, str(self.device), spec.verified)
-        except BlockFileError as exc:
-            raise BootError(f"block {self.name}: {exc}") from None
-        #: what runs a request: the model, its CUDA graphs and the GPU clock (blocks/runner.py)
-        self.runner = BlockRunner(self.model, self.device, self.name, cuda_graphs=spec.cuda_graphs,
-                                  shared_process=spec.hosted)
-        if spec.warmup:  # before ready: no request pays a first call or a graph capture
-            entry = entry or {}
-            # a batch size is a shape: a GPU block captures one graph per size it may run
-            shapes = warmup_shapes(entry.get("input_shapes") or entry.get("input_shape"), spec.warmup_shapes,
-                                   self.batching if self.runner.on_gpu else None)
-            try:
-                # one dtype, or one per member (a bundle of ids and a mask, of a mask and floats)
-                dtype = spec.input_dtype or entry.get("input_dtypes") or entry.get("dtype", "float32")
-                self.runner.warm_up(shapes, [getattr(torch, d) for d in dtype] if isinstance(dtype, list)
-                                    else getattr(torch, dtype))
-            except Exception as exc:
-                raise BootError(f"block {self.name}: warm-up on input shapes {shapes} failed: "
-                                f"{type(exc).__name__}: {exc}") from None
+        # a shared process's budget: its blocks start one at a time, each placed (resident or
+        # parked) before the next one loads, so loading never holds more than the budget and one block
+        with self.cache.starting if self.cache is not None else contextlib.nullcontext():
+            self.load_model()
         if spec.transport == "tensormq" and self.device.type == "cpu":
             from blockflow.tensormq import outalloc
             self.lender = outalloc.load()  # after the model: its weights are never made in a slot
@@ -269,6 +260,48 @@ class Block(ChildProcess):
             self.inbox.open([self.endpoint, self.tcp_endpoint])
             self.neighbours = INBOXES
         self.open_control()  # last: see ChildProcess.open_control
+
+    def load_model(self) -> None:
+        """Load the model, warm it up (capturing its CUDA graphs on a GPU) and, in a shared
+        process with a budget, place it in the process's block cache (blocks/cache.py)."""
+        spec = self.spec
+        from .repository import BlockFileError, open_block
+        try:
+            self.model, entry = open_block(spec.repo, spec.model, str(self.device), spec.verified)
+        except BlockFileError as exc:
+            raise BootError(f"block {self.name}: {exc}") from None
+        #: what runs a request: the model, its CUDA graphs and the GPU clock (blocks/runner.py)
+        self.runner = BlockRunner(self.model, self.device, self.name, cuda_graphs=spec.cuda_graphs,
+                                  shared_process=spec.hosted)
+        if spec.warmup:  # before ready: no request pays a first call or a graph capture
+            entry = entry or {}
+            # a batch size is a shape: a GPU block captures one graph per size it may run
+            shapes = warmup_shapes(entry.get("input_shapes") or entry.get("input_shape"), spec.warmup_shapes,
+                                   self.batching if self.runner.on_gpu else None)
+            try:
+                # one dtype, or one per member (a bundle of ids and a mask, of a mask and floats)
+                dtype = spec.input_dtype or entry.get("input_dtypes") or entry.get("dtype", "float32")
+                self.runner.warm_up(shapes, [getattr(torch, d) for d in dtype] if isinstance(dtype, list)
+                                    else getattr(torch, dtype))
+            except Exception as exc:
+                raise BootError(f"block {self.name}: warm-up on input shapes {shapes} failed: "
+                                f"{type(exc).__name__}: {exc}") from None
+        if self.cache is not None:
+            self.join_cache()
+
+    def join_cache(self) -> None:
+        """Measure the block's weights and place it in its shared process's cache: resident
+        where the budget has room, else parked until its first request (blocks/cache.py)."""
+        from .cache import Entry, Weights
+        weights = Weights(self.model, self.device,
+                          os.path.join(self.spec.sock_dir, f"{self.name}-{self.spec.incarnation}.parked"))
+        if weights.nbytes > self.cache.budget:
+            raise BootError(f"block {self.name}: its weights are {weights.nbytes / 2**20:.1f} MB, more than its shared "
+                            f"process's memory_budget_mb ({self.cache.budget / 2**20:.1f} MB); raise the budget or "
+                            f"give the block a process of its own")
+        self.cache_entry = Entry(self.name, weights, weights.nbytes, self.spec.pinned,
+                                 on_park=self.runner.drop_graphs, on_restore=self.runner.recapture)
+        self.cache.add(self.cache_entry)
 
     def warm_receive(self, nbytes: int) -> None:
         """ZeroMQ mode, before READY: receive ``RECEIVE_BUFFERS`` messages of ``nbytes`` (the
@@ -359,7 +392,13 @@ class Block(ChildProcess):
                 "in_flight": self.transport.in_flight(), "outputs_made_in_slot": self.transport.made_in_slot,
                 "received": dict(self.transport.received),
                 "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat,
-                "torch_threads": torch.get_num_threads(), "runner": self.runner.stats()}
+                "torch_threads": torch.get_num_threads(), "runner": self.runner.stats(),
+                **({"cache": self.cache_stats()} if self.cache_entry is not None else {})}
+
+    def cache_stats(self) -> dict:
+        """This block's residency and counters, and its shared process's budget (blocks/cache.py)."""
+        return {**self.cache_entry.stats(), "budget_bytes": self.cache.budget,
+                "group_resident_bytes": self.cache.used(), "policy": self.cache.policy.name}
 
     def cmd_store(self, args: NoArgs) -> dict:
         return {"written": self.kpi.flush(), "paths": self.kpi.paths}
@@ -372,6 +411,8 @@ class Block(ChildProcess):
         # tell the inference thread now which hops are gone, so that a wait for a dead
         # consumer's slots ends at once instead of holding this update for send_timeout
         self.transport.mark_live(args.live)
+        if args.tasks is not None and self.cache is not None:
+            self.cache.set_tasks(self.name, args.tasks)  # the policy's sharing weight
         return self.post_to_inference("topology", args, timeout=UPDATE_TIMEOUT)
 
     def cmd_stop(self, args: NoArgs) -> dict:
@@ -485,16 +526,53 @@ class Block(ChildProcess):
                 items = [backlog.popleft() for _ in range(self.batcher.take(len(backlog)))]
                 self.busy_since = time.monotonic()
                 try:
-                    self.infer_batch(items, waited)
+                    if self.cache is None:
+                        self.infer_batch(items, waited)
+                    else:
+                        self.infer_cached(items, lambda: self.infer_batch(items, waited))
                 finally:
                     self.busy_since = 0.0
             elif backlog:
                 item = backlog.popleft()
                 self.busy_since = time.monotonic()
                 try:
-                    self.infer(*item)
+                    if self.cache is None:
+                        self.infer(*item)
+                    else:
+                        self.infer_cached([item], lambda: self.infer(*item))
                 finally:
                     self.busy_since = 0.0
+
+    def infer_cached(self, items: list, run) -> None:
+        """``run()`` the request (or batch) ``items`` with the block's weights resident: a hit
+        holds them for it, a miss swaps them in first (blocks/cache.py; the swap's time is the
+        request's ``swap``, part of its ``wait``). Past the block's bound with no room in the
+        budget, each request is answered ``overloaded``."""
+        from .cache import CacheWaitTimeout
+        try:
+            self.swap_ms = self.cache.acquire(self.name, min(settings.CACHE_WAIT_S, self.spec.max_inference_s / 2),
+                                              self.touch_beat)
+        except CacheWaitTimeout as exc:
+            log.warning("%s", exc)
+            for _arrival, arrival_wall, header, frames in items:
+                if type(frames) is Handed:
+                    frames.release()
+                else:
+                    self.release_unused(header)
+                self.send_quietly(header.path[-1][1], {"t": "error", "rid": header.rid, "block": self.name,
+                                                          "code": ErrorCode.OVERLOADED.value, "err": str(exc)})
+                self.kpi.add("latency", {"ts": arrival_wall, "rid": header.rid, "task": header.task,
+                                         "error": ErrorCode.OVERLOADED.value})
+            return
+        try:
+            run()
+        finally:
+            self.cache.release(self.name)
+            self.swap_ms = 0.0
+
+    def touch_beat(self) -> None:
+        """The inference thread is alive while it waits for room in the cache (``beat_age_s``)."""
+        self.beat = time.monotonic()
 
     def fill_batch(self, poller: zmq.Poller) -> tuple[float, float]:
         """Wait up to the batcher's delay for more requests (fewer than max_batch are waiting);
@@ -820,9 +898,7 @@ class Block(ChildProcess):
         if self.batching is None:  # the common case, in LATENCY_ROW's order (see KpiLog.add_row)
             row = (req.arrival_wall, header.rid, header.task, hop["wait"], hop["deser"], hop["dev"], inf,
                    hop["share"], (t5 - t4) * 1e3, total, hop["t_in"], hop["t_out"], len(self.backlog), _rows(y))
-            self.kpi.add_row(row)
-            if header.trace is not None and self.tracer is not None:
-                self.trace(header.trace, dict(zip(LATENCY_ROW, row)))
+            self.log_row(row, header)
             return
         rec = {"ts": req.arrival_wall, "rid": header.rid, "task": header.task,
                "wait": hop["wait"], "deser": hop["deser"], "dev": hop["dev"], "inf": inf, "share": hop["share"],
@@ -836,6 +912,8 @@ class Block(ChildProcess):
         rec["wait"] = hop["wait"] + ((t_inf - req.t2) + (t3 - t_done)) * 1e3
         rec["requests_in_batch"] = batch
         rec["batch_wait"] = req.batch_wait
+        if self.swap_ms:
+            rec["swap"] = self.swap_ms  # Note [Swap time] in blocks/kpilog.py
         self.kpi.add("latency", rec)
         if header.trace is not None and self.tracer is not None:
             self.trace(header.trace, rec)
@@ -856,7 +934,17 @@ class Block(ChildProcess):
         share, fwd = clock.between("inferred", "shared"), (t5 - t4) * 1e3
         row = (req.arrival_wall, header.rid, header.task, wait, hop["deser"], dev, inf, share, fwd,
                wait + hop["deser"] + dev + inf + share + fwd, hop["t_in"], hop["t_out"], len(self.backlog), _rows(y))
-        self.kpi.add_row(row)
+        self.log_row(row, header)
+
+    def log_row(self, row: tuple, header: DataHeader) -> None:
+        """One request's KPI record (and its span, when traced); a request that paid a swap-in
+        also records it (``swap``: Note [Swap time] in blocks/kpilog.py)."""
+        if self.swap_ms:
+            rec = dict(zip(LATENCY_ROW, row))
+            rec["swap"] = self.swap_ms
+            self.kpi.add("latency", rec)
+        else:
+            self.kpi.add_row(row)
         if header.trace is not None and self.tracer is not None:
             self.trace(header.trace, dict(zip(LATENCY_ROW, row)))
 
@@ -919,6 +1007,8 @@ class Block(ChildProcess):
             self.auth.stop()
 
     def files_to_remove(self) -> list[str]:
+        if self.cache_entry is not None:  # its park file (CPU) goes with it
+            self.cache.remove(self.name)
         return [self.endpoint[len("ipc://"):]] if self.endpoint and self.endpoint.startswith("ipc://") else []
 
 

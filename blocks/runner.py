@@ -107,8 +107,9 @@ class GraphCache:
         self.replays += 1
         return static_out
 
-    def capture(self, x: torch.Tensor, key: tuple):
-        """Capture the model on a static copy of ``x``: the cache entry, or None (logged why)."""
+    def capture(self, x: torch.Tensor, key: tuple, eager_first: int = CAPTURE_WARM_CALLS):
+        """Capture the model on a static copy of ``x``: the cache entry, or None (logged why).
+        ``eager_first``: eager calls first (fewer where the model ran this shape before)."""
         stream = torch.cuda.current_stream(self.device)
         try:
             static_in = torch.empty(x.shape, dtype=x.dtype, device=self.device)
@@ -120,7 +121,7 @@ class GraphCache:
                 if self.probe_syncs:
                     torch.cuda.set_sync_debug_mode("error")
                 with torch.cuda.stream(side):
-                    for _ in range(CAPTURE_WARM_CALLS):
+                    for _ in range(eager_first):
                         self.model(static_in)
             finally:
                 torch.cuda.set_sync_debug_mode(before)
@@ -209,6 +210,8 @@ class BlockRunner:
         #: (dtype, input shape) -> bytes of the one new tensor the warm-up made from such an
         #: input; 0 where it made a view of its input or several tensors (a bundle)
         self.outputs: dict[tuple, int] = {}
+        #: the shapes whose graphs a park dropped, captured again when the weights come back
+        self.dropped: list[tuple] = []
 
     def on_stream(self):
         """Context in which the block's thread queues its GPU work (nothing to do on a CPU)."""
@@ -260,6 +263,26 @@ class BlockRunner:
                 n += 1
             self.finish()
         return n
+
+    def drop_graphs(self) -> None:
+        """The block was parked (blocks/cache.py): its graphs replay the freed weights'
+        addresses, so they go, with their static buffers and memory pools; ``recapture`` makes
+        them again for the same shapes once the weights are back."""
+        if self.graphs is None:
+            return
+        self.dropped = list(self.graphs.graphs) + [k for k in self.dropped if k not in self.graphs.graphs]
+        self.graphs.graphs.clear()
+
+    def recapture(self) -> None:
+        """Capture again the graphs ``drop_graphs`` dropped (the block's thread, its stream current)."""
+        if self.graphs is None:
+            return
+        keys, self.dropped = self.dropped, []
+        with SETUP_LOCK, torch.inference_mode():  # Note [One block sets up CUDA at a time]
+            for dtype, shape in keys:
+                if (dtype, shape) not in self.graphs.graphs:
+                    # one eager call: TorchScript and cuDNN settled on this shape before the park
+                    self.graphs.capture(torch.zeros(shape, dtype=dtype, device=self.device), (dtype, shape), 1)
 
     def stats(self) -> dict:
         if self.graphs is None:

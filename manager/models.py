@@ -64,6 +64,47 @@ class ModelCatalog:
                 except BlockFileError as exc:
                     where = f"blocks[{i}].model" + (f"[{j}]" if isinstance(decl.model, tuple) else "")
                     raise UpdateError(where, str(exc)) from None
+        self.check_budgets(upd)
+
+    def check_budgets(self, upd: Update) -> None:
+        """Refuse a shared process whose ``memory_budget_mb`` cannot hold its pinned blocks and,
+        beside them, its largest other block (the room a swap-in needs: blocks/cache.py), naming
+        the blocks and their sizes. A block's size is its manifest's ``param_bytes`` (its
+        weights), else its files' size."""
+        groups: dict[str, list] = {}
+        for i, decl in enumerate(upd.blocks.values()):
+            if decl.memory_budget_mb is not None:
+                groups.setdefault(decl.process, []).append((i, decl))
+        for process, members in groups.items():
+            budget = members[0][1].memory_budget_mb
+            sizes = {decl.name: self.weight_bytes(upd, decl) for _i, decl in members}
+            pinned = [d.name for _i, d in members if d.pinned]
+            others = [d.name for _i, d in members if not d.pinned]
+            largest = max(others, key=sizes.get) if others else None
+            need = sum(sizes[n] for n in pinned) + (sizes[largest] if largest else 0)
+            if need > budget * 2**20:
+                def mb(n):
+                    return f"{n} ({sizes[n] / 2**20:.1f} MB)"
+                parts = ([f"pinned {', '.join(mb(n) for n in pinned)}"] if pinned else []) + \
+                        ([f"the largest other block {mb(largest)}"] if largest else [])
+                i = members[0][0]
+                raise UpdateError(f"blocks[{i}].memory_budget_mb",
+                                  f"shared process {process!r} needs {need / 2**20:.1f} MB at least ({' and '.join(parts)})"
+                                  f", more than its memory_budget_mb {budget:g}; raise the budget"
+                                  + (" or pin fewer blocks" if pinned else ""))
+
+    def weight_bytes(self, upd: Update, decl) -> int:
+        total = 0
+        for relpath in decl.files:
+            entry = upd.manifests.get(relpath) or {}
+            if isinstance(entry.get("param_bytes"), int):
+                total += entry["param_bytes"]
+            else:
+                try:
+                    total += os.path.getsize(os.path.join(self.repo, relpath))
+                except OSError:
+                    pass
+        return total
 
     def verified(self, files) -> dict[str, dict]:
         """``{file: {"sha256", "signature"}}`` for the block spec; files that cannot be checked

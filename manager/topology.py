@@ -84,11 +84,18 @@ class TopologyPublisher:
                 live, devices, self.routes_from(disp, receivers), self.deployed.transport)))
         for c in self.table.blocks.values():
             if c.status is ChildState.READY:
-                futures.append(self.controller.cast(c.ident, Cmd.UPDATE, Topology(live, devices,
-                                                                                  self.routes_from(c, receivers))))
+                futures.append(self.controller.cast(c.ident, Cmd.UPDATE, Topology(
+                    live, devices, self.routes_from(c, receivers), tasks=self.tasks_through(c))))
         for f in futures:
             f.add_done_callback(log_refusal)
         return futures
+
+    def tasks_through(self, c: Child) -> int | None:
+        """How many deployed tasks' paths go through ``c``'s block: the sharing weight of its
+        shared process's block cache (blocks/cache.py); None for a block without a budget."""
+        if c.decl is None or c.decl.memory_budget_mb is None:
+            return None
+        return sum(1 for path in self.deployed.tasks.values() if c.block in path)
 
     def receivers(self, draining=()) -> list[tuple[str, str | None, str | None]]:
         """Ray mode: (the TCP endpoint paths name it by, its endpoint for processes of its own
