@@ -242,7 +242,8 @@ class BlockCache:
 
     # -- membership ---------------------------------------------------------------------------
     def used(self) -> int:
-        """Bytes of the blocks resident or on their way in (a block being parked still counts)."""
+        """Bytes of the blocks resident, being parked (still there) or being swapped in (a swap
+        parks its victims before it restores: the budget holds throughout)."""
         return sum(e.nbytes for e in self.entries.values() if e.state is not Residency.PARKED)
 
     def add(self, entry: Entry, timeout: float = 10.0) -> None:
@@ -335,8 +336,7 @@ class BlockCache:
                 self.cond.wait(min(left, 0.1))
                 if beat is not None:
                     beat()
-            self.swapping = True
-            e.state = Residency.MOVING
+            self.swapping = True  # e stays PARKED (uncounted) until the victims' memory is free
             for v in victims:
                 v.state = Residency.MOVING
         t0 = time.perf_counter()
@@ -345,20 +345,23 @@ class BlockCache:
             for v in victims:
                 self._park(v)
                 parked.append(v)
+            with self.cond:
+                for v in victims:
+                    v.state = Residency.PARKED
+                    v.evictions += 1
+                e.state = Residency.MOVING
             self._restore(e)
         except BaseException:
             with self.cond:
                 for v in victims:
-                    v.state = Residency.PARKED if v in parked else Residency.RESIDENT
+                    if v.state is Residency.MOVING:
+                        v.state = Residency.PARKED if v in parked else Residency.RESIDENT
                 e.state = Residency.PARKED
                 self.swapping = False
                 self.cond.notify_all()
             raise
         ms = (time.perf_counter() - t0) * 1e3
         with self.cond:
-            for v in victims:
-                v.state = Residency.PARKED
-                v.evictions += 1
             e.state = Residency.RESIDENT
             e.in_flight += 1
             e.misses += 1

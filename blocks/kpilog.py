@@ -30,6 +30,14 @@ client's). What one more block on a path costs, per request, is
 ``t_out[i] - t_out[i-1] - inf[i]``: its predecessor's send, the transit, its own receive,
 decode and encode (experiments/hop_overhead.py reports it). ``ts`` stays wall-clock time for
 humans; it may step, the two instants never do.
+
+Note [Swap time]
+----------------
+A block of a shared process with a memory budget (blocks/cache.py) may find its weights parked
+when a request's turn comes: the request waits for the swap-in (parking what makes room, the
+weights' copy, on a GPU the graphs' capture) before its input is decoded. That time is part of
+its ``wait`` (the stages still add up to ``total``) and, for the request (or every request of
+the batch) that paid it, also its own field ``swap``, in milliseconds; a hit has none.
 """
 from __future__ import annotations
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
 import urllib.request
 
 import pytest
 import torch
 
-from blockflow.client import Client
+from blockflow.client import BlockFlowError, Client
+from blockflow.protocol import ErrorCode
 from blockflow.restclient import RestError
 
 from test_control_plane import wait_for
@@ -175,3 +177,37 @@ def test_a_budget_that_cannot_hold_its_pinned_blocks_is_refused_naming_them(serv
             srv.call("POST", "/system/update", body)
         assert e.value.status == 400 and field in str(e.value) and words in str(e.value), e.value
     assert srv.call("GET", "/system")["blocks"] == []  # nothing was started
+
+
+def test_a_group_killed_mid_swap_answers_everything_and_comes_back_with_its_budget(server_factory, heads_repo):
+    srv = server_factory(heads_repo)
+    srv.call("POST", "/system/update", _body(), timeout=120)
+    host = {b["name"]: b["pid"] for b in srv.call("GET", "/system")["blocks"]}["bb"]
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3))
+    want = {t: _direct(heads_repo, t, x) for t in range(HEADS)}
+    with Client(srv.dispatcher, timeout=30) as c:
+        held = [(t, c.submit(f"t{t}", x)) for _ in range(8) for t in range(HEADS)]  # swapping all along
+        wait_for(lambda: sum(_cache(srv, f"h{i}")["misses"] for i in range(HEADS)) >= 2, 30, "swaps under way",
+                 interval=0.01)
+        os.kill(host, signal.SIGKILL)
+        outcomes = []
+        for t, f in held:  # every request is answered: its result, or the group's failure
+            try:
+                outcomes.append("ok" if torch.equal(f.result(25), want[t]) else "wrong")
+            except BlockFlowError as exc:
+                outcomes.append(exc.code)
+        assert set(outcomes) <= {"ok", ErrorCode.BLOCK_FAILED.value}, outcomes
+        wait_for(lambda: all(b["status"] == "ready" and b["pid"] != host
+                             for b in srv.call("GET", "/system")["blocks"]), 60, "the group comes back")
+        for t in range(HEADS):
+            y = wait_for(lambda t=t: _infer(c, f"t{t}", x), 20, f"t{t} serves again")
+            assert torch.equal(y[0], want[t])
+    assert _cache(srv, "h0")["budget_bytes"] == int(BUDGET_MB * 2**20)
+    assert sum(s == "resident" for s in _states(srv).values()) <= 3
+
+
+def _infer(c, task, x):
+    try:
+        return [c.infer(task, x)]
+    except BlockFlowError:
+        return None
