@@ -35,7 +35,11 @@ serves a class-B task's block3+block4 as one process (o3 + o4 + C). Shared proce
 the block field ``process``) pay C once for several blocks without fusing them: "shared blocks in
 one process" puts the shared block1..block3 in one process (their o's + C) and keeps one process
 per specialised block; "one process" runs every block of every task in one process per device
-(all o's + C once). Savings = 1 - M / M_trad.
+(all o's + C once). "one process, block cache" (issue 44, blocks/cache.py) is that process with a
+memory budget: the shared blocks resident and, for the tasks' specialised blocks, the least budget
+that keeps LRU misses at or below 1 % of the requests when they follow Zipf (alpha 1.1) over the
+tasks (simulated, ``cache_budget_mb``): then a request's p99 is a hit's, within 1.5x of
+everything resident. Savings = 1 - M / M_trad.
 
 The premise that a shared process costs C once plus its blocks is measured too: the 4 blocks +
 head are deployed a second time in one shared process (task ``grouped``, checked to answer the
@@ -70,10 +74,18 @@ STEMS = ("block1", "block2", "block3", "block4", "head", "full")
 #: Table 4.4: (class A %, class B %, class C %)
 SCENARIOS = {1: (33, 33, 33), 2: (10, 30, 60), 3: (5, 20, 75), 4: (5, 5, 90), 5: (1, 4, 95), 6: (60, 30, 10),
              7: (75, 20, 5), 8: (90, 5, 5)}
-VARIANTS = ("modular", "b12_fused", "b12_b34_fused", "shared_process", "one_process")
+VARIANTS = ("modular", "b12_fused", "b12_b34_fused", "shared_process", "one_process", "cached")
 #: How the table and plot call each variant.
 VARIANT_LABELS = {"modular": "modular", "b12_fused": "B12 fused", "b12_b34_fused": "B12 & B34 fused",
-                  "shared_process": "shared blocks in one process", "one_process": "one process"}
+                  "shared_process": "shared blocks in one process", "one_process": "one process",
+                  "cached": "one process, block cache"}
+#: The cached layout (issue 44): requests over the tasks follow Zipf with this exponent (Rafiqi's
+#: skewed pattern), and the budget is the least that keeps misses at or below MISS_TARGET of the
+#: requests: then a request's p99 is a hit's, within 1.5x of everything resident (a sufficient
+#: bound: where a swap costs less than half a request, any budget would do).
+CACHE_ZIPF_ALPHA = 1.1
+MISS_TARGET = 0.01
+CACHE_DRAWS = 20000
 #: Tables 4.5 / 4.6 (GV100, VRAM, N = 100): scenario -> (MOD, MOD B12, MOD B12&B34, TRAD) in MB.
 THESIS_TABLES = {
     "resnet50": {1: (64503, 64113, 51078, 54100), 2: (62239, 61849, 49999, 54100), 3: (57889, 57299, 49399, 54100),
@@ -134,6 +146,61 @@ def deployment(o: dict, c: float, counts: tuple, variant: str) -> dict:
             "processes": processes}
 
 
+def lru_miss_ratio(sizes: list[float], capacity: float, draws, warm: int) -> float:
+    """Share of ``draws`` (task indices) after the first ``warm`` that miss an LRU cache of
+    ``capacity`` MB holding the tasks' specialised blocks (``sizes``), as blocks/cache.py evicts."""
+    from collections import OrderedDict
+    held, used, misses = OrderedDict(), 0.0, 0
+    for k, t in enumerate(draws):
+        if t in held:
+            held.move_to_end(t)
+            continue
+        misses += k >= warm
+        held[t] = True
+        used += sizes[t]
+        while used > capacity:
+            old, _ = held.popitem(last=False)
+            used -= sizes[old]
+    return misses / max(1, len(draws) - warm)
+
+
+def cache_budget_mb(sizes: list[float], seed: int = 44) -> tuple[float, float]:
+    """The least budget (MB, to 1 %) for the tasks' specialised blocks whose LRU miss ratio under
+    Zipf(CACHE_ZIPF_ALPHA) requests is at most MISS_TARGET, and that miss ratio. The tasks' ranks
+    in popularity are a seeded shuffle (no class is favoured)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    n = len(sizes)
+    if n == 0:
+        return 0.0, 0.0
+    weights = 1.0 / np.arange(1, n + 1) ** CACHE_ZIPF_ALPHA
+    ranks = rng.permutation(n)  # the task of popularity rank r
+    draws = ranks[rng.choice(n, size=CACHE_DRAWS, p=weights / weights.sum())].tolist()
+    lo, hi = max(sizes), sum(sizes)
+    if lru_miss_ratio(sizes, lo, draws, CACHE_DRAWS // 10) <= MISS_TARGET:
+        hi = lo
+    while hi - lo > 0.01 * hi:
+        mid = (lo + hi) / 2
+        if lru_miss_ratio(sizes, mid, draws, CACHE_DRAWS // 10) <= MISS_TARGET:
+            hi = mid
+        else:
+            lo = mid
+    return hi, lru_miss_ratio(sizes, hi, draws, CACHE_DRAWS // 10)
+
+
+def cached(o: dict, c: float, counts: tuple) -> dict:
+    """One process per device with a block cache: the shared blocks resident, the tasks'
+    specialised blocks within the budget ``cache_budget_mb`` gives (a class-A task's whole
+    model, a class-B task's block3 + block4, a class-C task's block4)."""
+    a, b, cc = counts
+    o4 = o["block4"] + o["head"]
+    shared = (o["block1"] + o["block2"]) * bool(b or cc) + o["block3"] * bool(cc)
+    sizes = [o["full"]] * a + [o["block3"] + o4] * b + [o4] * cc
+    budget, miss = cache_budget_mb(sizes)
+    return {"shared_mb": shared, "specialised_mb": budget, "total_mb": shared + budget + c, "processes": 1,
+            "budget_mb": budget, "all_specialised_mb": sum(sizes), "miss_ratio": miss}
+
+
 def table(o: dict, c: float, n: int) -> list[dict]:
     rows = []
     trad = n * (o["full"] + c)
@@ -142,7 +209,10 @@ def table(o: dict, c: float, n: int) -> list[dict]:
         row = {"scenario": s, "classes_pct": pcts, "counts": counts, "traditional_mb": trad,
                "traditional_processes": n}
         for v in VARIANTS:
-            d = deployment(o, c, counts, v)
+            d = cached(o, c, counts) if v == "cached" else deployment(o, c, counts, v)
+            if v == "cached":
+                row.update(cache_budget_mb=d["budget_mb"], cache_all_specialised_mb=d["all_specialised_mb"],
+                           cache_miss_ratio=d["miss_ratio"])
             row[f"{v}_mb"] = d["total_mb"]
             row[f"{v}_processes"] = d["processes"]
             row[f"{v}_savings_pct"] = 100.0 * (1 - d["total_mb"] / trad)
@@ -344,7 +414,7 @@ def main(argv=None) -> int:
 
 def _print_rows(rows: list[dict], thesis: dict | None) -> None:
     print(f"  {'scen':4s} {'A/B/C':>9s} {'MOD MB':>9s} {'B12 MB':>9s} {'B12+34 MB':>9s} {'TRAD MB':>9s} "
-          f"{'MOD %':>7s} {'B12 %':>7s} {'B12+34 %':>8s}   thesis % (MOD / B12 / B12+34)")
+          f"{'MOD %':>7s} {'B12 %':>7s} {'B12+34 %':>8s} {'CACHE %':>8s} {'BUDGET':>7s}   thesis % (MOD / B12 / B12+34)")
     for r in rows:
         th = ""
         if thesis:
@@ -353,7 +423,7 @@ def _print_rows(rows: list[dict], thesis: dict | None) -> None:
         print(f"  {r['scenario']:4d} {'/'.join(map(str, r['counts'])):>9s} {r['modular_mb']:9.0f} "
               f"{r['b12_fused_mb']:9.0f} {r['b12_b34_fused_mb']:9.0f} {r['traditional_mb']:9.0f} "
               f"{r['modular_savings_pct']:7.2f} {r['b12_fused_savings_pct']:7.2f} {r['b12_b34_fused_savings_pct']:8.2f}"
-              f"   {th}")
+              f" {r['cached_savings_pct']:8.2f} {r['cache_budget_mb']:7.0f}   {th}")
 
 
 if __name__ == "__main__":
