@@ -40,6 +40,7 @@ EXPERIMENTS = [
     "batching",          # dynamic batching at shared blocks (issue 15)
     "fused",             # fused blocks vs the monolithic model (issue 11)
     "replicas",          # one fused block as 1 and 2 processes (issue 28)
+    "block_cache",       # more blocks than memory: Rafiqi's Figs 2-4 with a block cache (issue 44)
     "validation_cost",   # hand-written checks vs pydantic/msgspec (issue 11)
     "peers",             # Ray Serve beside BlockFlow (issue 16; skipped without the [peers] extra)
     "chaos",             # faults under load (reliability)
@@ -67,6 +68,7 @@ CPU_SETTINGS = {
     "kserve_cost": [],                                                        # 1
     "fused": [],                                                              # 2.5
     "replicas": [],                                                           # 2
+    "block_cache": [],                                                        # 10 (24 cells x 3 deployments)
     "validation_cost": [],                                                    # 0.5 (the typed header)
     "peers": [],                                                              # 5 (skipped without [peers])
     "batching": ["--rates", "6,12,20", "--duration", "8"],                    # 4.5 (2.5 of it half-load rounds)

@@ -849,6 +849,45 @@ def _blocks_now(t: dict) -> str:
             f"({_f(rh['single_slept_us'])}x) and {_f(rh['bundle_us'])}x ({_f(rh['bundle_slept_us'])}x).")
 
 
+def block_cache(d: dict) -> str:
+    rows = []
+    for r in d["grid"]:
+        if r["head"] != "small" or r["concurrency"] != min(d["settings"]["concurrency"]):
+            continue
+        dep = r["deployments"]
+        c, w = r["cache_vs_resident"], r.get("whole_vs_resident") or {}
+        rows.append([r["heads"], r["pattern"], _f(dep["resident"]["p50"]), _f(dep["resident"]["p99"]),
+                     _f(dep["resident"]["throughput_rps"], 1), _f(dep["cache"]["p50"]), _f(dep["cache"]["p99"]),
+                     _f(dep["cache"]["throughput_rps"], 1), _f(dep["cache"].get("swaps_per_request")),
+                     f"{c['throughput']:.2f}x / {c['p99']:.2f}x",
+                     f"{w['throughput']:.2f}x / {w['p99']:.2f}x" if w else "–"])
+    table = _table(["N", "pattern", "resident p50 ms", "resident p99 ms", "resident req/s", "cache p50 ms",
+                    "cache p99 ms", "cache req/s", "swaps/request", "cache / resident: req/s, p99",
+                    "whole model / resident: req/s, p99"], rows)
+    goals = _table(["goal", "measured", "met"], [[g["goal"], f"{g['measured']:.3f}", "met" if g["pass"] else "**not met**"]
+                                                  for g in d["goals"]])
+    sizes = _table(["block", "MB", "swap-in p50 ms", "p90 ms", "n", "GB/s at p50"],
+                   [[_f(r["mb"], 1) + " MB", _f(r["mb"], 1), _f(r["swap_in_ms"]["p50"]), _f(r["swap_in_ms"]["p90"]),
+                     r["swap_in_ms"]["n"], _f(r["gb_per_s_p50"])] for r in d.get("swap_in", {}).get("by_size", [])])
+    return table + "\n\n" + goals + "\n\n" + sizes
+
+
+def block_cache_text(d: dict) -> str:
+    parts = []
+    pol = d.get("policy")
+    if pol:
+        sh, lru = pol["policies"]["sharing"], pol["policies"]["lru"]
+        parts.append(f"Policy, two backbones under Zipf {pol['zipf_alpha']}: sharing mean {_f(sh['mean'])} ms, p99 "
+                     f"{_f(sh['p99'])} ms ({sh['backbone_misses']} backbone and {sh['head_misses']} head swaps); plain "
+                     f"LRU mean {_f(lru['mean'])} ms, p99 {_f(lru['p99'])} ms ({lru['backbone_misses']} backbone and "
+                     f"{lru['head_misses']} head swaps).")
+    hit = d.get("hit")
+    if hit:
+        parts.append(f"A hit: p50 {_f(hit['cache']['p50'])} ms with a budget against {_f(hit['resident']['p50'])} ms "
+                     f"without, {hit['p50_ratio']:.3f}x (median of per-round ratios {hit['p50_ratio_median_of_rounds']:.3f}x).")
+    return " ".join(parts) or "–"
+
+
 def skipped(d: dict) -> str:
     return f"Not run here: {d.get('reason', 'skipped')}"
 
@@ -857,13 +896,14 @@ SECTIONS = [("offline_blocks", offline_blocks), ("rtt", rtt), ("pipeline_latency
             ("hop_overhead", hop_overhead), ("batch_scaling", batch_scaling), ("multiclient", multiclient),
             ("throughput", throughput), ("utilization", utilization), ("energy", energy),
             ("memory_model", memory_model), ("multi_gpu", multi_gpu), ("batching", batching), ("fused", fused),
-            ("replicas", replicas), ("validation_cost", validation_cost)]
+            ("replicas", replicas), ("block_cache", block_cache), ("validation_cost", validation_cost)]
 #: The sentences with numbers in them, per experiment (between ``<!-- text:NAME -->`` markers).
 TEXTS = {"offline_blocks": offline_blocks_text, "rtt": rtt_text, "pipeline_latency": pipeline_latency_text,
          "hop_overhead": hop_overhead_text, "batch_scaling": batch_scaling_text, "multiclient": multiclient_text,
          "throughput": throughput_text, "utilization": utilization_text, "memory_model": memory_model_text,
          "multi_gpu": multi_gpu_text, "batching": batching_text,
-         "fused": fused_text, "replicas": replicas_text, "validation_cost": validation_cost_text}
+         "fused": fused_text, "replicas": replicas_text, "block_cache": block_cache_text,
+         "validation_cost": validation_cost_text}
 
 
 def _safe(fn, d: dict, name: str) -> str:

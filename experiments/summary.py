@@ -154,6 +154,16 @@ def _fused_rows(r: Results) -> list[list]:
     return rows
 
 
+def _block_cache_rows(r: Results) -> list[list]:
+    d = r("block_cache")
+    cmd = "`python -m experiments.block_cache`"
+    if d is None:
+        return [["block cache (more blocks than memory)", "not run", "", cmd]]
+    return [[f"block cache, {d['settings']['head_mb']:.0f} MB heads behind a {d['settings']['backbone_mb']:.0f} MB "
+             f"backbone, room for 4: {g['goal'].split(':')[0]}", f"{g['measured']:.3f} ({r.source('block_cache')})",
+             g["goal"].split(": ", 1)[-1] + f": {_met(g['pass'])}", cmd] for g in d.get("goals", [])]
+
+
 def _batching_rows(r: Results) -> list[list]:
     d = r("batching")
     if d is None:
@@ -275,7 +285,7 @@ def _request_path_rows(r: Results) -> list[list]:
 
 
 def measured_here(r: Results) -> str:
-    rows = (_clock_rows(r) + _request_path_rows(r) + _hop_rows(r) + _fused_rows(r) + _batching_rows(r)
+    rows = (_clock_rows(r) + _request_path_rows(r) + _hop_rows(r) + _fused_rows(r) + _block_cache_rows(r) + _batching_rows(r)
             + _peers_rows(r) + _kserve_rows(r) + _validation_rows(r))
     return _table(["what", "measured (source, date, commit)", "goal", "command"], rows)
 

@@ -248,6 +248,7 @@ SMOKE_ARGS = {
     "batching": ["--rates", "2", "--duration", "1", "--max-batch", "2", "--rounds", "1"],
     "replicas": ["--duration", "1"],
     "tracing": ["--rounds", "1", "--n", "3"],
+    "block_cache": ["--n", "8"],
 }
 PROVENANCE = ("commit", "commit_date", "dirty", "created", "command")
 
