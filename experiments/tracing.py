@@ -1,6 +1,7 @@
 """What tracing costs a request, and one traced request drawn as a waterfall (issue 45, item 4).
 
     python -m experiments.tracing [--quick] [--rounds R] [--n N] [--transport tensormq|zeromq]
+                                  [--interleave request|round]
                                   [--before COMMIT|none] [--out DIR]
 
 Four ``blockflow serve`` at once, each with the ResNet50 ``classify`` path (4 blocks + head,
@@ -12,14 +13,15 @@ pyproject maps the folders, and removed at the end; server, blocks and client al
 Each setting's client is a process of its own (``DRIVER``), of the setting's code; a second client
 of the untraced server sends its tensors as bytes ("off, bytes"), as the code before tracing did:
 that code predates the slots a dispatcher lends a local client, so "off" and "before tracing"
-differ in that too. ``R`` interleaved rounds send ``N`` requests one at a time from each client in
-turn, each round starting one client later, so all see the same machine. Reported: per setting
+differ in that too. ``R`` rounds send ``N`` requests one at a time from each client, interleaved
+request by request (one of each client in turn; ``--interleave round``: each client's N back to
+back), each round starting one client later, so all see the same machine. Reported: per setting
 the median of the rounds' p50 and p99 and the range of the p50s, each setting's p50 over the
 untraced one's in the same round (median of those ratios), and the untraced p50 over the p50
-before tracing, per round and their median (issue 45 item 4 asks for it within 1%). The waterfall (``tracing_waterfall.png``) is the traced request whose round trip
-is the median of the last round at ratio 1.0: the dispatcher's root span and each block's span,
-its stages (wait, deser, dev, inf, share, fwd) from the span's attributes, drawn on the trace's
-own time axis.
+before tracing, per round and their median (issue 45 item 4 asks for it within 1%). The
+waterfall (``tracing_waterfall.png``) is the traced request whose round trip is the median of the
+last round at ratio 1.0: the dispatcher's root span and each block's span, its stages (wait,
+deser, dev, inf, share, fwd) from the span's attributes, drawn on the trace's own time axis.
 """
 from __future__ import annotations
 
@@ -144,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = common.parser("tracing", __doc__)
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7, --quick 1)")
     ap.add_argument("--transport", choices=common.TRANSPORTS, default="tensormq")
+    ap.add_argument("--interleave", choices=("request", "round"), default="request",
+                    help="within a round, one request of each setting in turn (default; on a shared machine the "
+                         "load changes within seconds) or each setting's N requests back to back")
     ap.add_argument("--before", default=None, metavar="COMMIT",
                     help="the code to measure as 'before tracing' (default: the parent of the commit that added "
                          "blockflow/tracing.py); 'none' leaves it out")
@@ -196,11 +201,19 @@ def main(argv: list[str] | None = None) -> int:
         names = list(drivers)
         for r in range(rounds):
             # each round starts one setting later, so no setting always follows the same one
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                ms = drivers[name].run(n)
-                lat[name].append((common.pct(ms, 0.5), common.pct(ms, 0.99)))
-                if name == "ratio 1.0" and r == rounds - 1:
-                    last_traced = ms
+            order = names[r % len(names):] + names[:r % len(names)]
+            ms = {name: [] for name in order}
+            if args.interleave == "request":  # one request of each in turn: all see the same moments
+                for _ in range(n):
+                    for name in order:
+                        ms[name] += drivers[name].run(1)
+            else:
+                for name in order:
+                    ms[name] = drivers[name].run(n)
+            for name in names:
+                lat[name].append((common.pct(ms[name], 0.5), common.pct(ms[name], 0.99)))
+            if r == rounds - 1:
+                last_traced = ms["ratio 1.0"]
             common.log.info("round %d/%d: %s", r + 1, rounds,
                             ", ".join(f"{k} p50 {v[-1][0]:.2f} ms" for k, v in lat.items()))
         imported_from = {name: d.blockflow for name, d in drivers.items()}
@@ -216,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
         spans = receiver.spans()
     traces = _traces(spans)
-    settings = {"transport": args.transport, "rounds": rounds, "n": n, "quick": args.quick,
+    settings = {"transport": args.transport, "rounds": rounds, "n": n, "quick": args.quick, "interleave": args.interleave,
                 "ratios": {name: ratio for name, ratio in SETTINGS},
                 "clients": {name: {"server": server, **kwargs} for name, (server, kwargs) in clients.items()},
                 "before": before}
