@@ -419,15 +419,31 @@ class Server:
 
 @contextlib.contextmanager
 def blockflow_server(repo: str, log_level: str = "WARNING", extra: list[str] | None = None,
-                     env: dict | None = None):
+                     env: dict | None = None, code: str | None = None):
     """``blockflow serve`` on free ports with a private, short state directory (ipc paths are
     limited to ~107 characters); stopped with SIGTERM and cleaned up on exit. ``env``: extra
-    environment variables of the server (and so of the processes it starts)."""
-    from blockflow.demo import start_server, stop_server
+    environment variables of the server (and so of the processes it starts). ``code``: a directory
+    holding another version's ``blockflow`` package (:func:`code_at`): the server and every process
+    it starts import that code instead of this checkout's."""
+    from blockflow.demo import start_server, stop_server, wait_ready_file
     state = tempfile.mkdtemp(prefix="bfx-")
     env = {**os.environ, "BLOCKFLOW_LOG": log_level, **(env or {})}
     t0 = time.monotonic()
-    proc, info = start_server(os.path.abspath(repo), state, extra=["--quiet", *(extra or [])], env=env)
+    if code is None:
+        proc, info = start_server(os.path.abspath(repo), state, extra=["--quiet", *(extra or [])], env=env)
+    else:  # the command start_server runs, from ``code`` (its working directory is first on sys.path)
+        ready = os.path.join(state, "ready.json")
+        cmd = [sys.executable, "-m", "blockflow.cli", "serve", "--port", "0", "--dispatcher-port", "0",
+               "--repo", os.path.abspath(repo), "--state-dir", state, "--ready-file", ready, "--quiet",
+               *(extra or [])]
+        proc = subprocess.Popen(cmd, env=code_env(code, env), cwd=code)
+        try:
+            info = wait_ready_file(proc, ready, 120.0)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            shutil.rmtree(state, ignore_errors=True)
+            raise
     log.info("blockflow serve up in %.1fs (REST %s, dispatcher %s)", time.monotonic() - t0, info["rest"],
              info["dispatcher"])
     try:
@@ -437,6 +453,41 @@ def blockflow_server(repo: str, log_level: str = "WARNING", extra: list[str] | N
         if code != 0:
             log.warning("blockflow serve exited with code %s", code)
         shutil.rmtree(state, ignore_errors=True)
+
+
+# -- another version's code ------------------------------------------------------------------
+def code_env(code: str, env: dict | None = None) -> dict:
+    """``env`` (default: this process's) with ``code`` first on PYTHONPATH: ahead of the editable
+    install of this checkout, whose finder Python consults only after sys.path."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([code, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    return env
+
+
+@contextlib.contextmanager
+def code_at(commit: str):
+    """The ``blockflow`` package of ``commit`` in a temporary directory, laid out as that commit's
+    pyproject.toml maps its folders (``blockflow.blocks`` = ``blocks/``, ...), the way an install
+    would: a process started there (cwd and PYTHONPATH, :func:`code_env`) imports that code. Taken
+    with ``git archive``, so the repository itself is not touched; removed on exit, even on error.
+    The output-in-slot extension is found as the installed code finds it (``<prefix>/lib/
+    blockflow-ext``, keyed by its source's hash): built for that commit's source or not used."""
+    import io
+    import tarfile
+    import tomllib
+    root = tempfile.mkdtemp(prefix="bf-code-")
+    try:
+        def git(*args: str) -> bytes:
+            return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, check=True, timeout=60).stdout
+        meta = tomllib.loads(git("show", f"{commit}:pyproject.toml").decode())
+        for package, folder in sorted(meta["tool"]["setuptools"]["package-dir"].items()):
+            dest = os.path.join(root, *package.split("."))
+            os.makedirs(dest, exist_ok=True)
+            with tarfile.open(fileobj=io.BytesIO(git("archive", "--format=tar", f"{commit}:{folder}"))) as tar:
+                tar.extractall(dest, filter="data")
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def pipeline_update(transport: str, model: str = "resnet50", threads: int | None = 1, device: str = "cpu",

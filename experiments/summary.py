@@ -277,10 +277,19 @@ def _request_path_rows(r: Results) -> list[list]:
     if d is not None:
         st = d["series"]
         traced = "; ".join(f"{name} {_x(row['p50_over_off'], 3)} ({_ms(row['p50_ms'], 1)})"
-                           for name, row in st.items() if row.get("p50_over_off") is not None)
+                           for name, row in st.items() if row.get("ratio") is not None)
         rows.append(["OpenTelemetry tracing: ResNet50 pipeline p50 traced / untraced (median of interleaved rounds)",
                      f"{traced}; off {_ms(st['off']['p50_ms'], 1)} ({r.source('tracing')})", "reported (issue 45)",
                      "`python -m experiments.tracing`"])
+        b = d.get("before") or {}
+        if "off_over_before" in b:
+            rounds = ", ".join(f"{x:.3f}" for x in b["off_over_before_rounds"])
+            rows.append(["ResNet50 pipeline p50, tracing off / the code before tracing "
+                         f"({b['commit'][:7]}, in the same run; median of interleaved rounds)",
+                         f"{_x(b['off_over_before'], 3)} (rounds {rounds}); off with its tensors as bytes, as "
+                         f"before: {_x(b['off_bytes_over_before'], 3)}; before {_ms(st['before tracing']['p50_ms'], 1)} "
+                         f"({r.source('tracing')})", f"within 1% (issue 45 item 4): {_met(b['within_1pct'])}",
+                         "`python -m experiments.tracing`"])
     return rows
 
 

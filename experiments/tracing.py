@@ -1,22 +1,36 @@
 """What tracing costs a request, and one traced request drawn as a waterfall (issue 45, item 4).
 
-    python -m experiments.tracing [--quick] [--rounds R] [--n N] [--transport tensormq|zeromq] [--out DIR]
+    python -m experiments.tracing [--quick] [--rounds R] [--n N] [--transport tensormq|zeromq]
+                                  [--interleave request|round]
+                                  [--before COMMIT|none] [--out DIR]
 
-Three ``blockflow serve`` at once, each with the ResNet50 ``classify`` path (4 blocks + head,
+Four ``blockflow serve`` at once, each with the ResNet50 ``classify`` path (4 blocks + head,
 TorchScript, one torch thread per block): tracing off, tracing at ratio 0.01 and at ratio 1.0,
-the last two exporting to an OTLP/HTTP receiver in this process (experiments/otlp.py). ``R``
-interleaved rounds send ``N`` requests one at a time to each server in turn, so the three see
-the same machine. Reported: per setting the median of the rounds' p50 and p99 and the range of
-the p50s, and each traced setting's p50 over the untraced one's in the same round (median of
-those ratios). The waterfall (``tracing_waterfall.png``) is the traced request whose round trip
-is the median of the last round at ratio 1.0: the dispatcher's root span and each block's span,
-its stages (wait, deser, dev, inf, share, fwd) from the span's attributes, drawn on the trace's
-own time axis.
+the last two exporting to an OTLP/HTTP receiver in this process (experiments/otlp.py), and the
+code from before tracing landed ("before tracing": by default the parent of the commit that added
+blockflow/tracing.py, taken with ``git archive`` into a temporary directory laid out as its
+pyproject maps the folders, and removed at the end; server, blocks and client all run that code).
+Each setting's client is a process of its own (``DRIVER``), of the setting's code; a second client
+of the untraced server sends its tensors as bytes ("off, bytes"), as the code before tracing did:
+that code predates the slots a dispatcher lends a local client, so "off" and "before tracing"
+differ in that too. ``R`` rounds send ``N`` requests one at a time from each client, interleaved
+request by request (one of each client in turn; ``--interleave round``: each client's N back to
+back), each round starting one client later, so all see the same machine. Reported: per setting
+the median of the rounds' p50 and p99 and the range of the p50s, each setting's p50 over the
+untraced one's in the same round (median of those ratios), and the untraced p50 over the p50
+before tracing, per round and their median (issue 45 item 4 asks for it within 1%). The
+waterfall (``tracing_waterfall.png``) is the traced request whose round trip is the median of the
+last round at ratio 1.0: the dispatcher's root span and each block's span, its stages (wait,
+deser, dev, inf, share, fwd) from the span's attributes, drawn on the trace's own time axis.
 """
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 from . import common
@@ -24,6 +38,8 @@ from . import common
 STAGES = ("wait", "deser", "dev", "inf", "share", "fwd")
 ROOT_SPAN = "blockflow request"  # the dispatcher's span of a request (blockflow/tracing.py)
 SETTINGS = (("off", None), ("ratio 0.01", 0.01), ("ratio 1.0", 1.0))
+#: The setting that runs the code from before tracing landed, server and client alike.
+BEFORE = "before tracing"
 
 
 def waterfall(spans: list[dict], out: str) -> str | None:
@@ -56,46 +72,156 @@ def waterfall(spans: list[dict], out: str) -> str | None:
     return common.save_fig(fig, out, "tracing_waterfall.png")
 
 
+def before_commit() -> tuple[str, str] | None:
+    """(the code before tracing, the commit that brought it): the parent of the commit that added
+    blockflow/tracing.py; None outside a git checkout."""
+    added = common._git("log", "--diff-filter=A", "--format=%H", "--", "blockflow/tracing.py")
+    if not added:
+        return None
+    landed = added.splitlines()[-1]
+    parent = common._git("rev-parse", f"{landed}^")
+    return (parent, landed) if parent else None
+
+
+#: A client process: ``python -c DRIVER address task timeout client-kwargs`` prints where its
+#: ``blockflow`` came from, then answers each line ``N`` on stdin with the N round trips (ms, JSON)
+#: of N requests sent one at a time. One per setting, so the code before tracing (which this
+#: process cannot import beside today's) is timed by its own client, the same way as the others.
+DRIVER = """
+import json, sys, time
+import torch
+import blockflow
+from blockflow.client import Client
+address, task, timeout, kwargs = sys.argv[1], sys.argv[2], float(sys.argv[3]), json.loads(sys.argv[4])
+x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))  # common.input_tensor()
+with Client(address, timeout=timeout, **kwargs) as client:
+    print(json.dumps({"blockflow": blockflow.__file__}), flush=True)
+    for line in sys.stdin:
+        ms = []
+        for _ in range(int(line)):
+            t = time.perf_counter()
+            client.infer(task, x)
+            ms.append((time.perf_counter() - t) * 1e3)
+        print(json.dumps(ms), flush=True)
+"""
+
+
+class Driver:
+    """One client process (DRIVER) of ``code`` (None: this checkout's) for ``address``."""
+
+    def __init__(self, address: str, code: str | None = None, **client_kwargs):
+        env = common.code_env(code) if code else None
+        self.proc = subprocess.Popen([sys.executable, "-c", DRIVER, address, common.TASK, "60", json.dumps(client_kwargs)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     cwd=code or common.ROOT, env=env)
+        try:
+            self.blockflow = self._read()["blockflow"]  # where its code came from
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self):
+        line = self.proc.stdout.readline()  # bounded: a request times out after 60 s and the driver exits
+        if not line:
+            raise RuntimeError(f"client process exited with code {self.proc.wait()}")
+        return json.loads(line)
+
+    def run(self, n: int) -> list[float]:
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = common.parser("tracing", __doc__)
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5, --quick 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7, --quick 1)")
     ap.add_argument("--transport", choices=common.TRANSPORTS, default="tensormq")
+    ap.add_argument("--interleave", choices=("request", "round"), default="request",
+                    help="within a round, one request of each setting in turn (default; on a shared machine the "
+                         "load changes within seconds) or each setting's N requests back to back")
+    ap.add_argument("--before", default=None, metavar="COMMIT",
+                    help="the code to measure as 'before tracing' (default: the parent of the commit that added "
+                         "blockflow/tracing.py); 'none' leaves it out")
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
-    rounds = args.rounds or (1 if args.quick else 5)
+    rounds = args.rounds or (1 if args.quick else 7)
     n = args.n or (5 if args.quick else 50)
     repo = common.ensure_repo(args.repo)
 
-    from blockflow.client import Client
-
     from .otlp import OtlpReceiver
 
-    x = common.input_tensor()
-    lat = {name: [] for name, _ in SETTINGS}  # per round: (p50, p99)
-    last_traced: list[tuple[float, int]] = []
+    before, landed, before_skipped = None, None, None
+    if args.before and args.before.lower() == "none":
+        before_skipped = "left out with --before none"
+    elif args.before:
+        before = common._git("rev-parse", "--verify", f"{args.before}^{{commit}}")
+        if before is None:
+            raise SystemExit(f"--before {args.before}: not a commit of this repository")
+    else:
+        found = before_commit()
+        if found is None:
+            before_skipped = "no git history here: the commit before tracing cannot be found"
+        else:
+            before, landed = found
+    # client settings: name -> (server, client keyword arguments); servers: name -> (ratio, code)
+    server_settings = {name: (ratio, None) for name, ratio in SETTINGS}
+    clients = {"off": ("off", {}), "off, bytes": ("off", {"shared_memory": False}),
+               **{name: (name, {}) for name, ratio in SETTINGS if ratio is not None}}
+    lat = {}  # client setting -> per round (p50, p99)
+    last_traced: list[float] = []
     with OtlpReceiver() as receiver, contextlib.ExitStack() as stack:
-        servers = {}
-        for name, ratio in SETTINGS:
+        code = None
+        if before:
+            code = stack.enter_context(common.code_at(before))
+            server_settings[BEFORE] = (None, code)
+            clients[BEFORE] = (BEFORE, {})
+        servers, drivers = {}, {}
+        for name, (ratio, code_dir) in server_settings.items():
             env = {} if ratio is None else {"BLOCKFLOW_OTLP_ENDPOINT": receiver.endpoint,
                                             "BLOCKFLOW_TRACE_RATIO": str(ratio), "BLOCKFLOW_TRACE_EXPORT_DELAY": "0.5"}
-            srv = stack.enter_context(common.blockflow_server(repo, env=env))
+            srv = stack.enter_context(common.blockflow_server(repo, env=env, code=code_dir))
             srv.call("POST", "/system/update", common.pipeline_update(args.transport), timeout=600)
-            servers[name] = (srv, stack.enter_context(Client(srv.dispatcher, timeout=60)))
-        for name, (_, client) in servers.items():  # warm-up: connections, first requests
-            for _ in range(common.warmup_count(n, args.quick)):
-                client.infer(common.TASK, x)
+            servers[name] = srv
+        for name, (server, kwargs) in clients.items():
+            drivers[name] = Driver(servers[server].dispatcher, server_settings[server][1], **kwargs)
+            stack.callback(drivers[name].close)
+            lat[name] = []
+        for name, driver in drivers.items():  # warm-up: connections, first requests
+            driver.run(common.warmup_count(n, args.quick))
+        names = list(drivers)
         for r in range(rounds):
-            for name, (_, client) in servers.items():
-                ms = []
+            # each round starts one setting later, so no setting always follows the same one
+            order = names[r % len(names):] + names[:r % len(names)]
+            ms = {name: [] for name in order}
+            if args.interleave == "request":  # one request of each in turn: all see the same moments
                 for _ in range(n):
-                    t = time.perf_counter()
-                    client.infer(common.TASK, x)
-                    ms.append((time.perf_counter() - t) * 1e3)
-                lat[name].append((common.pct(ms, 0.5), common.pct(ms, 0.99)))
-                if name == "ratio 1.0" and r == rounds - 1:
-                    last_traced = ms
+                    for name in order:
+                        ms[name] += drivers[name].run(1)
+            else:
+                for name in order:
+                    ms[name] = drivers[name].run(n)
+            for name in names:
+                lat[name].append((common.pct(ms[name], 0.5), common.pct(ms[name], 0.99)))
+            if r == rounds - 1:
+                last_traced = ms["ratio 1.0"]
             common.log.info("round %d/%d: %s", r + 1, rounds,
                             ", ".join(f"{k} p50 {v[-1][0]:.2f} ms" for k, v in lat.items()))
+        imported_from = {name: d.blockflow for name, d in drivers.items()}
+        outalloc = None
+        if code:
+            if not imported_from[BEFORE].startswith(code + os.sep):
+                raise RuntimeError(f"the client before tracing imported {imported_from[BEFORE]}, not the code in {code}")
+            outalloc = _outalloc_of(code)
         # every request at ratio 1.0 is traced: wait until that many traces are whole (each process
         # exports on its own, so a trace's spans arrive apart)
         deadline = time.monotonic() + 30
@@ -103,17 +229,35 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.2)
         spans = receiver.spans()
     traces = _traces(spans)
-    settings = {"transport": args.transport, "rounds": rounds, "n": n, "quick": args.quick,
-                "ratios": {name: ratio for name, ratio in SETTINGS}}
+    settings = {"transport": args.transport, "rounds": rounds, "n": n, "quick": args.quick, "interleave": args.interleave,
+                "ratios": {name: ratio for name, ratio in SETTINGS},
+                "clients": {name: {"server": server, **kwargs} for name, (server, kwargs) in clients.items()},
+                "before": before}
     result = {"experiment": "tracing", "env": common.env_info(settings), "settings": settings, "series": {}}
     off = [p50 for p50, _ in lat["off"]]
-    for name, ratio in SETTINGS:
+    for name, (server, _) in clients.items():
+        ratio = server_settings[server][0]
         p50s, p99s = [p for p, _ in lat[name]], [p for _, p in lat[name]]
-        row = {"ratio": ratio, "p50_ms": statistics.median(p50s), "p99_ms": statistics.median(p99s),
-               "p50_range_ms": [min(p50s), max(p50s)]}
-        if ratio is not None:
+        row = {"ratio": ratio, "code": "before" if name == BEFORE else "current", "p50_ms": statistics.median(p50s),
+               "p99_ms": statistics.median(p99s), "p50_range_ms": [min(p50s), max(p50s)], "p50s_ms": p50s}
+        if name != "off":
             row["p50_over_off"] = statistics.median(p / o for p, o in zip(p50s, off))
         result["series"][name] = row
+    if before:
+        b = [p50 for p50, _ in lat[BEFORE]]
+        per_round = [o / p for o, p in zip(off, b)]
+        off_bytes = [p50 for p50, _ in lat["off, bytes"]]
+        result["before"] = {
+            "commit": before, "landed": landed,
+            "subject": common._git("show", "-s", "--format=%s", before),
+            "how": ("the parent of the commit that added blockflow/tracing.py" if landed else f"--before {args.before}"),
+            "imported_from": imported_from[BEFORE], "outalloc": outalloc,
+            "off_over_before": statistics.median(per_round), "off_over_before_rounds": per_round,
+            "off_bytes_over_before": statistics.median(o / p for o, p in zip(off_bytes, b)),
+            "within_1pct": abs(statistics.median(per_round) - 1) <= 0.01,
+        }
+    else:
+        result["before"] = {"skipped": True, "reason": before_skipped}
     result["traces_received"] = len(traces)
     result["spans_per_trace"] = statistics.median(len(v) for v in traces.values()) if traces else None
     whole = _whole(traces)
@@ -132,10 +276,24 @@ def main(argv: list[str] | None = None) -> int:
     path = common.write_json(args.out, "tracing", result)
     for name, row in result["series"].items():
         extra = f", {row['p50_over_off']:.3f}x off" if "p50_over_off" in row else ""
-        print(f"{name:>11}: p50 {row['p50_ms']:.2f} ms (range {row['p50_range_ms'][0]:.2f}-"
+        print(f"{name:>14}: p50 {row['p50_ms']:.2f} ms (range {row['p50_range_ms'][0]:.2f}-"
               f"{row['p50_range_ms'][1]:.2f}), p99 {row['p99_ms']:.2f} ms{extra}")
+    b = result["before"]
+    if b.get("skipped"):
+        print(f"before tracing: not measured ({b['reason']})")
+    else:
+        print(f"off / before tracing ({b['commit'][:10]}): {b['off_over_before']:.3f}x (rounds "
+              f"{', '.join(f'{x:.3f}' for x in b['off_over_before_rounds'])}); off with bytes / before "
+              f"{b['off_bytes_over_before']:.3f}x")
     print(f"traces received {len(traces)}, spans per trace {result['spans_per_trace']}; wrote {path}")
     return 0
+
+
+def _outalloc_of(code: str) -> str | None:
+    """The output-in-slot extension the code in ``code`` loads (None: it runs without one)."""
+    probe = subprocess.run([sys.executable, "-c", "from blockflow.tensormq import outalloc; print(outalloc.built() or '')"],
+                           cwd=code, env=common.code_env(code), capture_output=True, text=True, timeout=120)
+    return probe.stdout.strip() or None
 
 
 def _whole(traces: dict[str, list[dict]]) -> list[list[dict]]:

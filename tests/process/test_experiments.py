@@ -235,7 +235,8 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
 #: in EXPERIMENTS gets test_smoke.
 DETAILED = {"offline_blocks": "test_offline_blocks", "rtt": "test_rtt", "pipeline_latency": "test_pipeline_latency",
             "chaos": "tests/process/test_chaos.py", "fuzz": "tests/process/test_fuzz.py", "soak": "tests/process/test_soak.py",
-            "hop_overhead": "test_hop_overhead_bundle_rows", "first_request": "test_first_request"}
+            "hop_overhead": "test_hop_overhead_bundle_rows", "first_request": "test_first_request",
+            "tracing": "test_tracing"}
 #: The smallest settings that still exercise each script's whole path (--quick is added); an
 #: experiment not named here (one added later) runs with --quick alone.
 SMOKE_ARGS = {
@@ -300,6 +301,38 @@ def test_first_request(tmp_path, resnet_repo, leak_check):
             assert {f"{b}.inf", f"{b}.share", f"{b}.deser"} <= set(parts), sorted(parts)
         assert {"way_in", "way_out", "b1->b2", "b4->h"} <= set(parts)
         assert f"{label}: first request / steady median = {row['ratio_median']:.2f}x" in printed
+
+
+def test_tracing(tmp_path, resnet_repo, leak_check):
+    """The tracing experiment times the code from before tracing landed in the same rounds as
+    tracing off (issue 45 item 4): the parent of the commit that added blockflow/tracing.py, its
+    server, blocks and client imported from a temporary copy that is gone afterwards."""
+    out = str(tmp_path)
+    printed = run_experiment("tracing", out, *SMOKE_ARGS["tracing"], timeout=480)
+    data = load(out, "tracing")
+    check_provenance(data, "tracing")
+    series, before = data["series"], data["before"]
+    assert {"off", "off, bytes", "ratio 0.01", "ratio 1.0"} <= set(series)
+    assert all(positive(row["p50_ms"]) and len(row["p50s_ms"]) == 1 for row in series.values())
+    if shutil.which("git") is None or _git("rev-parse", "HEAD").returncode != 0:
+        assert before["skipped"] and before["reason"], before
+        return
+    landed = _git("log", "--diff-filter=A", "--format=%H", "--", "blockflow/tracing.py").stdout.split()[-1]
+    assert before["landed"] == landed and before["commit"] == _git("rev-parse", f"{landed}^").stdout.strip()
+    assert data["settings"]["before"] == before["commit"]
+    # its client imported that copy, not this checkout, and the copy is removed
+    code = os.path.dirname(os.path.dirname(before["imported_from"]))
+    assert before["imported_from"] == os.path.join(code, "blockflow", "__init__.py") and code != ROOT
+    assert not os.path.exists(code), f"{code} (the code before tracing) left behind"
+    row = series["before tracing"]
+    assert row["code"] == "before" and positive(row["p50_ms"])
+    assert before["off_over_before_rounds"] == [pytest.approx(series["off"]["p50_ms"] / row["p50_ms"])]
+    assert before["within_1pct"] == (abs(before["off_over_before"] - 1) <= 0.01)
+    assert f"off / before tracing ({before['commit'][:10]}): {before['off_over_before']:.3f}x" in printed
+    # the README's Measured-here table says it
+    from experiments.summary import Results, _request_path_rows
+    rows = [r for r in _request_path_rows(Results(out)) if "the code before tracing" in r[0]]
+    assert len(rows) == 1 and f"{before['off_over_before']:.3f}x" in rows[0][1], rows
 
 
 def check_provenance(data: dict, name: str) -> None:
