@@ -566,6 +566,11 @@ def _block(gm: fx.GraphModule, inputs: list[fx.Node], body: list[fx.Node], out) 
             continue
         env[node] = g.node_copy(node, lookup)
     g.output(fx.map_arg(out, lookup))
+    # torch.export numbers the sizes of dynamic dimensions over the whole model, so the same
+    # first layers of two models (one encoder, two heads) would differ in these names alone:
+    # renumbered per block, the same layers are the same bytes (configs/bert_tasks.py)
+    for i, node in enumerate(n for n in g.nodes if n.op == "call_method" and n.target == "size"):
+        node._rename(f"dim_size_{i}")
     block = fx.GraphModule(gm, g)
     return block.eval()
 
