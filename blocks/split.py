@@ -570,10 +570,29 @@ def dim_fields(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node]
         return [symbols[str(d)][0] if str(d) in symbols else int(d) if isinstance(d, int) else None for d in shape]
 
     fields = {"input_dims": [dims(n) for n in inputs], "output_dims": [dims(n) for n in outputs],
-              "dim_bounds": {name: [low, high] for name, low, high in symbols.values()}}
+              "dim_bounds": {name: [low, high] for name, low, high in symbols.values()},
+              "dim_buckets": {name: buckets(low, high) for name, low, high in symbols.values()}}
     if all(n.op == "placeholder" for n in inputs):
         fields["input_names"] = [n.name for n in inputs]
     return fields
+
+
+#: Sizes a dynamic dimension is warmed up at (and, on a GPU, a CUDA graph captured for), at most,
+#: and the largest size warmed: beyond it a shape runs eager (blocks/runner.py, GraphCache).
+MAX_DIM_BUCKETS = 4
+MAX_BUCKET_SIZE = 128
+
+
+def buckets(low: int, high: int, most: int = MAX_DIM_BUCKETS, cap: int = MAX_BUCKET_SIZE) -> list[int]:
+    """The sizes of a dynamic dimension declared ``low..high`` that a block warms up at: powers
+    of two within the bounds (the way vLLM and TensorRT-LLM pick the sizes they capture), none
+    above ``cap``, at most ``most`` of them spread from the smallest to the largest; ``[low]``
+    when no power of two is in range."""
+    sizes = [1 << k for k in range(0, 31) if low <= 1 << k <= min(high, cap)] or [low]
+    if len(sizes) <= most:
+        return sizes
+    step = (len(sizes) - 1) / (most - 1)
+    return sorted({sizes[round(i * step)] for i in range(most)})
 
 
 def _block(gm: fx.GraphModule, inputs: list[fx.Node], body: list[fx.Node], out) -> fx.GraphModule:

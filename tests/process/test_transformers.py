@@ -155,6 +155,28 @@ def test_served_bert_blocks_equal_the_model_at_two_sequence_lengths(server_facto
         assert "dimension S between 2 and 64" in str(info.value) and "S=2..65" in str(info.value), info.value
 
 
+def test_declared_bounds_give_warm_up_buckets_that_the_served_blocks_run(bert_repo, hf_models):
+    """Issue 43 item 3 on the CPU: each dynamic dimension's bounds give a few sizes (powers of
+    two within them, recorded in the manifest), and a block warms up, before it is ready, on
+    every combination of them (on a GPU: a CUDA graph captured per bucket, eager beyond)."""
+    from blockflow.blocks import split
+    from blockflow.blocks.repository import load_block
+    from blockflow.blocks.runner import MAX_GRAPHS, BlockRunner, bucket_shapes
+    with open(os.path.join(bert_repo, "bert", "manifest.json")) as f:
+        blocks = json.load(f)["blocks"]
+    assert split.buckets(2, 64) == [2, 8, 16, 64] and split.buckets(1, 4096)[-1] == split.MAX_BUCKET_SIZE
+    assert split.buckets(5, 7) == [5] and split.buckets(1, 2) == [1, 2]
+    for i in (1, 2, 3):
+        entry = blocks[f"block{i}.pt"]
+        assert entry["dim_buckets"] == {"N": split.buckets(1, 4096), "S": [2, 8, 16, 64]}, entry["dim_buckets"]
+        shapes = bucket_shapes(entry)
+        assert len(shapes) == MAX_GRAPHS == len({repr(s) for s in shapes})
+        for seq in (2, 8, 16, 64):  # every bucket of S, each member with its own shape
+            assert [[1 if d == "N" else seq if d == "S" else d for d in dims] for dims in entry["input_dims"]] in shapes
+        runner = BlockRunner(load_block(bert_repo, f"bert/block{i}.pt"), "cpu", f"b{i}")
+        assert runner.warm_up(shapes, [getattr(torch, d) for d in entry["input_dtypes"]]) == len(shapes)
+
+
 class IntOfShape(torch.nn.Module):
     """``int()`` of a size: torch.fx cannot trace it, torch.export can."""
 
