@@ -39,6 +39,7 @@ EXPERIMENTS = [
     "kserve_cost",       # the Open Inference Protocol against the ZeroMQ client
     "batching",          # dynamic batching at shared blocks (issue 15)
     "fused",             # fused blocks vs the monolithic model (issue 11)
+    "transformers",      # a BERT encoder in 3 blocks vs the whole model; a shared encoder's saving (issue 43)
     "replicas",          # one fused block as 1 and 2 processes (issue 28)
     "validation_cost",   # hand-written checks vs pydantic/msgspec (issue 11)
     "peers",             # Ray Serve beside BlockFlow (issue 16; skipped without the [peers] extra)
@@ -66,6 +67,7 @@ CPU_SETTINGS = {
     "memory_model": [],                                                       # 3
     "kserve_cost": [],                                                        # 1
     "fused": [],                                                              # 2.5
+    "transformers": [],                                                       # 3 (4 exports, 300 rounds)
     "replicas": [],                                                           # 2
     "validation_cost": [],                                                    # 0.5 (the typed header)
     "peers": [],                                                              # 5 (skipped without [peers])

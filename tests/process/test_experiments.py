@@ -248,6 +248,7 @@ SMOKE_ARGS = {
     "batching": ["--rates", "2", "--duration", "1", "--max-batch", "2", "--rounds", "1"],
     "replicas": ["--duration", "1"],
     "tracing": ["--rounds", "1", "--n", "3"],
+    "transformers": ["--n", "4", "--seq", "16"],
 }
 PROVENANCE = ("commit", "commit_date", "dirty", "created", "command")
 
