@@ -445,8 +445,8 @@ def _demo(args) -> int:
 #: The experiments are not installed with the product: they live in a checkout's experiments/.
 EXPERIMENT_NAMES = ["offline_blocks", "rtt", "pipeline_latency", "hop_overhead", "hop_budget", "first_request", "tracing",
                     "batch_scaling", "multiclient", "throughput", "utilization", "energy", "memory_model", "multi_gpu",
-                    "kserve_cost", "batching", "fused", "replicas", "block_cache", "validation_cost", "peers", "chaos",
-                    "fuzz", "soak"]
+                    "kserve_cost", "batching", "fused", "transformers", "replicas", "block_cache", "validation_cost",
+                    "peers", "chaos", "fuzz", "soak"]
 
 
 def _experiments_dir(given: str | None) -> str | None:

@@ -89,7 +89,7 @@ from .handover import INBOXES, Handed, Inbox
 from .heap import keep_freed_memory
 from .kpilog import LATENCY_FIELDS, LATENCY_ROW, KpiLog
 from .monitor import ResourceSampler
-from .runner import BlockRunner, warmup_shapes
+from .runner import BlockRunner, bucket_shapes, warmup_shapes
 from .spec import BlockSpec
 
 log = logging.getLogger("blockflow.block")
@@ -276,13 +276,18 @@ class Block(ChildProcess):
         if spec.warmup:  # before ready: no request pays a first call or a graph capture
             entry = entry or {}
             # a batch size is a shape: a GPU block captures one graph per size it may run
-            shapes = warmup_shapes(entry.get("input_shapes") or entry.get("input_shape"), spec.warmup_shapes,
+            # declared dynamic dimensions: their buckets (on a GPU, a graph captured per bucket)
+            shapes = warmup_shapes(entry.get("input_shapes") or entry.get("input_shape"),
+                                   spec.warmup_shapes or bucket_shapes(entry),
                                    self.batching if self.runner.on_gpu else None)
             try:
                 # one dtype, or one per member (a bundle of ids and a mask, of a mask and floats)
                 dtype = spec.input_dtype or entry.get("input_dtypes") or entry.get("dtype", "float32")
-                self.runner.warm_up(shapes, [getattr(torch, d) for d in dtype] if isinstance(dtype, list)
-                                    else getattr(torch, dtype))
+                ran = self.runner.warm_up(shapes, [getattr(torch, d) for d in dtype] if isinstance(dtype, list)
+                                          else getattr(torch, dtype))
+                log.info("block %s: warmed up on %d input shape(s)%s", self.name, ran,
+                         f" (the buckets of {entry['dim_buckets']})" if shapes and not spec.warmup_shapes
+                         and entry.get("dim_buckets") else "")
             except Exception as exc:
                 raise BootError(f"block {self.name}: warm-up on input shapes {shapes} failed: "
                                 f"{type(exc).__name__}: {exc}") from None

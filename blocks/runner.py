@@ -362,6 +362,24 @@ def zeros_like_shape(shape: list, dtype: torch.dtype | list[torch.dtype], device
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def bucket_shapes(entry: dict, most: int = MAX_GRAPHS) -> list[list] | None:
+    """The input shapes of a block's declared buckets (its manifest's ``input_dims`` with every
+    dynamic dimension at each of its ``dim_buckets``, blocks/split.py ``buckets``): at most
+    ``most`` of them, the smallest first, each a shape or, for a block that takes several
+    tensors, a list of its members' shapes. None where the manifest has no buckets or a member
+    has a size computed from others (then the manifest's own input shape is warmed up)."""
+    dims, sizes = entry.get("input_dims"), entry.get("dim_buckets")
+    if not dims or not sizes or any(d is None or (isinstance(d, str) and d not in sizes) for m in dims for d in m):
+        return None
+    names = list(dict.fromkeys(d for m in dims for d in m if isinstance(d, str)))
+    combos = [{}]
+    for name in names:
+        combos = [dict(c, **{name: size}) for c in combos for size in sizes[name]]
+    combos.sort(key=lambda c: [c[n] for n in reversed(names)])  # the smallest shapes first
+    shapes = [[[c[d] if isinstance(d, str) else d for d in m] for m in dims] for c in combos[:most]]
+    return shapes if len(dims) > 1 else [s[0] for s in shapes]
+
+
 def warmup_shapes(input_shape: list | None, declared: list | None, batching) -> list[list]:
     """The input shapes a block runs before it reports ready: those its update declares
     (``warmup_shapes``), else the manifest's input shape -- a list of shapes where the block

@@ -357,7 +357,9 @@ def _is_tensor(node: fx.Node) -> bool:
 
 def _node_modules(node: fx.Node) -> set[str]:
     """Qualified names of the submodules ``node`` ran inside (leaf modules included)."""
-    names = {path for path, _ in node.meta.get("nn_module_stack", {}).values()}
+    # torch.export's placeholder for a node with no stack is no submodule of the model
+    names = {path for path, _ in node.meta.get("nn_module_stack", {}).values()
+             if not path.startswith("_empty_nn_module_stack")}
     if node.op == "call_module":
         parts = node.target.split(".")
         names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
@@ -371,6 +373,29 @@ def cut_positions(gm: fx.GraphModule) -> dict[str, int]:
         for name in _node_modules(node):
             last[name] = i
     return last
+
+
+def runs(gm: fx.GraphModule) -> dict[str, int]:
+    """Each submodule that runs more than once in ``forward`` -> how many times: a loop over
+    one module whose weights every pass shares (ALBERT's layer group, a recurrent cell, a
+    ResNet block's one ReLU called twice).  ``torch.export`` tells the calls apart
+    (``nn_module_stack`` keys ``id@1``, ``id@2``); for ``torch.fx`` a call is a stretch of
+    consecutive nodes inside the module, or one ``call_module`` node of a leaf."""
+    keys: dict[str, set] = {}
+    stretches: dict[str, int] = {}
+    inside: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        names = _node_modules(node)
+        for key, (path, _) in node.meta.get("nn_module_stack", {}).items():
+            keys.setdefault(path, set()).add(key)
+        leaf = {node.target} if node.op == "call_module" else set()
+        for name in (names - inside) | leaf:  # a leaf's call is one node: the next one is another call
+            stretches[name] = stretches.get(name, 0) + 1
+        inside = names - leaf
+    counts = {name: max(len(keys.get(name, ())), n) for name, n in stretches.items()}
+    return {name: n for name, n in counts.items() if n > 1}
 
 
 def crossing(gm: fx.GraphModule, pos: int) -> list[fx.Node]:
@@ -391,8 +416,9 @@ def valid_cuts(gm: fx.GraphModule) -> dict[str, int]:
     :data:`MAX_HOP_TENSORS` of them, and something is left after it) -> its position."""
     end = _last_op(gm)
     shaped = _shaped(gm)
+    repeated = runs(gm)
     return {name: pos for name, pos in cut_positions(gm).items()
-            if pos < end and _crossing_problem(crossing(gm, pos), shaped) is None}
+            if pos < end and name not in repeated and _crossing_problem(crossing(gm, pos), shaped) is None}
 
 
 def _crossing_problem(values: list[fx.Node], shaped: bool) -> str | None:
@@ -441,12 +467,18 @@ def resolve_cuts(gm: fx.GraphModule, cuts: list[str], model: str) -> list[int]:
     positions = cut_positions(gm)
     valid = valid_cuts(gm)
     shaped = _shaped(gm)
+    repeated = runs(gm)
     seen: dict[int, str] = {}
     for cut in cuts:
         if cut not in positions:
             raise CutError(f"cut {cut!r}: {model} has no submodule of that name that runs in "
                            f"forward; nearby: {_nearby_names(cut, valid)}")
         pos = positions[cut]
+        if cut in repeated:
+            raise CutError(f"cut {cut!r}: {cut} runs {repeated[cut]} times in forward (one module called in a loop "
+                           "or more than once, every pass sharing its weights and the state it carries), so no one "
+                           f"place follows it; cut before or after the loop, or give each pass its own module (an nn.ModuleList) "
+                           f"to cut between passes; nearby valid cuts: {_nearby_positions(pos, valid)}")
         if pos >= _last_op(gm):
             raise CutError(f"cut {cut!r}: it ends {model}, so no block would be left after it; "
                            f"cut earlier, nearby: {_nearby_positions(pos, valid)}")
@@ -538,10 +570,29 @@ def dim_fields(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node]
         return [symbols[str(d)][0] if str(d) in symbols else int(d) if isinstance(d, int) else None for d in shape]
 
     fields = {"input_dims": [dims(n) for n in inputs], "output_dims": [dims(n) for n in outputs],
-              "dim_bounds": {name: [low, high] for name, low, high in symbols.values()}}
+              "dim_bounds": {name: [low, high] for name, low, high in symbols.values()},
+              "dim_buckets": {name: buckets(low, high) for name, low, high in symbols.values()}}
     if all(n.op == "placeholder" for n in inputs):
         fields["input_names"] = [n.name for n in inputs]
     return fields
+
+
+#: Sizes a dynamic dimension is warmed up at (and, on a GPU, a CUDA graph captured for), at most,
+#: and the largest size warmed: beyond it a shape runs eager (blocks/runner.py, GraphCache).
+MAX_DIM_BUCKETS = 4
+MAX_BUCKET_SIZE = 128
+
+
+def buckets(low: int, high: int, most: int = MAX_DIM_BUCKETS, cap: int = MAX_BUCKET_SIZE) -> list[int]:
+    """The sizes of a dynamic dimension declared ``low..high`` that a block warms up at: powers
+    of two within the bounds (the way vLLM and TensorRT-LLM pick the sizes they capture), none
+    above ``cap``, at most ``most`` of them spread from the smallest to the largest; ``[low]``
+    when no power of two is in range."""
+    sizes = [1 << k for k in range(0, 31) if low <= 1 << k <= min(high, cap)] or [low]
+    if len(sizes) <= most:
+        return sizes
+    step = (len(sizes) - 1) / (most - 1)
+    return sorted({sizes[round(i * step)] for i in range(most)})
 
 
 def _block(gm: fx.GraphModule, inputs: list[fx.Node], body: list[fx.Node], out) -> fx.GraphModule:
@@ -566,6 +617,11 @@ def _block(gm: fx.GraphModule, inputs: list[fx.Node], body: list[fx.Node], out) 
             continue
         env[node] = g.node_copy(node, lookup)
     g.output(fx.map_arg(out, lookup))
+    # torch.export numbers the sizes of dynamic dimensions over the whole model, so the same
+    # first layers of two models (one encoder, two heads) would differ in these names alone:
+    # renumbered per block, the same layers are the same bytes (configs/bert_tasks.py)
+    for i, node in enumerate(n for n in g.nodes if n.op == "call_method" and n.target == "size"):
+        node._rename(f"dim_size_{i}")
     block = fx.GraphModule(gm, g)
     return block.eval()
 

@@ -394,7 +394,9 @@ class Dispatcher(ChildProcess):
         if not spec:
             return
         if spec.get("dtype") and desc.fields["dtype"] != spec["dtype"]:
-            raise ValueError(f"task {task} takes {spec['dtype']} tensors, got {desc.fields['dtype']}{member}")
+            raise ValueError(f"task {task} takes {spec['dtype']} tensors, got {desc.fields['dtype']}{member}; send "
+                             f"{spec['dtype']} (tensor.to(torch.{spec['dtype']})), or export again with --input "
+                             f"declaring {desc.fields['dtype']}")
         shape = spec.get("shape")
         if shape and (len(desc.shape) != len(shape) or any(
                 want is not None and want != got for want, got in zip(shape[1:], desc.shape[1:]))):

@@ -229,6 +229,36 @@ def thesis_inputs() -> dict:
     return o
 
 
+def sharing(repo: str, update: dict) -> dict:
+    """Parameter bytes of the tasks of ``update`` (a system update, e.g. configs/bert_shared.json)
+    served as it says -- each distinct block file once, whichever tasks run through it --
+    against each task's whole model (the ``full`` file of the model directory its last block
+    comes from), from the manifests' ``param_bytes``.  The o_j of the formulas above where the
+    weights are all a block adds (a CPU process's fixed cost C is measured by ``main``).
+    ``saving_pct``: 1 - served / whole models; ``processes``: one per block against one per task."""
+    from blockflow.blocks import repository
+
+    def entry(path: str) -> dict:
+        model, _, fname = path.partition("/")
+        found = repository.load_manifest(repo, model).get("blocks", {}).get(fname)
+        if not found or "param_bytes" not in found:
+            raise ValueError(f"{path}: no param_bytes in the manifest of {model} in {repo}; export it first")
+        return found
+
+    files = {b["name"]: b["model"] for b in update["blocks"]}
+    served = {f: entry(f)["param_bytes"] for f in dict.fromkeys(files.values())}
+    whole = {}
+    for task in update["tasks"]:
+        last = files[task["path"][-1]]
+        model, ext = last.partition("/")[0], os.path.splitext(last)[1]  # full.pt beside .pt blocks, .pt2 beside .pt2
+        whole[task["id"]] = entry(f"{model}/{repository.FULL}{ext}")["param_bytes"]
+    shared = [f for f in served if sum(files[n] == f for t in update["tasks"] for n in t["path"]) > 1]
+    total, alone = sum(served.values()), sum(whole.values())
+    return {"served_bytes": total, "whole_models_bytes": alone, "saving_pct": 100.0 * (1 - total / alone),
+            "shared_files": shared, "shared_bytes": sum(served[f] for f in shared), "per_file_bytes": served,
+            "whole_model_bytes": whole, "processes": len(files), "whole_model_processes": len(whole)}
+
+
 # -- the measurement -----------------------------------------------------------------------
 def scratch_repo(repo: str, models: list[str]) -> str:
     """A repository with the models' blocks (hard links, or copies across file systems) and an

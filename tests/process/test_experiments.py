@@ -250,6 +250,7 @@ SMOKE_ARGS = {
     "replicas": ["--duration", "1"],
     "tracing": ["--rounds", "1", "--n", "3"],
     "block_cache": ["--n", "8"],
+    "transformers": ["--n", "4", "--seq", "16"],
 }
 PROVENANCE = ("commit", "commit_date", "dirty", "created", "command")
 

@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 
 HF_MODELS = '''
 import torch
-from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
+from transformers import AlbertConfig, AlbertModel, BertConfig, BertModel, GPT2Config, GPT2Model
 
 
 def bert():
@@ -34,6 +34,12 @@ def bert():
 def gpt2():
     """A 4-layer GPT-2 decoder, one forward pass without a cache."""
     return GPT2Model(GPT2Config(vocab_size=1000, n_embd=64, n_layer=4, n_head=4, n_positions=128, use_cache=False))
+
+
+def albert():
+    """ALBERT: one layer group whose weights all four layers share, run in a loop."""
+    return AlbertModel(AlbertConfig(vocab_size=1000, embedding_size=32, hidden_size=64, num_hidden_layers=4,
+                                    num_attention_heads=4, intermediate_size=128, max_position_embeddings=128))
 
 
 class Branchy(torch.nn.Module):
@@ -139,12 +145,36 @@ def test_served_bert_blocks_equal_the_model_at_two_sequence_lengths(server_facto
         ids, mask = token_inputs(1, 8, seed=1)
         with pytest.raises(BlockFlowError) as info:
             c.infer("bert", (ids.float(), mask))
-        assert info.value.code == ErrorCode.BAD_INPUT and "int64" in str(info.value) and "input_ids" in str(info.value)
+        assert info.value.code == ErrorCode.BAD_INPUT and "\n" not in str(info.value), info.value
+        assert "takes int64 tensors, got float32 (input_ids)" in str(info.value), info.value
+        assert "send int64 (tensor.to(torch.int64))" in str(info.value), info.value
         ids, mask = token_inputs(1, 65, seed=1)
         with pytest.raises(BlockFlowError) as info:
             c.infer("bert", (ids, mask))
-        assert info.value.code == ErrorCode.BAD_INPUT, info.value
+        assert info.value.code == ErrorCode.BAD_INPUT and "\n" not in str(info.value), info.value
         assert "dimension S between 2 and 64" in str(info.value) and "S=2..65" in str(info.value), info.value
+
+
+def test_declared_bounds_give_warm_up_buckets_that_the_served_blocks_run(bert_repo, hf_models):
+    """Issue 43 item 3 on the CPU: each dynamic dimension's bounds give a few sizes (powers of
+    two within them, recorded in the manifest), and a block warms up, before it is ready, on
+    every combination of them (on a GPU: a CUDA graph captured per bucket, eager beyond)."""
+    from blockflow.blocks import split
+    from blockflow.blocks.repository import load_block
+    from blockflow.blocks.runner import MAX_GRAPHS, BlockRunner, bucket_shapes
+    with open(os.path.join(bert_repo, "bert", "manifest.json")) as f:
+        blocks = json.load(f)["blocks"]
+    assert split.buckets(2, 64) == [2, 8, 16, 64] and split.buckets(1, 4096)[-1] == split.MAX_BUCKET_SIZE
+    assert split.buckets(5, 7) == [5] and split.buckets(1, 2) == [1, 2]
+    for i in (1, 2, 3):
+        entry = blocks[f"block{i}.pt"]
+        assert entry["dim_buckets"] == {"N": split.buckets(1, 4096), "S": [2, 8, 16, 64]}, entry["dim_buckets"]
+        shapes = bucket_shapes(entry)
+        assert len(shapes) == MAX_GRAPHS == len({repr(s) for s in shapes})
+        for seq in (2, 8, 16, 64):  # every bucket of S, each member with its own shape
+            assert [[1 if d == "N" else seq if d == "S" else d for d in dims] for dims in entry["input_dims"]] in shapes
+        runner = BlockRunner(load_block(bert_repo, f"bert/block{i}.pt"), "cpu", f"b{i}")
+        assert runner.warm_up(shapes, [getattr(torch, d) for d in entry["input_dtypes"]]) == len(shapes)
 
 
 class IntOfShape(torch.nn.Module):
@@ -178,6 +208,18 @@ def test_cli_refuses_a_bert_cut_that_is_no_layer_naming_nearby_layers(tmp_path, 
                     *[a for i in BERT_INPUTS for a in ("--input", i)], "--out", str(tmp_path), cwd=models_dir,
                     timeout=600)
     one_line_error(res, Exit.BAD_INPUT, "encoder.layers.1", "encoder.layer.1")
+
+
+def test_cli_refuses_a_cut_inside_a_loop_over_one_shared_layer_naming_the_cuts_around_it(tmp_path, hf_models):
+    """ALBERT runs one layer group four times: a cut at it names no one place (the old split
+    cut silently after the last pass); refused, saying so and where to cut instead."""
+    models_dir, _ = hf_models
+    res = blockflow("export", "--model", "hfmodels:albert", "--cut", "encoder.albert_layer_groups.0",
+                    *[a for i in BERT_INPUTS for a in ("--input", i)], "--out", str(tmp_path), cwd=models_dir,
+                    timeout=600)
+    one_line_error(res, Exit.BAD_INPUT, "cut 'encoder.albert_layer_groups.0'", "runs 4 times in forward",
+                   "cut before or after the loop", "nearby valid cuts: ", "encoder.embedding_hidden_mapping_in")
+    assert not os.path.exists(tmp_path / "albert")
 
 
 def test_bert_export_programs_take_two_lengths_through_the_same_blocks(tmp_path, hf_models):

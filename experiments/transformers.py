@@ -1,0 +1,124 @@
+"""A BERT-style encoder split in blocks against the whole model, and what sharing an encoder saves
+(issue 43's goals on the CPU).
+
+    python -m experiments.transformers [--quick] [--n N] [--seq S] [--out DIR]
+
+Two measurements, one JSON (``transformers.json``):
+
+  latency  a stock ``transformers.BertModel`` built from :data:`CONFIG` (4 layers, hidden 256,
+           seeded weights, nothing downloaded) is exported by ``blockflow export --model
+           experiments.transformers:bert --cut encoder.layer.0 --cut encoder.layer.2 --input ...``
+           (torch.export, int64 ids and a mask, S dynamic) and served as 3 blocks, one thread
+           each, tensormq; every round is one request of ``N`` = 1 sequence of ``--seq`` tokens
+           through the blocks, then the exported whole model (``full.pt``) run in this process on
+           one thread with the same input (interleaved, so both see the same machine state).
+           Reported: p50/p99 of each and the ratio of the p50s (issue 43's goal: <= 1.3x), with
+           where the round trip's time went (experiments/fused.py ``measure``).
+  sharing  the three tasks of ``configs/bert_shared.json`` (configs/bert_tasks.py: one encoder,
+           three heads) exported as README "Bring your own model" does, and the parameter bytes
+           the update serves against three whole models (experiments/memory_model.py ``sharing``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+from . import common
+
+NAME = "transformers"
+#: The encoder measured: the README's example BERT.
+CONFIG = dict(vocab_size=30522, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+              max_position_embeddings=512)
+CUTS = ("encoder.layer.0", "encoder.layer.2")
+INPUTS = ("input_ids:int64:N,S=2..256", "attention_mask:int64:N,S:0..1")
+GOAL = 1.3
+TASK = "bert"
+
+
+def bert():
+    """``--model experiments.transformers:bert``"""
+    from transformers import BertConfig, BertModel
+    return BertModel(BertConfig(**CONFIG))
+
+
+def export(args: list[str]) -> None:
+    """``blockflow export ARGS`` from the repository root (it imports experiments.* and configs.*)."""
+    env = dict(os.environ, BLOCKFLOW_LOG="WARNING")
+    res = subprocess.run([sys.executable, "-m", "blockflow.cli", "export", *args], cwd=common.ROOT, env=env,
+                         capture_output=True, text=True, timeout=1200)
+    if res.returncode != 0:
+        raise RuntimeError(f"blockflow export {' '.join(args)} failed: {res.stderr.strip()[-500:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from blockflow.blocks.repository import load_block
+    from configs import bert_tasks
+
+    from .fused import measure
+    from .memory_model import sharing
+
+    ap = common.parser(NAME, __doc__)
+    ap.add_argument("--seq", type=int, default=128, help="tokens per request (default 128)")
+    args = ap.parse_args(argv)
+    common.setup_logging(args.verbose)
+    n = args.n or (10 if args.quick else 300)
+    settings = {"model": "transformers.BertModel", "config": CONFIG, "cuts": list(CUTS), "inputs": list(INPUTS),
+                "batch": 1, "seq": args.seq, "n": n, "quick": args.quick, "threads": 1, "transport": "tensormq",
+                "monolithic": "full.pt (the exported whole model) in the measuring process, 1 thread, "
+                              "interleaved with the round trips",
+                "sharing_config": "configs/bert_shared.json"}
+    env = common.env_info(settings)
+    repo = tempfile.mkdtemp(prefix="bftf-")
+    try:
+        jobs = [["--model", "experiments.transformers:bert", *[a for c in CUTS for a in ("--cut", c)],
+                 *[a for i in INPUTS for a in ("--input", i)], "--name", TASK, "--out", repo]]
+        jobs += [["--model", f"configs.bert_tasks:{t}", "--cut", bert_tasks.CUT,
+                  *[a for i in ("input_ids:int64:N,S=2..128", "attention_mask:int64:N,S:0..1") for a in ("--input", i)],
+                  "--name", f"bert_{t}", "--out", repo] for t in bert_tasks.TASKS]
+        with common.Progress(len(jobs), "export") as bar, ThreadPoolExecutor(2) as pool:
+            for _ in pool.map(export, jobs):
+                bar.update()
+        with open(os.path.join(common.ROOT, "configs", "bert_shared.json")) as f:
+            shared = sharing(repo, json.load(f))
+
+        torch.set_num_threads(1)
+        whole = load_block(repo, f"{TASK}/full.pt")
+        gen = torch.Generator().manual_seed(0)
+        x = (torch.randint(0, CONFIG["vocab_size"], (1, args.seq), generator=gen), torch.ones(1, args.seq, dtype=torch.int64))
+        with torch.inference_mode():
+            want = whole(*x)
+        update = {"transport": "tensormq", "protocol": "ipc",
+                  "blocks": [{"name": f"b{i}", "model": f"{TASK}/block{i}.pt", "threads": 1} for i in (1, 2, 3)],
+                  "tasks": [{"id": TASK, "path": ["b1", "b2", "b3"]}]}
+        with common.blockflow_server(repo) as server:
+            server.update(update)
+            from blockflow.client import Client
+            with Client(server.dispatcher, timeout=120) as c:
+                got = c.infer(TASK, x)
+            diff = max((got[k] - want[k]).abs().max().item() for k in want)
+            row = measure(server, lambda x: whole(*x), x, n, args.quick, tasks=(TASK,))
+    finally:
+        shutil.rmtree(repo, ignore_errors=True)
+    row["max_abs_diff_to_whole_model"] = diff
+    row["goal_ratio_p50"] = GOAL
+    result = {"experiment": NAME, "env": env, "settings": settings, "latency": row, "sharing": shared}
+    common.write_json(args.out, NAME, result)
+    print(f"BERT (hidden {CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers), 1 x {args.seq} tokens, "
+          f"3 blocks over tensormq: p50 {row['rtt_ms']['p50']:.2f} ms, whole model "
+          f"{row['monolithic_interleaved_ms']['p50']:.2f} ms: RATIO {row['ratio_p50']:.2f}x (goal <= {GOAL}x); "
+          f"max |diff| {diff:.1e}")
+    print(f"configs/bert_shared.json: {shared['served_bytes'] / 1e6:.2f} MB of parameters served, "
+          f"{shared['whole_models_bytes'] / 1e6:.2f} MB in three whole models: {shared['saving_pct']:.1f} % less "
+          f"({shared['processes']} processes against {shared['whole_model_processes']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
