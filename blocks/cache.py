@@ -10,7 +10,7 @@ block is still a block of the topology: routable, supervised, answering pings.
 
     request for b ──> BlockCache.acquire(b) ──resident──> run ──> release(b)
                           │ parked
-                          └─> one swap at a time: park victims (the policy's order, never a
+                          └─> one swap at a time per device: park victims (the policy's order, never a
                               pinned block, never one with a request in flight), restore b's
                               weights (and on a GPU re-capture its CUDA graphs), then run
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import fcntl
 import logging
 import os
 import threading
@@ -47,7 +48,7 @@ SWAP_BUCKETS_MS = (0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 10
 class Residency(enum.Enum):
     RESIDENT = "resident"   # weights on the device: requests run at once
     PARKED = "parked"       # weights in the warm copy: a request swaps it in first
-    MOVING = "moving"       # being parked or swapped in (one swap at a time per process)
+    MOVING = "moving"       # being parked or swapped in (one swap at a time per device)
 
 
 class CacheWaitTimeout(Exception):
@@ -153,6 +154,26 @@ class Weights:
                 pass
 
 
+class DeviceLock:
+    """One swap at a time per device, across the shared processes of a server: an exclusive
+    ``flock`` on a file in the server's socket directory, held while a swap parks and restores
+    (two groups on one GPU never copy weights over PCIe at once). Only a miss takes it."""
+
+    def __init__(self, path: str | None):
+        self.path, self.fd = path, None
+
+    def __enter__(self):
+        if self.path is not None:
+            if self.fd is None:
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+
 class Entry:
     """What the cache knows of one block: where its weights are, its use, its counters."""
 
@@ -231,8 +252,10 @@ POLICIES = {p.name: p for p in (LruPolicy, SharingLruPolicy)}
 class BlockCache:
     """The blocks of one shared process and its budget: who is resident, who swaps in next."""
 
-    def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None):
+    def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None, device_lock: str | None = None):
         self.budget = int(budget_bytes)
+        #: held around every swap: one at a time per device (None: this process's swaps only)
+        self.device_lock = DeviceLock(device_lock)
         self.policy = policy or SharingLruPolicy()
         self.cond = threading.Condition()
         self.entries: dict[str, Entry] = {}
@@ -342,15 +365,16 @@ class BlockCache:
         t0 = time.perf_counter()
         parked = []
         try:
-            for v in victims:
-                self._park(v)
-                parked.append(v)
-            with self.cond:
+            with self.device_lock:
                 for v in victims:
-                    v.state = Residency.PARKED
-                    v.evictions += 1
-                e.state = Residency.MOVING
-            self._restore(e)
+                    self._park(v)
+                    parked.append(v)
+                with self.cond:
+                    for v in victims:
+                        v.state = Residency.PARKED
+                        v.evictions += 1
+                    e.state = Residency.MOVING
+                self._restore(e)
         except BaseException:
             with self.cond:
                 for v in victims:

@@ -36,6 +36,7 @@ import zmq
 from blockflow import protocol
 from blockflow.childproc import ChildProcess, exit_with, serve, spec_from_argv
 from blockflow.protocol import Gone, Host, NoArgs
+from blockflow.schema import canonical_device
 
 from .heap import keep_freed_memory, one_heap
 from .process import Block
@@ -123,20 +124,21 @@ class BlockHost(ChildProcess):
             torch.set_num_threads(spec.threads)
         block = Block(spec)
         if spec.memory_budget_mb is not None:
-            block.cache = self.block_cache(spec.memory_budget_mb)
+            block.cache = self.block_cache(spec.memory_budget_mb,
+                                           os.path.join(spec.sock_dir, f"swap-{canonical_device(spec.device).replace(':', '')}.lock"))
         member = self.members[key] = _Member(block)
         member.thread.start()
         self.set_title(self.titled)
         return {"hosting": key, "pid": os.getpid()}
 
-    def block_cache(self, budget_mb: float):
+    def block_cache(self, budget_mb: float, device_lock: str):
         """The process's block cache, made by its first member with a budget; a later member
         brings its update's budget (the manager gives every member of a group the same one)."""
         from blockflow import settings
         from .cache import POLICIES, BlockCache
         budget = int(budget_mb * 2**20)
         if self.cache is None:
-            self.cache = BlockCache(budget, POLICIES[settings.CACHE_POLICY]())
+            self.cache = BlockCache(budget, POLICIES[settings.CACHE_POLICY](), device_lock)
             log.info("%s: memory budget %.1f MB (%s eviction)", self.label, budget_mb, settings.CACHE_POLICY)
         elif self.cache.budget != budget:
             log.info("%s: memory budget %.1f -> %.1f MB", self.label, self.cache.budget / 2**20, budget_mb)

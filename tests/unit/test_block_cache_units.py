@@ -149,3 +149,22 @@ def test_many_threads_never_run_a_parked_block_and_stay_within_the_budget(tmp_pa
         t.join(60)
     assert not errors and not over, (errors[:3], over[:3])
     assert sum(e.misses for _m, e in blocks.values()) > 0
+
+
+def test_two_groups_on_one_device_swap_one_at_a_time(tmp_path):
+    """The device lock (a flock in the server's socket directory) serialises swaps across the
+    shared processes of a device: while one holds it, another's miss waits, its hits do not."""
+    from blockflow.blocks.cache import DeviceLock
+    cache, _ = _cache(tmp_path, 3, room=2)
+    cache.device_lock = DeviceLock(str(tmp_path / "swap-cpu.lock"))
+    other = DeviceLock(str(tmp_path / "swap-cpu.lock"))  # another group's, its own descriptor
+    got = {}
+    with other:
+        assert cache.acquire("b0", timeout=5) == 0.0  # a hit takes no lock
+        cache.release("b0")
+        t = threading.Thread(target=lambda: got.setdefault("ms", cache.acquire("b2", timeout=10)))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and cache.entries["b2"].state is Residency.PARKED
+    t.join(10)
+    assert got["ms"] > 0 and cache.entries["b2"].state is Residency.RESIDENT
