@@ -526,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-mb", default="4,16", help="head sizes in MiB: the grid's, then the sizes section's")
     ap.add_argument("--rounds", type=int, help="interleaved chunks per cell (default 4; --quick 1)")
     ap.add_argument("--sections", default="grid,hit,sizes,policy", help="which parts to run")
+    ap.add_argument("--device", default="cpu", help="the blocks' device: cpu (parked weights in a file) or cuda[:N] "
+                                                    "(parked in pinned host memory; swap-in re-captures graphs)")
     args = ap.parse_args(argv)
     common.setup_logging(args.verbose)
     import torch
@@ -546,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = write_repo(repo, max(heads_list + [8]), widths)
         settings = {"quick": quick, "n": n, "rounds": rounds, "heads": heads_list, "concurrency": concurrency,
                     "patterns": patterns, "sections": sorted(sections), "room": ROOM, "zipf_alpha": ZIPF_ALPHA,
-                    "input_shape": list(IN_SHAPE), "threads": 1, "transport": "tensormq",
+                    "input_shape": list(IN_SHAPE), "threads": 1, "transport": "tensormq", "device": args.device,
                     "backbone_mb": sizes["bb"] / 2**20, "head_mb": sizes[f"h{widths[0]}_0"] / 2**20,
                     "large_head_mb": sizes[f"h{large}_0"] / 2**20 if large else None,
                     "budgets": "cache: backbone + 4 heads + half a head; whole: 4 x (backbone + head) + half a head",
@@ -567,9 +569,13 @@ def main(argv: list[str] | None = None) -> int:
             body = main_update(widths[0], max(heads_list), sizes, large, ROOM + 1)
             if policy:  # group p under sharing here, under lru in the other server
                 extra = policy_update(widths[0], sizes)
+                for b in extra["blocks"]:
+                    b["device"] = args.device
                 body["blocks"] += extra["blocks"]
                 body["tasks"] += extra["tasks"]
                 servers["lru"].update(extra)
+            for b in body["blocks"]:
+                b["device"] = args.device
             result["update_s"] = server.update(body)["seconds"]
             clients = Clients(server.dispatcher, max(concurrency))
             stack.callback(clients.close)

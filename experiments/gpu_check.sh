@@ -31,7 +31,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 STEP_LIMIT=${STEP_LIMIT:-570}
 SITE=${GPU_SITE:-/tmp/blockflow-site}
-ALL_STEPS="tests-fastpath tests-ipc tests-manager tests-pipeline tests-groups pipeline_latency hop_overhead hop_budget groups batching vram throughput energy memory_model batch_scaling utilization multi_gpu report"
+ALL_STEPS="tests-fastpath tests-ipc tests-manager tests-pipeline tests-groups tests-cache block_cache pipeline_latency hop_overhead hop_budget groups batching vram throughput energy memory_model batch_scaling utilization multi_gpu report"
 STEPS=${*:-$ALL_STEPS}
 
 die() { echo "gpu-check: $*" >&2; exit 2; }
@@ -138,6 +138,12 @@ for step in $STEPS; do
       run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda \
         --junitxml="$LOGS/$step.xml" tests/process/test_groups.py \
         tests/cuda/test_cuda_ipc.py::test_a_slot_of_this_process_is_opened_without_ipc_and_refused_once_closed ;;
+    tests-cache)  # issue 44: parked weights in pinned host memory, graphs re-captured after a swap-in
+      run_step "$step" env NVIDIA_TF32_OVERRIDE=0 "$PY" -m pytest -q -rs -p no:cacheprovider -s \
+        --junitxml="$LOGS/$step.xml" tests/cuda/test_block_cache_gpu.py ;;
+    block_cache)  # issue 44: swap-in per block size on the GPU (goal: a 60 MB block <= 10 ms), hit cost, sequential/Zipf
+      run_step "$step" "$PY" -m experiments.block_cache --device cuda --head-mb 4,64 --heads 5,8 --concurrency 1 \
+        --n 100 --rounds 2 "${OUTARG[@]}" ;;
     pipeline_latency)  # 4-block ResNet50 vs monolithic; eq. 4.1 components per transport
       run_step "$step" "$PY" -m experiments.pipeline_latency --device cuda --n 300 --no-http "${OUTARG[@]}" ;;
     hop_overhead)  # goal: a handle-forwarding hop <= 0.10 ms median (HOP_BATCHES=1: half the time)
