@@ -23,10 +23,10 @@ import tempfile
 
 import zmq
 
-from blockflow import settings
-from blockflow.protocol import DISPATCHER, Cmd, identity
+from blockflow.core import settings
+from blockflow.core.protocol import DISPATCHER, Cmd, identity
 from blockflow.manager.controller import Controller
-from blockflow.tensormq.curve import ClusterKeys
+from blockflow.core.curve import ClusterKeys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -33,9 +33,9 @@ import setproctitle
 import torch
 import zmq
 
-from blockflow import protocol
-from blockflow.childproc import ChildProcess, exit_with, serve, spec_from_argv
-from blockflow.protocol import Gone, Host, NoArgs
+from blockflow.core import protocol
+from blockflow.core.childproc import ChildProcess, exit_with, serve, spec_from_argv
+from blockflow.core.protocol import Gone, Host, NoArgs
 
 from .heap import keep_freed_memory, one_heap
 from .process import Block
@@ -57,7 +57,7 @@ class _Member:
 
     def live(self) -> None:
         """Block.run() on this thread, as serve() runs it in a process of its own."""
-        from blockflow.childproc import BootError
+        from blockflow.core.childproc import BootError
         b = self.block
         setproctitle.setthreadtitle(f"bf:{b.name}")  # top -H: its threads, started from here, inherit it
         try:

@@ -22,7 +22,7 @@ import time
 from . import common
 
 STAGES = ("wait", "deser", "dev", "inf", "share", "fwd")
-ROOT_SPAN = "blockflow request"  # the dispatcher's span of a request (blockflow/tracing.py)
+ROOT_SPAN = "blockflow request"  # the dispatcher's span of a request (blockflow/core/tracing.py)
 SETTINGS = (("off", None), ("ratio 0.01", 0.01), ("ratio 1.0", 1.0))
 
 

@@ -43,7 +43,7 @@ import time
 
 import psutil
 
-from blockflow import settings
+from blockflow.core import settings
 
 log = logging.getLogger("blockflow.state")
 
@@ -406,7 +406,7 @@ def slot_budget(upd, window: int, shm_dir: str | None) -> dict:
     tensor it carries rounded up to a power of two; the sizes come from the manifests (a file
     no manifest lists counts as unknown). Larger batches need proportionally more."""
     from blockflow.tensormq.sizing import HEADER, round_capacity, shm_space
-    from blockflow.protocol import DISPATCHER
+    from blockflow.core.protocol import DISPATCHER
 
     def nbytes(shape) -> int | None:
         if not isinstance(shape, list) or not all(isinstance(d, int) and d > 0 for d in shape):

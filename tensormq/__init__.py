@@ -7,7 +7,7 @@
 - ``transport``: the two transports, ``zeromq`` (bytes) and ``tensormq`` (handles).
 
 The names below are imported on first use: ``bundle`` is needed by modules that the
-transport itself imports (blocks/batching.py through blockflow/schema.py).
+transport itself imports (blocks/batching.py through blockflow/core/schema.py).
 """
 __all__ = ["MODES", "Transport", "TensorDesc", "WireError"]
 

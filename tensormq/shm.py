@@ -81,7 +81,7 @@ from . import outalloc
 # a slot file's size (header + capacity) and the filesystem's room: torch-free, for the manager's sizing
 from .sizing import HEADER, round_capacity, shm_space
 from .wire import TensorDesc, WireError, dtype_name
-from blockflow import settings
+from blockflow.core import settings
 
 log = logging.getLogger(__name__)
 

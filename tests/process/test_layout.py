@@ -5,33 +5,49 @@ import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: The folders at the top of the checkout that hold product code (blockflow/core/ is inside blockflow/).
 PRODUCT_DIRS = ["blockflow", "blocks", "dispatcher", "manager", "tensormq"]
 
 
+def _packages() -> dict[str, str]:
+    """Every installed package and its folder, as pyproject.toml's setuptools table says: a package
+    in ``package-dir`` has its own folder (blockflow.blocks is blocks/), another one is the folder
+    of its name inside its parent's (blockflow.core is blockflow/core/)."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        table = tomllib.load(f)["tool"]["setuptools"]
+    dirs = table.get("package-dir", {})
+    out = {}
+    for pkg in table["packages"]:
+        parent, _, leaf = pkg.rpartition(".")
+        out[pkg] = dirs[pkg] if pkg in dirs else os.path.join(out[parent], leaf) if parent else pkg
+    return out
+
+
 def _product_files():
-    for d in PRODUCT_DIRS:
-        for name in sorted(os.listdir(os.path.join(ROOT, d))):
+    for folder in _packages().values():
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
             if name.endswith(".py"):
-                yield os.path.join(d, name)
+                yield os.path.join(folder, name)
 
 
 def test_every_setting_is_read_in_settings_py_only():
     offenders = []
     for rel in _product_files():
-        if rel == os.path.join("blockflow", "settings.py"):
+        if rel == os.path.join("blockflow", "core", "settings.py"):
             continue
         with open(os.path.join(ROOT, rel)) as f:
             for i, line in enumerate(f, 1):
                 if re.search(r"environ(\.get)?[\[(]\s*[\"']BLOCKFLOW_", line):
                     offenders.append(f"{rel}:{i}: {line.strip()}")
-    assert not offenders, "read BLOCKFLOW_* settings through blockflow.settings:\n" + "\n".join(offenders)
+    assert not offenders, "read BLOCKFLOW_* settings through blockflow.core.settings:\n" + "\n".join(offenders)
 
 
 def test_readme_settings_table_is_generated_from_settings_py():
-    from blockflow import settings
+    from blockflow.core import settings
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    assert settings.markdown_table() in readme, "regenerate the README table: python -m blockflow.settings"
+    assert settings.markdown_table() in readme, "regenerate the README table: python -m blockflow.core.settings"
 
 
 def test_product_code_imports_through_one_root():
@@ -94,8 +110,8 @@ def test_the_control_plane_imports_no_torch():
 
 
 def _module_of(rel: str) -> str:
-    top, name = rel.split(os.sep)
-    pkg = "blockflow" if top == "blockflow" else f"blockflow.{top}"
+    folder, name = os.path.split(rel)
+    pkg = {d: p for p, d in _packages().items()}[folder]
     return pkg if name == "__init__.py" else f"{pkg}.{name[:-3]}"
 
 
@@ -140,8 +156,8 @@ def test_no_product_module_uses_another_modules_private_names():
 
 
 #: The low layer every process imports, and what it must never import: the roles built on it.
-LOW_LAYER = {os.path.join("blockflow", "protocol.py"): ("blocks", "dispatcher", "manager"),
-             os.path.join("blockflow", "childproc.py"): ("blocks", "dispatcher", "manager")}
+LOW_LAYER = {os.path.join("blockflow", "core", "protocol.py"): ("blocks", "dispatcher", "manager"),
+             os.path.join("blockflow", "core", "childproc.py"): ("blocks", "dispatcher", "manager")}
 
 
 def test_the_low_layer_imports_no_process_role():
@@ -195,7 +211,7 @@ def test_pip_install_adds_only_blockflow(tmp_path):
     others = [n for n in top if n not in ("blockflow", "bin") and not re.fullmatch(r"blockflow-[^/]+\.dist-info", n)]
     assert "blockflow" in top and not others, top
     installed = {p for p in os.listdir(target / "blockflow")}
-    assert {"blocks", "dispatcher", "manager", "tensormq", "cli.py"} <= installed, installed
+    assert {"core", "blocks", "dispatcher", "manager", "tensormq", "cli.py"} <= installed, installed
     assert "experiments" not in installed and "tests" not in installed
 
 

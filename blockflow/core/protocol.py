@@ -53,14 +53,14 @@ another, e.g. a node of a Ray cluster running another BlockFlow) and the data he
 (``v`` of tensormq/wire.py's ``DataHeader``, of a client's request and of its reply).
 
 The child's side of this contract (READY, boot error, commands by name, the parent watchdog,
-the exit code) is written once for blocks and the dispatcher, in ``blockflow/childproc.py``.
+the exit code) is written once for blocks and the dispatcher, in ``blockflow/core/childproc.py``.
 """
 import enum
 from typing import Any, Literal
 
 import msgspec
 
-from blockflow.tensormq.header import MAX_HEADER_BYTES, WireError, not_utf8
+from blockflow.core.header import MAX_HEADER_BYTES, WireError, not_utf8
 
 #: The version of every message between BlockFlow processes (see above).
 PROTOCOL_VERSION = 1

@@ -19,8 +19,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from blockflow import settings
-from blockflow.tensormq.header import TENSOR_DTYPES
+from blockflow.core import settings
+from blockflow.core.header import TENSOR_DTYPES
 
 TRANSPORTS = ("tensormq", "zeromq")
 PROTOCOLS = ("ipc", "tcp")
