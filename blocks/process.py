@@ -176,7 +176,8 @@ class Block(ChildProcess):
             if spec.threads:
                 torch.set_num_threads(spec.threads)
             keep_freed_memory(spec.malloc_trim)  # before the model loads: see blocks/heap.py
-        from blockflow.core.schema import block_and_replica, canonical_device
+        from blockflow.core.protocol import canonical_device
+        from blockflow.core.schema import block_and_replica
         self.device = torch.device(canonical_device(spec.device))  # set_device refuses a bare "cuda"
         if self.device.type == "cuda":
             if not torch.cuda.is_available():

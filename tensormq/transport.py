@@ -23,9 +23,9 @@ import torch
 import zmq
 
 from .shm import DEFAULT_WINDOW, HopGone, SlotMapper, SlotPool
-from blockflow.core.schema import canonical_device
 from .bundle import assemble, flatten
 from blockflow.core.curve import client_of
+from blockflow.core.protocol import canonical_device
 from .wire import (MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, contiguous_stride, dumps, is_local,
                    member_descs)
 from blockflow.core import settings

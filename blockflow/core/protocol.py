@@ -124,6 +124,17 @@ def identity(name: str, incarnation: int) -> bytes:
     return f"{name}#{incarnation}".encode()
 
 
+def canonical_device(value: str) -> str:
+    """One spelling per device, so that device strings compare (a block's declared ``device``, the
+    ``devices`` of a ``Topology``): 'cuda' is 'cuda:0' (and what
+    torch.cuda.set_device needs: it refuses a device without an index); 'cuda:01' is 'cuda:1'."""
+    if value == "cuda":
+        return "cuda:0"
+    if value.startswith("cuda:") and value[5:].isdigit():
+        return f"cuda:{int(value[5:])}"
+    return value
+
+
 def describe_exit(code: int | None) -> str:
     """Human words for a child's exit code (negative: killed by that signal)."""
     if code is None:

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from blockflow.blocks.batching import BatchPolicy
+from blockflow.core.schema import BatchPolicy
 from blockflow.blocks.runner import BlockRunner, warmup_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
