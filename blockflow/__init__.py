@@ -1,7 +1,9 @@
 """BlockFlow: serve modular DNNs as one process per block, wired by ZeroMQ, zero-copy with TensorMQ.
 
 Where things are:
-- ``blockflow``: the CLI, the REST control plane, the update schema, the client.
+- ``blockflow``: the CLI, the REST control plane, the server, the client.
+- ``blockflow.core``: the bottom layer every process shares (settings, protocol, update schema,
+  child-process plumbing); it imports nothing above it.
 - ``blocks``: the block process and the block repository (splitting and exporting models).
 - ``manager``: block life-cycle (spawn, health, respawn) and the controller.
 - ``dispatcher``: task-to-path translation, the clients' entry point.

@@ -17,9 +17,9 @@ import subprocess
 import sys
 import urllib.error
 import warnings
-from blockflow import settings
+from blockflow.core import settings
 from blockflow.blocks import verify
-from blockflow.protocol import DISPATCHER
+from blockflow.core.protocol import DISPATCHER
 
 
 class Exit(enum.IntEnum):

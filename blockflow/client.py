@@ -31,13 +31,13 @@ from concurrent.futures import Future
 import torch
 import zmq
 
-from blockflow.protocol import PROTOCOL_VERSION, ErrorCode
+from blockflow.core.protocol import PROTOCOL_VERSION, ErrorCode
 from blockflow.sockthread import QueueFull, SocketThread
 from blockflow.tensormq import bundle
 from blockflow.tensormq.shm import W_GENERATION, W_RELEASED, SlotMapper
 from blockflow.tensormq.transport import bytes_fields, read_bytes_value
 from blockflow.tensormq.wire import TensorDesc, WireError, contiguous_stride, dtype_name, dumps, is_local, loads_header
-from blockflow import settings
+from blockflow.core import settings
 
 log = logging.getLogger(__name__)
 

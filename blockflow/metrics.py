@@ -42,7 +42,7 @@ import psutil
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from blockflow.protocol import DISPATCHER, Cmd
+from blockflow.core.protocol import DISPATCHER, Cmd
 
 log = logging.getLogger("blockflow.metrics")
 
@@ -57,7 +57,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 #: Seconds a scrape waits for one block's answer to ``store`` / ``ping`` before leaving it out.
 COMMAND_TIMEOUT = 1.0
 #: The labels of a per-process family: the declared block (``@dispatcher`` for the dispatcher) and
-#: the replica ("0" unless the block has several: blockflow/schema.py, ``replicas``).
+#: the replica ("0" unless the block has several: blockflow/core/schema.py, ``replicas``).
 BLOCK_LABELS = ["block", "replica"]
 #: Seconds of records behind the "last minute" figures of ``GET /status`` (``blockflow status``); a
 #: process younger than that is measured over its own time (``_row``).

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 
 import cherrypy
 
-from blockflow import settings
-from blockflow.protocol import ErrorCode
+from blockflow.core import settings
+from blockflow.core.protocol import ErrorCode
 
 if TYPE_CHECKING:
     import torch

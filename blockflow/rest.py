@@ -2,7 +2,7 @@
 
     GET    /system                    blocks (pid, device, endpoint, status, restarts), tasks, version
     DELETE /system                    terminate every block
-    POST   /system/update             apply a system update (blockflow/schema.py)
+    POST   /system/update             apply a system update (blockflow/core/schema.py)
     GET    /blocks                    the blocks
     GET    /blocks/{name}             one block
     DELETE /blocks/{name}             stop a block no task uses (409 otherwise)
@@ -35,8 +35,8 @@ import os
 
 import cherrypy
 
-from blockflow.protocol import Cmd, Monitor
-from blockflow.schema import UpdateError
+from blockflow.core.protocol import Cmd, Monitor
+from blockflow.core.schema import UpdateError
 from blockflow.manager.manager import Conflict, Manager, UpdateFailed
 
 log = logging.getLogger("blockflow.rest")

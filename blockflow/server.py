@@ -19,9 +19,9 @@ from typing import NoReturn
 import cherrypy
 from cherrypy.process import plugins
 
-from blockflow import settings
+from blockflow.core import settings
 from blockflow.manager.manager import Manager, UpdateFailed
-from blockflow.schema import UpdateError
+from blockflow.core.schema import UpdateError
 from blockflow.manager.state import StateDir, StateDirInUse, UnsafePath
 
 from .rest import Root, app_config

@@ -11,6 +11,10 @@ the deployment's keys, exactly as in Ray mode (manager/ray_launcher.py) -- Ray o
 processes, it carries none of their traffic. What a hop between nodes costs in software
 (encryption, TCP, bytes) is measured so on one machine (experiments/hop_overhead.py); the
 network between two real machines is not.
+
+What the processes are told about each other is what the manager tells them: the task table and
+the topology come from the manager's own ``TopologyPublisher`` (manager/topology.py), over a
+process table (manager/children.py) that holds the processes started here.
 """
 from __future__ import annotations
 
@@ -23,12 +27,34 @@ import tempfile
 
 import zmq
 
-from blockflow import settings
-from blockflow.protocol import DISPATCHER, Cmd, identity
+from blockflow.core import settings
+from blockflow.core.curve import ClusterKeys
+from blockflow.core.protocol import DISPATCHER, Cmd, identity
+from blockflow.core.schema import BlockDecl
+from blockflow.manager.children import Child, ProcessTable
 from blockflow.manager.controller import Controller
-from blockflow.tensormq.curve import ClusterKeys
+from blockflow.manager.launcher import LocalChild
+from blockflow.manager.topology import Deployment, TopologyPublisher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class StartedChild(LocalChild):
+    """A child started here with ``subprocess`` (``LocalChild``'s handle over a ``Popen``), as the
+    manager's process table holds one: ``node`` is the node it stands for (``nodes``)."""
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.poll()
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 class StandalonePipeline:
@@ -53,6 +79,11 @@ class StandalonePipeline:
         env = dict(os.environ, **(env or {}))
         keys = ClusterKeys.generate().to_json() if nodes else None
         cluster = {"curve": keys, "bind_host": "127.0.0.1"} if nodes else {}
+        # the manager's view of what runs: a process table and a deployment, published by its own
+        # publisher (the dispatcher is on a node of its own, "serve")
+        self.table = ProcessTable()
+        publisher = TopologyPublisher(self.table, Deployment(tasks=dict(tasks), transport=transport), self.controller,
+                                      wake=lambda: None, cluster=bool(nodes))
         try:
             for name, model in blocks.items():
                 spec = dict(name=name, model=model, repo=repo, run_dir=self.run, sock_dir=self.sock,
@@ -60,30 +91,23 @@ class StandalonePipeline:
                             parent_pid=os.getpid(), threads=threads, window=window, device=device,
                             protocol=protocol, **cluster)
                 self.procs[name] = self._start("blockflow.blocks.process", spec, env)
-            info = {n: self.controller.wait_ready(identity(n, 0), 120) for n in blocks}
-            self.endpoints = {n: i["endpoint"] for n, i in info.items()}
-            table = {t: {"path": [[n, self.endpoints[n]] for n in p], "blocks": [f"{n}#0" for n in p], "input": None}
-                     for t, p in tasks.items()}
+                decl = BlockDecl(name=name, model=model, device=device, transport=transport, protocol=protocol)
+                self.table.declared[name] = decl
+                node = nodes[name] if nodes else "serve"
+                self.table.blocks[name] = Child(name, decl, 0, StartedChild(self.procs[name], node), block=name)
+            for name, c in self.table.blocks.items():
+                c.mark_ready(self.controller.wait_ready(c.ident, 120))
+            self.endpoints = {n: c.endpoint for n, c in self.table.blocks.items()}
             dspec = dict(sock_dir=self.sock, shm_dir=self.shm, address="tcp://127.0.0.1:0", transport=transport,
-                         controller=self.controller.endpoint, parent_pid=os.getpid(), tasks=table, window=window,
-                         **cluster)
+                         controller=self.controller.endpoint, parent_pid=os.getpid(),
+                         tasks=publisher.task_table(), window=window, **cluster)
             self.procs[DISPATCHER] = self._start("blockflow.dispatcher.process", dspec, env)
-            ready = self.controller.wait_ready(identity(DISPATCHER, 0), 120)
-            self.address = ready["endpoint"]
-            # the device map, as the manager publishes it: GPU blocks hand GPU blocks CUDA
-            # handles; every other hop (the dispatcher's result addresses too) is a CPU hop
-            live = list(self.endpoints.values()) + list(ready.get("results", []))
-            devices = {self.endpoints[n]: device for n in blocks}
-            # (the TCP endpoint paths name it by, its endpoint for its node, its node) of every receiver
-            receivers = [(self.endpoints[n], info[n].get("near"), nodes[n]) for n in blocks] if nodes else []
-            if nodes:
-                receivers.append((ready["results"][1], ready["results"][0], "serve"))
-            for name in [*blocks, DISPATCHER]:
-                topology = {"live": live, "devices": devices}
-                if nodes:
-                    mine = nodes.get(name, "serve")
-                    topology["near"] = {addr: near for addr, near, node in receivers if node == mine}
-                self.command(name, Cmd.UPDATE, topology, timeout=15)
+            self.table.dispatcher = Child(DISPATCHER, None, 0, StartedChild(self.procs[DISPATCHER], "serve"))
+            self.table.dispatcher.mark_ready(self.controller.wait_ready(self.table.dispatcher.ident, 120))
+            self.address = self.table.dispatcher.endpoint
+            # the task table and every process's live hops, their devices and (nodes) the hops on its node
+            for fut in publisher.publish():
+                fut.result(15)
         except BaseException:
             self.stop()
             raise

@@ -71,7 +71,7 @@ import torch
 
 from blockflow.tensormq import bundle
 # a block's `batching` object is part of the update schema, which the control plane checks without torch
-from blockflow.schema import BatchPolicy, PolicyError  # noqa: F401
+from blockflow.core.schema import BatchPolicy
 
 #: Longest wait ``auto`` ever chooses (seconds).
 AUTO_MAX_DELAY = 0.005

@@ -33,10 +33,9 @@ import setproctitle
 import torch
 import zmq
 
-from blockflow import protocol
-from blockflow.childproc import ChildProcess, exit_with, serve, spec_from_argv
-from blockflow.protocol import Gone, Host, NoArgs
-from blockflow.schema import canonical_device
+from blockflow.core import protocol
+from blockflow.core.childproc import ChildProcess, exit_with, serve, spec_from_argv
+from blockflow.core.protocol import Gone, Host, NoArgs, canonical_device
 
 from .heap import keep_freed_memory, one_heap
 from .process import Block
@@ -58,7 +57,7 @@ class _Member:
 
     def live(self) -> None:
         """Block.run() on this thread, as serve() runs it in a process of its own."""
-        from blockflow.childproc import BootError
+        from blockflow.core.childproc import BootError
         b = self.block
         setproctitle.setthreadtitle(f"bf:{b.name}")  # top -H: its threads, started from here, inherit it
         try:
@@ -134,7 +133,7 @@ class BlockHost(ChildProcess):
     def block_cache(self, budget_mb: float, device_lock: str):
         """The process's block cache, made by its first member with a budget; a later member
         brings its update's budget (the manager gives every member of a group the same one)."""
-        from blockflow import settings
+        from blockflow.core import settings
         from .cache import POLICIES, BlockCache
         budget = int(budget_mb * 2**20)
         if self.cache is None:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from blockflow import settings
+from blockflow.core import settings
 
 #: Records buffered before a flush happens on its own.
 FLUSH_EVERY = settings.KPI_FLUSH_EVERY

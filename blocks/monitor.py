@@ -17,7 +17,7 @@ import os
 import time
 
 import psutil
-from blockflow import settings
+from blockflow.core import settings
 
 log = logging.getLogger(__name__)
 

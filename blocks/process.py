@@ -75,11 +75,11 @@ from collections import deque
 import torch
 import zmq
 
-from blockflow import settings
-from blockflow.childproc import BootError, ChildProcess, Later, exit_with, serve, spec_from_argv
-from blockflow.protocol import RETURN_HOP, ErrorCode, Monitor, NoArgs, Ready, Topology
+from blockflow.core import settings
+from blockflow.core.childproc import BootError, ChildProcess, Later, exit_with, serve, spec_from_argv
+from blockflow.core.protocol import RETURN_HOP, ErrorCode, Monitor, NoArgs, Ready, Topology
 from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
-from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
+from blockflow.core.curve import ClusterKeys, authenticator, make_server
 from blockflow.tensormq.transport import RESULT_KEYS, Transport, receive_limit, recv_message
 from blockflow.tensormq.bundle import first
 from blockflow.tensormq.wire import DataHeader, WireError, check_path, dumps, loads_data_header
@@ -184,7 +184,8 @@ class Block(ChildProcess):
             if spec.threads:
                 torch.set_num_threads(spec.threads)
             keep_freed_memory(spec.malloc_trim)  # before the model loads: see blocks/heap.py
-        from blockflow.schema import block_and_replica, canonical_device
+        from blockflow.core.protocol import canonical_device
+        from blockflow.core.schema import block_and_replica
         self.device = torch.device(canonical_device(spec.device))  # set_device refuses a bare "cuda"
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
@@ -208,8 +209,8 @@ class Block(ChildProcess):
             else:  # the first request lends a slot too: its output's size is known (Note [Ready to serve])
                 self.outputs.update((k, n) for k, n in self.runner.outputs.items() if n)
         self.kpi = KpiLog(spec.run_dir, self.name)
-        from blockflow.tracing import tracer_for
-        #: OpenTelemetry spans of traced requests (blockflow/tracing.py); None when tracing is off
+        from blockflow.core.tracing import tracer_for
+        #: OpenTelemetry spans of traced requests (blockflow/core/tracing.py); None when tracing is off
         self.tracer = tracer_for("blockflow")
         self.block, self.replica = block_and_replica(self.name)
         self.sampler = ResourceSampler(spec.device)
@@ -954,7 +955,7 @@ class Block(ChildProcess):
             self.trace(header.trace, dict(zip(LATENCY_ROW, row)))
 
     def trace(self, parent: str, rec: dict, error: str | None = None) -> None:
-        """This block's span of a traced request, from its KPI record (blockflow/tracing.py)."""
+        """This block's span of a traced request, from its KPI record (blockflow/core/tracing.py)."""
         attributes = {"blockflow.block": self.block, "blockflow.process": self.name, "blockflow.replica": self.replica, "blockflow.device": str(self.device),
                       "blockflow.rid": str(rec["rid"])}
         if error is None:

@@ -297,7 +297,7 @@ def trim_cuda_context(device: torch.device, stack_bytes: int | None = None) -> d
     x 2048 threads = 264 MB on an H200) and raises the limit by itself for a kernel that needs
     more; experiments/vram.py measured 964 -> 766 MB per process with no slower inference.
     Returns what was done, for the block's log."""
-    from blockflow import settings
+    from blockflow.core import settings
     want = settings.CUDA_STACK_BYTES if stack_bytes is None else stack_bytes
     if want <= 0 or device.type != "cuda":
         return {"stack_bytes": "driver default"}

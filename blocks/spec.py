@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 
-from blockflow import settings
-from blockflow.childproc import ChildSpec, Entry
-from blockflow.schema import BlockDecl
+from blockflow.core import settings
+from blockflow.core.childproc import ChildSpec, Entry
+from blockflow.core.schema import BlockDecl
 
 #: The entry points the manager starts blocks with (manager/launcher.py).
 SERVE_BLOCK = Entry("blockflow.blocks.process", "serve_block")
@@ -21,7 +21,7 @@ SERVE_HOST = Entry("blockflow.blocks.host", "serve_host")
 
 class BlockSpec(BlockDecl, ChildSpec, kw_only=True, frozen=False, forbid_unknown_fields=False):
     """Everything a block needs, decided before it is spawned (nothing here touches the process):
-    its declaration as the update made it (every option of ``BlockDecl``, blockflow/schema.py:
+    its declaration as the update made it (every option of ``BlockDecl``, blockflow/core/schema.py:
     Note [One declaration per block]), and what the manager adds for this process."""
 
     repo: str
@@ -39,7 +39,7 @@ class BlockSpec(BlockDecl, ChildSpec, kw_only=True, frozen=False, forbid_unknown
     monitor_interval: float = settings.MONITOR_INTERVAL
     warmup: bool = True
     malloc_trim: int = settings.MALLOC_TRIM  # blocks/heap.py: freed heap bytes kept between requests
-    #: Ray mode (issue 30): the cluster's CURVE keys (tensormq/curve.py) and the address of this
+    #: Ray mode (issue 30): the cluster's CURVE keys (blockflow/core/curve.py) and the address of this
     #: block's node; the block then also listens on TCP there, for producers on other nodes
     curve: dict | None = None
     bind_host: str | None = None

@@ -56,7 +56,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata, _extract_tensor_metadata
 
 from blockflow.tensormq import bundle
-from blockflow.tensormq.header import TENSOR_DTYPES
+from blockflow.core.header import TENSOR_DTYPES
 
 from . import repository as repo
 

@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 import torch
 import zmq
-from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
+from blockflow.core.curve import ClusterKeys, authenticator, make_server
 
-from blockflow.ratelog import RateLimitedLog
-from blockflow.childproc import BootError, ChildProcess, exit_with, serve, spec_from_argv
-from blockflow.protocol import (DISPATCHER, PROTOCOL_VERSION, RETURN_HOP, ErrorCode, Fail, NoArgs, Outstanding, Ready,
+from blockflow.core.ratelog import RateLimitedLog
+from blockflow.core.childproc import BootError, ChildProcess, exit_with, serve, spec_from_argv
+from blockflow.core.protocol import (DISPATCHER, PROTOCOL_VERSION, RETURN_HOP, ErrorCode, Fail, NoArgs, Outstanding, Ready,
                                 Tasks, Topology)
 from blockflow.dispatcher.lending import LEASE_IDLE_S, Lender
 from blockflow.dispatcher.requestlog import RequestLog
@@ -61,7 +61,7 @@ log = logging.getLogger("blockflow.dispatcher")
 class ResultKeys:
     """The CURVE keys of one dispatcher incarnation's TCP result socket: its server pair and the
     one client pair its blocks use. Fresh for each incarnation on one host; in Ray mode the
-    cluster's keys (tensormq/curve.py), which blocks on other nodes got from the manager."""
+    cluster's keys (blockflow/core/curve.py), which blocks on other nodes got from the manager."""
 
     def __init__(self, cluster: ClusterKeys | None = None):
         if cluster is None:
@@ -160,8 +160,8 @@ class Dispatcher(ChildProcess):
                                    window=spec.window, max_tensor_bytes=spec.max_tensor_bytes, cuda_handles=False)
         self.transport.curve = cluster  # to first blocks on other nodes (Ray mode)
         self.kpi = RequestLog(spec.run_dir) if spec.run_dir else None
-        from blockflow.tracing import tracer_for
-        self.tracer = tracer_for("blockflow")  # None when tracing is off (blockflow/tracing.py)
+        from blockflow.core.tracing import tracer_for
+        self.tracer = tracer_for("blockflow")  # None when tracing is off (blockflow/core/tracing.py)
         # slots for clients on this host (Note [Lent slots] in dispatcher/lending.py)
         self.lender = Lender(spec.shm_dir, f"dispatcher-{spec.incarnation}-lent", spec.window) if spec.shm_dir else None
         self.open_control()  # last: see ChildProcess.open_control

@@ -5,7 +5,7 @@
     {"ts": 1700000000.1, "task": "classify", "code": "ok", "ms": 41.2,
      "stages": {"wait": 0.4, "deser": 0.1, "dev": 0.0, "inf": 38.0, "share": 0.2}}
 
-``code`` is ``ok`` or the error code the client got (blockflow.protocol.ErrorCode). ``ms`` is
+``code`` is ``ok`` or the error code the client got (blockflow.core.protocol.ErrorCode). ``ms`` is
 the time from the request's arrival at the dispatcher to its reply, present when the request
 got that far. ``stages`` sums the eq. 4.1 components the blocks on the path reported in their
 hops (successful requests only); what is left of ``ms`` is forwarding, transit between
@@ -18,7 +18,7 @@ import json
 import os
 import time
 
-from blockflow.protocol import ErrorCode
+from blockflow.core.protocol import ErrorCode
 
 #: The codes a record may carry; anything else (a code only a forged message could bring) is "error".
 CODES = {"ok", "error", *(c.value for c in ErrorCode)}

@@ -3,8 +3,8 @@ its entry point named by module (torch-free, like blocks/spec.py, for the same r
 """
 from __future__ import annotations
 
-from blockflow import settings
-from blockflow.childproc import ChildSpec, Entry
+from blockflow.core import settings
+from blockflow.core.childproc import ChildSpec, Entry
 
 #: The entry point the manager starts the dispatcher with (manager/launcher.py).
 SERVE_DISPATCHER = Entry("blockflow.dispatcher.process", "serve_dispatcher")
@@ -25,5 +25,5 @@ class DispatcherSpec(ChildSpec):
     token: str | None = None
     tasks: dict = {}                            # initial task table, for standalone use
     run_dir: str | None = None                  # where the request log (@dispatcher.requests.jsonl) goes
-    curve: dict | None = None                   # Ray mode: the cluster's CURVE keys (tensormq/curve.py)
+    curve: dict | None = None                   # Ray mode: the cluster's CURVE keys (blockflow/core/curve.py)
     bind_host: str = "127.0.0.1"                # where the TCP result socket listens (Ray mode: this node's address)

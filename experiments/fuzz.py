@@ -289,9 +289,9 @@ def run_fuzz(frames: int = 10000, seed: int = 1, every: int = 25, workdir: str |
              progress=None, env: dict | None = None) -> dict:
     """Fuzz a fresh pipeline with ``frames`` frames; returns the summary (see the module doc).
     ``env``: more environment for the dispatcher and blocks (tests plant a leak with it)."""
-    from blockflow import settings
+    from blockflow.core import settings
     from blockflow.client import BlockFlowError, Client
-    from blockflow.protocol import DISPATCHER, RETURN_HOP
+    from blockflow.core.protocol import DISPATCHER, RETURN_HOP
     from blockflow.standalone import StandalonePipeline
     from blockflow.blocks.process import _return_address
     from blockflow.tensormq.shm import IN_FLIGHT, SlotMapper, SlotPool

@@ -173,7 +173,7 @@ def measure_path(rounds: int, n: int, chain: int, device: str, profile: str | No
                  profile_seconds: float, idle_seconds: float, profile_format: str = "flamegraph",
                  client: str = "shm") -> dict:
     from blockflow.client import Client
-    from blockflow.protocol import DISPATCHER
+    from blockflow.core.protocol import DISPATCHER
     from blockflow.standalone import StandalonePipeline
 
     repo = _toy_repo()

@@ -1,7 +1,7 @@
 """A minimal OTLP/HTTP traces receiver: what a collector would get from BlockFlow, kept in memory.
 
 Used by tests/process/test_tracing.py and experiments/tracing.py as the real other end of the
-OpenTelemetry exporter (blockflow/tracing.py): it decodes each POST /v1/traces body with
+OpenTelemetry exporter (blockflow/core/tracing.py): it decodes each POST /v1/traces body with
 opentelemetry-proto's own ``ExportTraceServiceRequest`` and keeps one dict per span.
 """
 from __future__ import annotations

@@ -36,7 +36,7 @@ import time
 from . import common
 
 STAGES = ("wait", "deser", "dev", "inf", "share", "fwd")
-ROOT_SPAN = "blockflow request"  # the dispatcher's span of a request (blockflow/tracing.py)
+ROOT_SPAN = "blockflow request"  # the dispatcher's span of a request (blockflow/core/tracing.py)
 SETTINGS = (("off", None), ("ratio 0.01", 0.01), ("ratio 1.0", 1.0))
 #: The setting that runs the code from before tracing landed, server and client alike.
 BEFORE = "before tracing"

@@ -7,7 +7,7 @@ Two jobs are validated the three ways, with the same rules (types, bounds, name 
 * the **wire header** every hop parses (``tensormq/wire.py``: ``loads_header``, ``check_path``,
   ``TensorDesc.parse``): a data header of the 5-block ResNet50 path, a shared-memory descriptor and
   the hops' KPI records, as a block receives it at its third hop;
-* the **system update** the REST API takes (``blockflow/schema.py``: ``validate_update``), here
+* the **system update** the REST API takes (``blockflow/core/schema.py``: ``validate_update``), here
   ``configs/resnet50_shared.json`` (7 blocks, 2 tasks).
 
 The figure is the median time of one parse-and-validate, in microseconds, back to back
@@ -46,8 +46,8 @@ validates an update faster"): ``update_validation`` in the JSON times, interleav
 converts each block into ``BlockDecl`` with msgspec and then checks what a type cannot say --
 beside a pydantic model of the same blocks (types and bounds only: no device, node, CPU or
 replica-name checks, no paths) and msgspec's conversion alone; ``--compare-schema PATH`` adds
-the ``validate_update`` of another checkout's ``blockflow/schema.py`` (e.g. the hand-written
-validator before BlockDecl) to the same rounds.
+the ``validate_update`` of another checkout's ``blockflow/core/schema.py`` (``blockflow/schema.py``
+before the layers; e.g. the hand-written validator before BlockDecl) to the same rounds.
 
 The bare decoders (msgspec to dicts; the typed decode without the checks after it) are the
 floors. ``hop`` columns time what a block does with the header per hop: parse and check it,
@@ -66,7 +66,7 @@ import statistics
 import sys
 import time
 
-from blockflow.schema import validate_update
+from blockflow.core.schema import validate_update
 from blockflow.tensormq.wire import TensorDesc, WireError, check_path, loads_data_header, loads_header, member_descs
 
 from . import common
@@ -607,7 +607,7 @@ def typed_header(n: int, n_slept: int) -> dict:
 def update_validation(update: bytes, n: int, compare_schema: str | None = None) -> dict:
     """Median microseconds to validate the update, each way, interleaved (see the module docstring)."""
     import msgspec
-    from blockflow.schema import BlockDecl
+    from blockflow.core.schema import BlockDecl
     cases = {"validate_update: BlockDecl (msgspec) + checks": (lambda raw: validate_update(json.loads(raw)), update),
              "msgspec convert alone (BlockDecl, no checks)":
                  (lambda raw: [msgspec.convert(b, BlockDecl) for b in json.loads(raw)["blocks"]], update)}
@@ -621,7 +621,17 @@ def update_validation(update: bytes, n: int, compare_schema: str | None = None) 
         spec = importlib.util.spec_from_file_location("compared_schema", compare_schema)
         other = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = other  # dataclasses look their module up while the class is made
-        spec.loader.exec_module(other)
+        # a checkout from before blockflow.core (issue 41, "Layers") imports these from their old places
+        import blockflow.core.header
+        import blockflow.core.settings
+        moved = {"blockflow.settings": blockflow.core.settings, "blockflow.tensormq.header": blockflow.core.header}
+        added = [name for name in moved if name not in sys.modules]
+        sys.modules.update({name: moved[name] for name in added})
+        try:
+            spec.loader.exec_module(other)
+        finally:
+            for name in added:
+                del sys.modules[name]
         cases[f"validate_update of {compare_schema}"] = (lambda raw: other.validate_update(json.loads(raw)), update)
     for fn, arg in cases.values():  # the same answer from every full validator
         fn(arg)
@@ -640,7 +650,8 @@ def error_text(fn, raw: bytes) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = common.parser("validation_cost", __doc__)
-    ap.add_argument("--compare-schema", help="another checkout's blockflow/schema.py: its validate_update is timed "
+    ap.add_argument("--compare-schema", help="another checkout's blockflow/core/schema.py (blockflow/schema.py before the "
+                                             "layers): its validate_update is timed "
                                              "in the same rounds (update_validation)")
     ap.add_argument("--update-only", action="store_true", help="time the update validation only")
     args = ap.parse_args(argv)

@@ -19,8 +19,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from blockflow.protocol import identity
-from blockflow.schema import BlockDecl
+from blockflow.core.protocol import identity
+from blockflow.core.schema import BlockDecl
 
 from .controller import Controller
 from .launcher import ChildHandle

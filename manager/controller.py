@@ -19,10 +19,10 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 import msgspec
 import zmq
 
-from blockflow import protocol
-from blockflow.protocol import PROTOCOL_VERSION, BootFailure, Cmd, Gone, Ready, Reply
-from blockflow.tensormq.curve import ClusterKeys, authenticator, make_server
-from blockflow.tensormq.header import WireError
+from blockflow.core import protocol
+from blockflow.core.protocol import PROTOCOL_VERSION, BootFailure, Cmd, Gone, Ready, Reply
+from blockflow.core.curve import ClusterKeys, authenticator, make_server
+from blockflow.core.header import WireError
 
 log = logging.getLogger("blockflow.controller")
 

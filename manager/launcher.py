@@ -14,7 +14,7 @@ supervisor uses::
 
 Every call returns at once except ``join``; ``exitcode`` is how the supervisor learns of an exit
 (its loop polls, it never waits on a child: manager.py's docstring). Exit codes keep their
-meaning across launchers (blockflow/protocol.py: EXIT_BOOT_ERROR and the others).
+meaning across launchers (blockflow/core/protocol.py: EXIT_BOOT_ERROR and the others).
 
 ``LocalLauncher`` is the default: children forked from the forkserver that has torch imported
 (manager/forkserver.py), on this machine. ``RayLauncher`` (ray_launcher.py, ``serve --ray``)

@@ -47,10 +47,10 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 import zmq
 from msgspec.structs import replace
 
-from blockflow import settings
-from blockflow.protocol import Cmd, Outstanding, describe_exit
-from blockflow.schema import BlockDecl, validate_update
-from blockflow.tensormq.curve import ClusterKeys
+from blockflow.core import settings
+from blockflow.core.protocol import Cmd, Outstanding, describe_exit
+from blockflow.core.schema import BlockDecl, validate_update
+from blockflow.core.curve import ClusterKeys
 
 from .controller import ControlError, Controller
 from .children import Child, ChildState, ProcessTable
@@ -133,7 +133,7 @@ class Manager:
         #: or Ray's (tests/test_manager_units.py passes one whose children are threads)
         self.launcher = launcher
         #: Ray mode (issue 30): the cluster to place blocks with a ``node`` on (ray_launcher.py),
-        #: the CURVE keys of the deployment (tensormq/curve.py) and the controller's TCP endpoint
+        #: the CURVE keys of the deployment (blockflow/core/curve.py) and the controller's TCP endpoint
         self.ray_address = ray_address
         self.keys: ClusterKeys | None = None
         self.controller_tcp: str | None = None

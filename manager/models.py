@@ -1,7 +1,7 @@
 """The model files an update names, checked once per change of each file.
 
 An update is checked at the edge (the REST handler's thread) against the schema
-(blockflow/schema.py) and then against the repository here: every ``model`` must exist and,
+(blockflow/core/schema.py) and then against the repository here: every ``model`` must exist and,
 when a manifest lists it, match its sha256. The result is remembered per file together with
 the file's signature (device, inode, size, mtime): a later update, or a respawn, naming the same
 unchanged file costs a ``stat``, not a hash. The block process receives the verified digest and
@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 
 from blockflow.blocks.verify import BlockFileError, file_signature, verify_block
-from blockflow.schema import Update, UpdateError
+from blockflow.core.schema import Update, UpdateError
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Callable
 
-from blockflow.schema import BlockDecl
+from blockflow.core.schema import BlockDecl
 
 from .children import Child, ChildState
 from .reconcile import Desired, Plan

@@ -24,7 +24,7 @@ Node identity is Ray's node id: the supervisor compares it to decide whether a h
 host (handles) or crosses nodes (bytes over CURVE TCP), never addresses -- every node of a test
 cluster is 127.0.0.1.
 
-The spec a remote child gets holds the deployment's CURVE keys (tensormq/curve.py); it travels
+The spec a remote child gets holds the deployment's CURVE keys (blockflow/core/curve.py); it travels
 as an argument of the agent's ``start`` over Ray's own channels, which are plain gRPC unless the
 cluster runs with Ray's TLS (``RAY_USE_TLS=1`` and its certificates): on a network you do not
 trust, turn that on, or the keys can be read on the wire.
@@ -43,7 +43,7 @@ import subprocess
 import sys
 import threading
 
-from blockflow.protocol import EXIT_BOOT_ERROR, EXIT_NODE_LOST
+from blockflow.core.protocol import EXIT_BOOT_ERROR, EXIT_NODE_LOST
 
 from .launcher import LocalLauncher
 from .state import remove_slots_of

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from blockflow.schema import BlockDecl
+from blockflow.core.schema import BlockDecl
 
 
 @dataclass(frozen=True)

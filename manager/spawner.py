@@ -18,9 +18,9 @@ from msgspec.structs import replace
 # specs and entry points only: the manager never imports a block or the dispatcher (nor torch)
 from blockflow.blocks.spec import SERVE_BLOCK, SERVE_HOST, BlockSpec, HostSpec
 from blockflow.dispatcher.spec import SERVE_DISPATCHER, DispatcherSpec
-from blockflow.protocol import DISPATCHER
-from blockflow.schema import BlockDecl
-from blockflow.tensormq.curve import ClusterKeys
+from blockflow.core.protocol import DISPATCHER
+from blockflow.core.schema import BlockDecl
+from blockflow.core.curve import ClusterKeys
 
 from .children import Child, ChildState, HostedProcess, ProcessTable
 from .controller import Controller
@@ -49,7 +49,7 @@ class Spawner:
         A block with a ``process`` goes into that shared process (started here if need be), once
         the process is ready (Supervisor.check_hosts)."""
         inc = self.table.next_incarnation(decl.name)
-        # the declaration goes to the block whole (Note [One declaration per block] in blockflow/schema.py)
+        # the declaration goes to the block whole (Note [One declaration per block] in blockflow/core/schema.py)
         spec = BlockSpec(**msgspec.structs.asdict(decl), repo=self.repo, run_dir=self.dirs.run_dir,
                          sock_dir=self.dirs.sock, shm_dir=self.dirs.shm, incarnation=inc,
                          controller=self.controller.endpoint, parent_pid=os.getpid(), window=self.window,

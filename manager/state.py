@@ -43,7 +43,8 @@ import time
 
 import psutil
 
-from blockflow import settings
+from blockflow.core import settings
+from blockflow.tensormq.sizing import shm_space, slot_pid, window_bytes
 
 log = logging.getLogger("blockflow.state")
 
@@ -360,9 +361,9 @@ def _orphaned(path: str, name: str) -> bool:
         alive = _owner_alive(path + OWNER_SUFFIX)
         if alive or (alive is None and time.time() - st.st_mtime < UNOWNED_GRACE_S):
             return False
-    for f in files:  # slot files are <owner>.<pid>.<seq> (tensormq/shm.py)
-        parts = f.rsplit(".", 2)
-        if len(parts) == 3 and parts[1].isdigit() and psutil.pid_exists(int(parts[1])):
+    for f in files:
+        pid = slot_pid(f)
+        if pid is not None and psutil.pid_exists(pid):
             return False
     return True
 
@@ -405,8 +406,7 @@ def slot_budget(upd, window: int, shm_dir: str | None) -> dict:
     Every CPU producer keeps ``window`` slots per next hop (tensormq/shm.py), each sized for the
     tensor it carries rounded up to a power of two; the sizes come from the manifests (a file
     no manifest lists counts as unknown). Larger batches need proportionally more."""
-    from blockflow.tensormq.sizing import HEADER, round_capacity, shm_space
-    from blockflow.protocol import DISPATCHER
+    from blockflow.core.protocol import DISPATCHER
 
     def nbytes(shape) -> int | None:
         if not isinstance(shape, list) or not all(isinstance(d, int) and d > 0 for d in shape):
@@ -433,7 +433,7 @@ def slot_budget(upd, window: int, shm_dir: str | None) -> dict:
             sizes = [nbytes(s) for s in shapes] if shapes else [nbytes(entry.get("output_shape" if decl else "input_shape"))]
             edges[(producer, consumer)] = None if None in sizes else sum(sizes)
     known = [n for n in edges.values() if n is not None]
-    needed = sum(window * (HEADER + round_capacity(n)) for n in known)
+    needed = sum(window_bytes(n, window) for n in known)
     out = {"dir": shm_dir, "window": window, "edges": len(edges), "edges_unknown_size": len(edges) - len(known),
            "needed_bytes_batch1": needed, "size_bytes": None, "free_bytes": None, "fits": None}
     if shm_dir:
@@ -456,9 +456,8 @@ def remove_slots_of(shm_dir: str, pid: int) -> int:
     """Unlink the slot files in ``shm_dir`` of process ``pid`` (of this host), which died
     without closing its pools. Returns how many were removed.
 
-    Slot files are named ``<owner>.<pid>.<seq>`` (tensormq/shm.py; a GPU pool's ``<seq>`` is
-    ``cuda<N>-<k>``). Consumers that still map one keep their mapping; a handle that arrives
-    after this fails with a clear error.
+    Which process made a slot file its name says (tensormq/sizing.py ``slot_pid``). Consumers that
+    still map one keep their mapping; a handle that arrives after this fails with a clear error.
     """
     removed = 0
     try:
@@ -466,8 +465,7 @@ def remove_slots_of(shm_dir: str, pid: int) -> int:
     except FileNotFoundError:
         return 0
     for name in names:
-        parts = name.rsplit(".", 2)
-        if len(parts) == 3 and parts[1] == str(pid):
+        if slot_pid(name) == pid:
             try:
                 os.unlink(os.path.join(shm_dir, name))
                 removed += 1

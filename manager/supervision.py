@@ -16,8 +16,8 @@ import queue
 import time
 from typing import Callable, Iterable
 
-from blockflow import settings
-from blockflow.protocol import EXIT_BOOT_ERROR, EXIT_NODE_LOST, Cmd, Host, describe_exit
+from blockflow.core import settings
+from blockflow.core.protocol import EXIT_BOOT_ERROR, EXIT_NODE_LOST, Cmd, Host, describe_exit
 
 from .children import Child, ChildState, HostedProcess, ProcessTable
 from .controller import Controller

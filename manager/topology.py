@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-from blockflow.protocol import DISPATCHER, Cmd, Fail, Tasks, Topology
+from blockflow.core.protocol import DISPATCHER, Cmd, Fail, Tasks, Topology
 
 from .children import Child, ChildState, ProcessTable
 from .controller import Controller

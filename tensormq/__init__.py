@@ -6,8 +6,9 @@
 - ``cuda_ipc``: CUDA IPC slot pools for GPU tensors (Note [CUDA IPC slots]).
 - ``transport``: the two transports, ``zeromq`` (bytes) and ``tensormq`` (handles).
 
-The names below are imported on first use: ``bundle`` is needed by modules that the
-transport itself imports (blocks/batching.py through blockflow/schema.py).
+The names below are imported on first use: the control plane imports modules of this package
+that need no torch (``sizing``: a slot file's size and name), and importing the package must not
+load torch for them (tests/process/test_layout.py, test_the_control_plane_imports_no_torch).
 """
 __all__ = ["MODES", "Transport", "TensorDesc", "WireError"]
 

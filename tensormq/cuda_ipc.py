@@ -113,8 +113,8 @@ LOCAL_SLOTS: dict[str, tuple[torch.Tensor, "torch.cuda.Event | None"]] = {}
 
 def handover_mode() -> str:
     """How a GPU-to-GPU hop is ordered (Note [GPU hand-over order]): ``event`` (default) or
-    ``sync``: ``BLOCKFLOW_CUDA_HANDOVER``, read by blockflow/settings.py."""
-    from blockflow import settings
+    ``sync``: ``BLOCKFLOW_CUDA_HANDOVER``, read by blockflow/core/settings.py."""
+    from blockflow.core import settings
     return settings.CUDA_HANDOVER
 #: A versioned torch handle: version byte, type byte, then cudaIpcMemHandle_t (64 bytes).
 CUDA_IPC_HANDLE_SIZE = 64

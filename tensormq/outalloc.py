@@ -50,7 +50,7 @@ import shutil
 import stat
 import sys
 
-from blockflow import settings
+from blockflow.core import settings
 
 log = logging.getLogger(__name__)
 

@@ -78,10 +78,10 @@ from collections import OrderedDict
 import torch
 
 from . import outalloc
-# a slot file's size (header + capacity) and the filesystem's room: torch-free, for the manager's sizing
-from .sizing import HEADER, round_capacity, shm_space
+# a slot file's size (header + capacity), its name and the filesystem's room: torch-free, for the manager
+from .sizing import HEADER, round_capacity, shm_space, slot_name
 from .wire import TensorDesc, WireError, dtype_name
-from blockflow import settings
+from blockflow.core import settings
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ class SlotPool:
     def _new_slot(self, capacity: int) -> Slot:
         self._seq += 1
         try:
-            return self._make_slot(f"{self.owner}.{os.getpid()}.{self.seq_prefix}{self._seq}", capacity)
+            return self._make_slot(slot_name(self.owner, os.getpid(), f"{self.seq_prefix}{self._seq}"), capacity)
         except ShmExhausted as exc:
             raise ShmExhausted(f"{self.owner}: {exc}; each edge keeps a window of {self.window} slots") from None
 

@@ -1,8 +1,12 @@
-"""How much room a TensorMQ slot file takes, without torch (the manager sizes an update's
-slots before any block starts: manager/state.py ``slot_budget``).
+"""A TensorMQ slot file, without torch: how much room it takes and what it is called (the manager
+sizes an update's slots before any block starts, and removes the slots of a process that died:
+manager/state.py ``slot_budget``, ``remove_slots_of``, ``sweep_orphans``).
 
 A slot file is a ``HEADER``-byte header (its words: tensormq/shm.py) followed by a data area
 of ``round_capacity(nbytes)`` bytes, so that a slot can be reused for a tensor of a similar size.
+A producer keeps a window of such slots per next hop (``SlotPool``). A slot file is named
+``<owner>.<pid>.<seq>`` (``slot_name``): the pool's owner, the process that made it, and a
+sequence number unique in that process (a GPU pool's is ``cuda<N>-<k>``).
 """
 from __future__ import annotations
 
@@ -24,3 +28,19 @@ def round_capacity(nbytes: int) -> int:
     while cap < nbytes:
         cap <<= 1
     return cap
+
+
+def window_bytes(nbytes: int, window: int) -> int:
+    """What one edge's window of slot files takes for a tensor (or message) of ``nbytes``."""
+    return window * (HEADER + round_capacity(nbytes))
+
+
+def slot_name(owner: str, pid: int, seq: str) -> str:
+    """The file name of a slot that process ``pid`` makes for pool ``owner``."""
+    return f"{owner}.{pid}.{seq}"
+
+
+def slot_pid(name: str) -> int | None:
+    """The process that made the slot file ``name`` (``slot_name``'s pid); None for another file."""
+    parts = name.rsplit(".", 2)
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None

@@ -23,12 +23,12 @@ import torch
 import zmq
 
 from .shm import DEFAULT_WINDOW, HopGone, SlotMapper, SlotPool
-from blockflow.schema import canonical_device
 from .bundle import assemble, flatten
-from .curve import client_of
+from blockflow.core.curve import client_of
+from blockflow.core.protocol import canonical_device
 from .wire import (MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, contiguous_stride, dumps, is_local,
                    member_descs)
-from blockflow import settings
+from blockflow.core import settings
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class Transport:
         self.result_keys: str | None = None
         #: outputs sent from the slot the model made them in, uncopied (Note [Outputs made in a slot])
         self.made_in_slot = 0
-        #: Ray mode (issue 30), set with ``curve``, the cluster's keys (tensormq/curve.py): paths
+        #: Ray mode (issue 30), set with ``curve``, the cluster's keys (blockflow/core/curve.py): paths
         #: name every receiver by its TCP endpoint, and a hop is sent bytes over CURVE TCP there,
         #: unless ``near`` lists it: a receiver on this node, by the endpoint it has for this
         #: node's processes, which get handles. The manager decides ``near`` by the nodes'

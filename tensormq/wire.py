@@ -9,7 +9,7 @@ A data message between BlockFlow processes is::
                       "path": [[name, address], ...],   # hops still to traverse, return address last
                       "hops": [{...per-hop timings...}],
                       "x": tensor descriptor (see below), "err": str (errors only),
-                      "trace": W3C traceparent (traced requests only: blockflow/tracing.py)}
+                      "trace": W3C traceparent (traced requests only: blockflow/core/tracing.py)}
     frame 1  payload the tensor's raw bytes, only when x["loc"] == "bytes"
 
 A message that carries several tensors (a bundle: tensormq/bundle.py) has ``"xs"``, a list
@@ -37,12 +37,12 @@ from typing import Annotated, Literal
 
 import msgspec
 import torch
-from blockflow import settings
-from blockflow.protocol import PROTOCOL_VERSION
+from blockflow.core import settings
+from blockflow.core.protocol import PROTOCOL_VERSION
 
 from .bundle import KEY_RE, MAX_MEMBERS
 # the header codec (torch-free, for the control plane), re-exported: every data-plane module imports it from here
-from .header import MAX_HEADER_BYTES, TENSOR_DTYPES, WireError, dumps, loads_header, not_utf8  # noqa: F401
+from blockflow.core.header import MAX_HEADER_BYTES, TENSOR_DTYPES, WireError, dumps, loads_header, not_utf8  # noqa: F401
 
 #: Largest tensor accepted, in bytes (payload or shared slot). Override with BLOCKFLOW_MAX_TENSOR_BYTES.
 MAX_TENSOR_BYTES = settings.MAX_TENSOR_BYTES
@@ -228,7 +228,7 @@ def member_descs(xs, keys, has_x: bool = False) -> tuple[list, list[str] | None]
 # where a block writes the header on (a new field must be declared here, in every process
 # at once), and a header without v, with a task that is not a string or hops that are not a
 # list is refused. A client's request, its reply and an error stay dicts; control messages are the
-# Structs of blockflow/protocol.py.
+# Structs of blockflow/core/protocol.py.
 _TaskName = Annotated[str, msgspec.Meta(max_length=128)]
 
 
@@ -244,7 +244,7 @@ class DataHeader(msgspec.Struct, omit_defaults=True):
     x: dict | None = None
     xs: list[dict] | None = None
     keys: list[str] | None = None
-    #: a traced request's W3C traceparent, the dispatcher's span (blockflow/tracing.py); absent otherwise
+    #: a traced request's W3C traceparent, the dispatcher's span (blockflow/core/tracing.py); absent otherwise
     trace: Annotated[str, msgspec.Meta(max_length=55)] | None = None
 
 

@@ -38,7 +38,7 @@ if _WORKER:
         _private["BLOCKFLOW_SHM_DIR"] = tempfile.mkdtemp(prefix=f"bfw-{_WORKER}-", dir="/dev/shm")
     os.environ.update(_private)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-from blockflow import settings  # noqa: E402  (after the worker's environment: it reads it once)
+from blockflow.core import settings  # noqa: E402  (after the worker's environment: it reads it once)
 
 SHM_DIR = settings.SHM_DIR
 

@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from blockflow.client import BlockFlowError, Client
-from blockflow.protocol import ErrorCode
+from blockflow.core.protocol import ErrorCode
 
 from conftest import wait_for
 from test_control_plane import rest_error

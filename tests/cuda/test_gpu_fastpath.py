@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from blockflow.blocks.batching import BatchPolicy
+from blockflow.core.schema import BatchPolicy
 from blockflow.blocks.runner import BlockRunner, warmup_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,7 +147,7 @@ def test_stream_ordered_hand_overs_under_random_gpu_delays_are_exact(tmp_path, m
     Every one of 3000 requests must read exactly its own value."""
     import random
     from blockflow.tensormq.cuda_ipc import CudaSlotPool
-    from blockflow import settings
+    from blockflow.core import settings
     monkeypatch.setattr(settings, "CUDA_HANDOVER", mode)
     shm = str(tmp_path)
     torch.cuda.set_device(0)

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from blockflow.blocks.batching import (BatchPolicy, DelayController, PolicyError, plan_batches, run_batch,
-                                       split)
+from blockflow.blocks.batching import DelayController, plan_batches, run_batch, split
+from blockflow.core.schema import BatchPolicy, PolicyError
 
 
 def test_policy_parses_and_names_the_bad_field():

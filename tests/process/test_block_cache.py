@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from blockflow.client import BlockFlowError, Client
-from blockflow.protocol import ErrorCode
+from blockflow.core.protocol import ErrorCode
 from blockflow.restclient import RestError
 
 from test_control_plane import wait_for

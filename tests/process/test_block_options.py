@@ -1,4 +1,4 @@
-"""A block option is declared once (Note [One declaration per block] in blockflow/schema.py) and
+"""A block option is declared once (Note [One declaration per block] in blockflow/core/schema.py) and
 acts where it is read. ``input_dtype`` (issue 43's inputs as the model takes them): a block whose
 model embeds token ids warms up on int64 ids, and the task it starts refuses float tensors.
 Real server, real block processes."""
@@ -10,8 +10,8 @@ import torch
 
 from blockflow.blocks.spec import BlockSpec
 from blockflow.client import BlockFlowError, Client
-from blockflow.protocol import ErrorCode
-from blockflow.schema import BLOCK_FIELDS, BlockDecl, UpdateError, validate_update
+from blockflow.core.protocol import ErrorCode
+from blockflow.core.schema import BLOCK_FIELDS, BlockDecl, UpdateError, validate_update
 
 from test_control_plane import rest_error
 

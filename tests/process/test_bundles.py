@@ -184,7 +184,8 @@ def test_served_bundles_equal_the_whole_model_for_two_concurrent_tasks(server_fa
 
 
 def test_a_batch_of_bundles_concatenates_each_member_and_splits_each_output():
-    from blockflow.blocks.batching import BatchPolicy, plan_batches, run_batch
+    from blockflow.blocks.batching import plan_batches, run_batch
+    from blockflow.core.schema import BatchPolicy
     from blockflow.blocks.runner import BlockRunner, warmup_shapes
 
     runner = BlockRunner(torch.jit.script(Join()), torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""The child-process skeleton that blocks and the dispatcher share (blockflow/childproc.py):
+"""The child-process skeleton that blocks and the dispatcher share (blockflow/core/childproc.py):
 commands by name, the parent watchdog and its exit code, a boot error announced and exited
 with. Real processes, started the ways the manager and `blockflow block` start them."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import zmq
 from blockflow.dispatcher.process import DispatcherSpec, serve_dispatcher
 from blockflow.manager.controller import ControlError, Controller
 from blockflow.manager.launcher import stop_forkserver
-from blockflow.protocol import DISPATCHER, Command, ExitCode, identity
+from blockflow.core.protocol import DISPATCHER, Command, ExitCode, identity
 from blockflow.standalone import StandalonePipeline
 from blockflow.tensormq.transport import RESULT_KEYS
 

@@ -241,7 +241,7 @@ def test_readme_shows_the_operator_a_status_that_fits_version_and_down():
 def test_help_never_prints_the_token(monkeypatch, capsys):
     """`status --help` and `update --help` printed BLOCKFLOW_TOKEN's value as the --token default:
     a secret on the screen (and in a shared terminal's scroll-back) for asking how a command works."""
-    from blockflow import settings
+    from blockflow.core import settings
     from blockflow.cli import main
     monkeypatch.setattr(settings, "TOKEN", "s3cret-t0ken")
     for cmd in ("status", "update", "down", "serve", "load"):

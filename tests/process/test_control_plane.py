@@ -198,7 +198,7 @@ def test_topology_changes_while_requests_flow(server_factory, identity_repo):
     system = srv.call("GET", "/system")
     assert system["blocks"] == [] and system["tasks"] == [] and system["version"] == 5
     # the control plane ran five updates, spawned, replaced and retired blocks without torch:
-    # it never runs a model (blocks/spec.py, tensormq/header.py), so it never loads libtorch
+    # it never runs a model (blocks/spec.py, blockflow/core/header.py), so it never loads libtorch
     assert not loaded_libraries(srv.proc.pid, "libtorch"), "blockflow serve loaded torch"
     wait_for(lambda: all(pid_gone(p) for p in pids), 10, "removed blocks exit")
 

@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from blockflow.client import BlockFlowError, Client
-from blockflow.protocol import DISPATCHER
+from blockflow.core.protocol import DISPATCHER
 from blockflow.blocks.repository import load_block
 from blockflow.standalone import StandalonePipeline
 from blockflow.tensormq import outalloc

@@ -574,7 +574,7 @@ def test_validation_cost_times_the_update_each_way():
     from experiments import validation_cost as vc
     with open(os.path.join(ROOT, "configs", "resnet50_shared.json"), "rb") as f:
         update = f.read()
-    schema_py = os.path.join(ROOT, "blockflow", "schema.py")
+    schema_py = os.path.join(ROOT, "blockflow", "core", "schema.py")
     rows = {r["variant"]: r for r in vc.update_validation(update, 5, compare_schema=schema_py)["rows"]}
     assert {"validate_update: BlockDecl (msgspec) + checks", "msgspec convert alone (BlockDecl, no checks)",
             "pydantic model (types and bounds only)", f"validate_update of {schema_py}"} == set(rows), rows

@@ -16,7 +16,7 @@ import torch
 import zmq
 
 from blockflow.client import Client
-from blockflow.protocol import DISPATCHER, RETURN_HOP, identity
+from blockflow.core.protocol import DISPATCHER, RETURN_HOP, identity
 from blockflow.standalone import StandalonePipeline
 
 SHM_PREFIX = "bftest-forged"

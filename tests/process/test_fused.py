@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from blockflow.client import Client
-from blockflow.schema import UpdateError, validate_update
+from blockflow.core.schema import UpdateError, validate_update
 
 from test_control_plane import block_of, rest_error, update_body
 

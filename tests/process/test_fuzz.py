@@ -132,7 +132,7 @@ def test_a_header_that_is_not_utf8_gets_a_clear_error(identity_repo, short_tmp, 
     import zmq
 
     from blockflow.blocks.process import _return_address
-    from blockflow.protocol import RETURN_HOP
+    from blockflow.core.protocol import RETURN_HOP
     from blockflow.standalone import StandalonePipeline
     from blockflow.tensormq.transport import encode_bytes
     from blockflow.tensormq.wire import WireError, loads_data_header, loads_header

@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _settings_in_a_fresh_process(**env):
-    return subprocess.run([sys.executable, "-c", "from blockflow import settings; "
+    return subprocess.run([sys.executable, "-c", "from blockflow.core import settings; "
                            "print(settings.CUDA_HANDOVER, settings.CUDA_STACK_BYTES)"],
                           cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
 

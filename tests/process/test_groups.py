@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from blockflow.client import BlockFlowError, Client
-from blockflow.protocol import ErrorCode
+from blockflow.core.protocol import ErrorCode
 
 from test_control_plane import rest_error, wait_for
 
@@ -210,7 +210,7 @@ def test_a_forged_path_does_not_reach_a_neighbour_in_the_process(server_factory,
     system = {b["name"]: b for b in srv.call("GET", "/system")["blocks"]}
     assert system["a"]["next_hops"] == {"d": "handles", "s": "in_process"}, system["a"]
     x = torch.arange(8.0).reshape(1, 8)
-    from blockflow.protocol import RETURN_HOP
+    from blockflow.core.protocol import RETURN_HOP
     from blockflow.tensormq.transport import bytes_fields
     forged = [["s", system["s"]["endpoint"]], [RETURN_HOP, system["s"]["endpoint"]]]
     with Client(srv.dispatcher, timeout=30) as c:

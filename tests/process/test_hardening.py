@@ -224,7 +224,7 @@ def test_small_shm_fails_one_request_not_the_dispatcher(server_factory, identity
 
 def test_slot_budget_is_reported_against_the_filesystem(small_tmpfs, caplog):
     from blockflow.manager.state import slot_budget
-    from blockflow.schema import BlockDecl, Update
+    from blockflow.core.schema import BlockDecl, Update
     # a ResNet50-like first stage at batch 1: 3x224x224 in (0.6 MB), 256x56x56 out (3.2 MB)
     upd = Update("tensormq", "ipc", {"b1": BlockDecl("b1", "r/block1.pt"), "b2": BlockDecl("b2", "r/head.pt")},
                  {"t": ["b1", "b2"]},

@@ -47,7 +47,7 @@ def test_a_block_on_a_node_needs_a_server_with_ray():
     """Without --ray an update may not place a block on a node, and the local launcher refuses
     one, each naming what to do; the answers of an update in Ray mode are in test_cluster.py."""
     import pytest
-    from blockflow.schema import UpdateError, validate_update
+    from blockflow.core.schema import UpdateError, validate_update
     body = {"blocks": [{"name": "a", "model": "m.pt", "node": "edge-a"}], "tasks": [{"id": "t", "path": ["a"]}]}
     with pytest.raises(UpdateError, match=r"--ray ADDRESS") as info:
         validate_update(body)
@@ -69,8 +69,8 @@ def test_a_block_on_another_node_stops_when_the_manager_goes_silent(identity_rep
     import sys
     import zmq
     from blockflow.manager.controller import Controller
-    from blockflow.protocol import EXIT_ORPHANED, identity
-    from blockflow.tensormq.curve import ClusterKeys
+    from blockflow.core.protocol import EXIT_ORPHANED, identity
+    from blockflow.core.curve import ClusterKeys
     keys = ClusterKeys.generate()
     ctx = zmq.Context()
     controller = Controller(ctx, f"ipc://{short_tmp}/ctl.sock")

@@ -1,37 +1,55 @@
 """The house rules: one import root, settings read in one place, documented in the README."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: The folders at the top of the checkout that hold product code (blockflow/core/ is inside blockflow/).
 PRODUCT_DIRS = ["blockflow", "blocks", "dispatcher", "manager", "tensormq"]
 
 
+@functools.cache
+def _packages() -> dict[str, str]:
+    """Every installed package and its folder, as pyproject.toml's setuptools table says: a package
+    in ``package-dir`` has its own folder (blockflow.blocks is blocks/), another one is the folder
+    of its name inside its parent's (blockflow.core is blockflow/core/)."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        table = tomllib.load(f)["tool"]["setuptools"]
+    dirs = table.get("package-dir", {})
+    out = {}
+    for pkg in table["packages"]:
+        parent, _, leaf = pkg.rpartition(".")
+        out[pkg] = dirs[pkg] if pkg in dirs else os.path.join(out[parent], leaf) if parent else pkg
+    return out
+
+
 def _product_files():
-    for d in PRODUCT_DIRS:
-        for name in sorted(os.listdir(os.path.join(ROOT, d))):
+    for folder in _packages().values():
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
             if name.endswith(".py"):
-                yield os.path.join(d, name)
+                yield os.path.join(folder, name)
 
 
 def test_every_setting_is_read_in_settings_py_only():
     offenders = []
     for rel in _product_files():
-        if rel == os.path.join("blockflow", "settings.py"):
+        if rel == os.path.join("blockflow", "core", "settings.py"):
             continue
         with open(os.path.join(ROOT, rel)) as f:
             for i, line in enumerate(f, 1):
                 if re.search(r"environ(\.get)?[\[(]\s*[\"']BLOCKFLOW_", line):
                     offenders.append(f"{rel}:{i}: {line.strip()}")
-    assert not offenders, "read BLOCKFLOW_* settings through blockflow.settings:\n" + "\n".join(offenders)
+    assert not offenders, "read BLOCKFLOW_* settings through blockflow.core.settings:\n" + "\n".join(offenders)
 
 
 def test_readme_settings_table_is_generated_from_settings_py():
-    from blockflow import settings
+    from blockflow.core import settings
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    assert settings.markdown_table() in readme, "regenerate the README table: python -m blockflow.settings"
+    assert settings.markdown_table() in readme, "regenerate the README table: python -m blockflow.core.settings"
 
 
 def test_product_code_imports_through_one_root():
@@ -94,8 +112,8 @@ def test_the_control_plane_imports_no_torch():
 
 
 def _module_of(rel: str) -> str:
-    top, name = rel.split(os.sep)
-    pkg = "blockflow" if top == "blockflow" else f"blockflow.{top}"
+    folder, name = os.path.split(rel)
+    pkg = {d: p for p, d in _packages().items()}[folder]
     return pkg if name == "__init__.py" else f"{pkg}.{name[:-3]}"
 
 
@@ -139,34 +157,126 @@ def test_no_product_module_uses_another_modules_private_names():
     assert not bad, "private names used across product modules:\n" + "\n".join(bad)
 
 
-#: The low layer every process imports, and what it must never import: the roles built on it.
-LOW_LAYER = {os.path.join("blockflow", "protocol.py"): ("blocks", "dispatcher", "manager"),
-             os.path.join("blockflow", "childproc.py"): ("blocks", "dispatcher", "manager")}
+# -- layers ------------------------------------------------------------------------------------------
+
+#: The packages in layers, bottom first (CONTRIBUTING.md, "Layers"; the README draws them). A
+#: module imports from its own package and from the layers below its own, never from one beside
+#: it or above it: so a reader can start at the bottom and climb, and a package can be tested with
+#: only what is under it.
+LAYERS = [
+    # settings, protocol, header codec, update schema, CURVE keys, child-process plumbing, tracing:
+    # what every process shares
+    ("blockflow.core",),
+    # the wire format, slots, transports: how tensors travel between processes
+    ("blockflow.tensormq",),
+    # the two process roles, each on the transport; neither imports the other
+    ("blockflow.blocks", "blockflow.dispatcher"),
+    # the control plane: starts the roles (through their specs), supervises them, tells them the topology
+    ("blockflow.manager",),
+    # what a user runs: the CLI, REST, server, metrics, Open Inference Protocol, client, standalone, loadgen
+    ("blockflow",),
+]
 
 
-def test_the_low_layer_imports_no_process_role():
-    """The contract and the child-process skeleton sit under blocks/, dispatcher/ and manager/;
-    an import the other way (even inside a function) would make the layers a knot."""
+@functools.cache
+def _imports() -> dict[str, list[tuple[str, int, str]]]:
+    """Every product module's imports of product modules, at module level and inside functions
+    alike: module -> [(file, line, imported module)]. ``from P import name`` imports module
+    ``P.name`` when that is one, else ``P``; relative imports are resolved from the package the
+    file installs as (pyproject.toml's package-dir: blocks/x.py is blockflow.blocks.x)."""
     import ast
-    bad = []
-    for rel, roles in LOW_LAYER.items():
-        package = _module_of(rel).rpartition(".")[0]
+    modules = {_module_of(rel): rel for rel in _product_files()}
+    out = {}
+    for me, rel in modules.items():
+        package = me if rel.endswith("__init__.py") else me.rpartition(".")[0]
         with open(os.path.join(ROOT, rel)) as f:
             tree = ast.parse(f.read(), rel)
+        found = []
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                names = [_resolve("." * node.level + (node.module or ""), package) if node.level
-                         else node.module or ""]
-                names += [f"{names[0]}.{a.name}" for a in node.names]
+                base = _resolve("." * node.level + (node.module or ""), package) if node.level else node.module
+                found += [(rel, node.lineno, f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+                          for a in node.names]
             elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            for name in names:
-                parts = name.split(".")
-                if (parts[0] == "blockflow" and len(parts) > 1 and parts[1] in roles) or parts[0] in roles:
-                    bad.append(f"{rel}:{node.lineno}: imports {name}")
-    assert not bad, "the low layer imports a role built on it:\n" + "\n".join(bad)
+                found += [(rel, node.lineno, a.name) for a in node.names]
+        out[me] = [(r, line, name) for r, line, name in found if name.split(".")[0] == "blockflow"]
+    return out
+
+
+def _package_of(module: str) -> str:
+    """The installed package a module belongs to: the longest one its name starts with."""
+    return max((p for p in _packages() if module == p or module.startswith(p + ".")), key=len)
+
+
+def test_every_package_has_a_layer():
+    placed = [p for layer in LAYERS for p in layer]
+    assert sorted(placed) == sorted(_packages()), "place each package of pyproject.toml in LAYERS, once"
+
+
+def test_no_package_imports_a_layer_beside_or_above_it():
+    rank = {p: i for i, layer in enumerate(LAYERS) for p in layer}
+    bad = []
+    for me, imports in _imports().items():
+        mine = _package_of(me)
+        for rel, line, name in imports:
+            theirs = _package_of(name)
+            if theirs != mine and rank[theirs] >= rank[mine]:
+                where = "beside" if rank[theirs] == rank[mine] else "above"
+                bad.append(f"{rel}:{line}: {me} ({mine}) imports {name} ({theirs}), a layer {where} it")
+    assert not bad, ("a package imports a layer beside or above it (LAYERS, bottom first: "
+                     + " < ".join("/".join(layer) for layer in LAYERS) + "):\n" + "\n".join(bad))
+
+
+def test_no_import_cycle_between_packages():
+    """Independently of LAYERS: the packages' import graph (an edge where any module of one imports
+    any module of another) has no cycle."""
+    edges: dict[str, dict[str, str]] = {}  # package -> imported package -> one place that does it
+    for me, imports in _imports().items():
+        for rel, line, name in imports:
+            a, b = _package_of(me), _package_of(name)
+            if a != b:
+                edges.setdefault(a, {}).setdefault(b, f"{rel}:{line} imports {name}")
+    cycles = []
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            loop = path[path.index(node):] + [node]
+            cycles.append(" -> ".join(loop) + "\n    " + "\n    ".join(edges[a][b] for a, b in zip(loop, loop[1:])))
+            return
+        if node in done:
+            return
+        for nxt in sorted(edges.get(node, {})):
+            visit(nxt, path + [node])
+        done.add(node)
+
+    for package in sorted(_packages()):
+        visit(package, [])
+    assert not cycles, "import cycles between packages:\n" + "\n".join(cycles)
+
+
+def test_the_root_package_imports_nothing_when_loaded():
+    """Importing any module of BlockFlow, blockflow.core.settings included, first runs
+    blockflow/__init__.py (and the __init__.py of its own package): they import nothing at module
+    level (the root loads its client on first use), so the bottom layer stays the bottom."""
+    import ast
+    bad = []
+    for package, folder in _packages().items():
+        rel = os.path.join(folder, "__init__.py")
+        with open(os.path.join(ROOT, rel)) as f:
+            tree = ast.parse(f.read(), rel)
+        bad += [f"{rel}:{node.lineno}" for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+                and not (isinstance(node, ast.ImportFrom) and node.module == "__future__")]
+    assert not bad, "a package's __init__.py imports at module level:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_sees_function_level_and_relative_imports():
+    """The checks above are not vacuous: the graph holds an import made inside a function
+    (blocks/process.py imports outalloc where it is needed) and a relative one resolved through
+    the package-dir mapping (blocks/manifest.py's ``from . import split``)."""
+    imports = _imports()
+    assert ("blockflow.tensormq.outalloc" in {n for _, _, n in imports["blockflow.blocks.process"]})
+    assert ("blockflow.blocks.split" in {n for _, _, n in imports["blockflow.blocks.manifest"]})
 
 
 def _resolve(name: str, package: str) -> str:
@@ -195,7 +305,7 @@ def test_pip_install_adds_only_blockflow(tmp_path):
     others = [n for n in top if n not in ("blockflow", "bin") and not re.fullmatch(r"blockflow-[^/]+\.dist-info", n)]
     assert "blockflow" in top and not others, top
     installed = {p for p in os.listdir(target / "blockflow")}
-    assert {"blocks", "dispatcher", "manager", "tensormq", "cli.py"} <= installed, installed
+    assert {"core", "blocks", "dispatcher", "manager", "tensormq", "cli.py"} <= installed, installed
     assert "experiments" not in installed and "tests" not in installed
 
 

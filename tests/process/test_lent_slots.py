@@ -15,7 +15,7 @@ import torch
 import zmq
 
 from blockflow.client import Client
-from blockflow.protocol import DISPATCHER
+from blockflow.core.protocol import DISPATCHER
 from blockflow.standalone import StandalonePipeline
 
 SHM_PREFIX = "bftest-lent"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from blockflow.client import BlockFlowError, Client
-from blockflow.protocol import ErrorCode
+from blockflow.core.protocol import ErrorCode
 
 from test_control_plane import block_of, rest_error, update_body, wait_for
 from test_metrics import scrape, value
@@ -89,7 +89,7 @@ def test_a_replica_name_is_reserved_whatever_the_replica_count(server_factory, i
 
 
 def test_names_that_only_look_like_replicas_are_accepted():
-    from blockflow.schema import UpdateError, validate_update
+    from blockflow.core.schema import UpdateError, validate_update
     for name in ("s.r", "s.rx", "s.r1a", "r1", "s-r1", "s.R1"):
         assert name in validate_update({"blocks": [{"name": name, "model": "m.pt"}]}).blocks
     with pytest.raises(UpdateError) as info:

@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from blockflow.client import BlockFlowError, Client
-from blockflow.protocol import DISPATCHER, RETURN_HOP
+from blockflow.core.protocol import DISPATCHER, RETURN_HOP
 from blockflow.standalone import StandalonePipeline
 from experiments.fuzz import pickle_bomb
 from blockflow.manager.state import StateDir
@@ -143,7 +143,7 @@ def listening(pids) -> list[tuple[str, int]]:
 
 
 def test_loopback_private_dirs_and_env_token(server_factory, identity_repo, monkeypatch):
-    from blockflow import settings
+    from blockflow.core import settings
     monkeypatch.setenv("BLOCKFLOW_TOKEN", "env-t0ken")
     monkeypatch.setattr(settings, "TOKEN", "env-t0ken")  # settings were read at import, before the setenv
     srv = server_factory(identity_repo, env={"BLOCKFLOW_TOKEN": "env-t0ken"})

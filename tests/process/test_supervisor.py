@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from blockflow.client import BlockFlowError, Client
-from blockflow.protocol import ErrorCode
-from blockflow.schema import BlockDecl, UpdateError, validate_update
+from blockflow.core.protocol import ErrorCode
+from blockflow.core.schema import BlockDecl, UpdateError, validate_update
 from blockflow.manager.models import ModelCatalog
 from blockflow.manager.reconcile import Running, diff_tasks, plan, without_block
 

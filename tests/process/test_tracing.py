@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (blockflow/tracing.py) received by a real OTLP/HTTP endpoint
+"""OpenTelemetry traces (blockflow/core/tracing.py) received by a real OTLP/HTTP endpoint
 (experiments/otlp.py decodes what the SDK's exporter sends with opentelemetry-proto)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from blockflow.client import Client
-from blockflow.tracing import traceparent
+from blockflow.core.tracing import traceparent
 
 from conftest import wait_for
 
@@ -22,7 +22,7 @@ CLIENT_SPAN = 0x00F067AA0BA902B7
 
 def test_with_tracing_off_no_process_imports_opentelemetry():
     code = ("import sys; import blockflow.dispatcher.process, blockflow.blocks.process, blockflow.client; "
-            "from blockflow.tracing import tracer_for; assert tracer_for('x') is None; "
+            "from blockflow.core.tracing import tracer_for; assert tracer_for('x') is None; "
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     env = {k: v for k, v in os.environ.items() if k != "BLOCKFLOW_OTLP_ENDPOINT"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

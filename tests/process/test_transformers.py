@@ -14,7 +14,7 @@ import torch
 
 from blockflow.client import BlockFlowError, Client
 from blockflow.cli import Exit
-from blockflow.protocol import ErrorCode
+from blockflow.core.protocol import ErrorCode
 
 from test_split import blockflow, one_line_error
 

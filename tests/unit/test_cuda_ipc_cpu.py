@@ -23,7 +23,7 @@ MiB = 2 ** 20
 
 # -- defect 1: 'cuda' means 'cuda:0', once, in the schema and in the device map ----------------
 def test_schema_spells_cuda_as_cuda_0():
-    from blockflow.schema import validate_update
+    from blockflow.core.schema import validate_update
     body = {"blocks": [{"name": "a", "model": "toy/identity.pt", "device": "cuda"},
                        {"name": "b", "model": "toy/identity.pt", "device": "cuda:01"},
                        {"name": "c", "model": "toy/identity.pt", "device": "cpu"}],

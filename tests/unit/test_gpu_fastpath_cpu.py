@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockflow.blocks.batching import BatchPolicy
+from blockflow.core.schema import BatchPolicy
 from blockflow.blocks.runner import BlockRunner, warm_calls, warmup_shapes
-from blockflow.schema import UpdateError, validate_update
+from blockflow.core.schema import UpdateError, validate_update
 
 
 # -- on any machine ---------------------------------------------------------------------------------

@@ -17,15 +17,15 @@ import time
 import pytest
 import zmq
 
-from blockflow import protocol
+from blockflow.core import protocol
 from blockflow.manager import manager as mgr, supervision
 from blockflow.manager.children import ChildState, ProcessTable
 from blockflow.manager.manager import Manager, UpdateFailed
 from blockflow.manager.operation import Kind, Operation, Phase
 from blockflow.manager.reconcile import Desired
 from blockflow.manager.state import StateDir
-from blockflow.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_NODE_LOST, BootFailure, Cmd, Ready
-from blockflow.schema import BlockDecl
+from blockflow.core.protocol import DISPATCHER, EXIT_BOOT_ERROR, EXIT_NODE_LOST, BootFailure, Cmd, Ready
+from blockflow.core.schema import BlockDecl
 
 from conftest import wait_for
 

@@ -1,4 +1,4 @@
-"""The control protocol (blockflow/protocol.py): every message between the manager and its
+"""The control protocol (blockflow/core/protocol.py): every message between the manager and its
 processes is a Struct there, each one goes through ``encode`` and back unchanged, commands are
 ``Cmd`` members with typed arguments, a process answers the commands it has a ``cmd_<name>``
 for, and the controller refuses a process that speaks another protocol version."""
@@ -10,10 +10,10 @@ import msgspec
 import pytest
 import zmq
 
-from blockflow import protocol
-from blockflow.protocol import (ARGS, PROTOCOL_VERSION, BootFailure, Cmd, Command, ErrorCode, Fail, Gone, Host, Monitor,
+from blockflow.core import protocol
+from blockflow.core.protocol import (ARGS, PROTOCOL_VERSION, BootFailure, Cmd, Command, ErrorCode, Fail, Gone, Host, Monitor,
                                 NoArgs, Outstanding, Ready, Reply, Tasks, Topology, identity)
-from blockflow.tensormq.header import WireError
+from blockflow.core.header import WireError
 
 #: One example of the arguments of every command.
 EXAMPLE_ARGS = {

@@ -1,6 +1,6 @@
 """The W3C trace context BlockFlow reads from clients and writes into data headers
-(blockflow/tracing.py)."""
-from blockflow.tracing import parse_traceparent, traceparent
+(blockflow/core/tracing.py)."""
+from blockflow.core.tracing import parse_traceparent, traceparent
 
 CLIENT_TRACE = 0x4BF92F3577B34DA6A3CE929D0E0E4736
 CLIENT_SPAN = 0x00F067AA0BA902B7

@@ -2,7 +2,7 @@
 
 Other modules import the values from this one and pass them down in the specs they build; no
 other module reads the environment for a setting. The README's settings table is generated from
-:data:`SETTINGS` (``python -m blockflow.settings``), and a test checks that it is current.
+:data:`SETTINGS` (``python -m blockflow.core.settings``), and a test checks that it is current.
 
 A value that cannot be parsed stops the process at import with a message that names the
 variable, what it holds and what it should hold.
@@ -188,7 +188,7 @@ _ratio.__name__ = "ratio between 0 and 1"
 OTLP_ENDPOINT: str | None = _read("BLOCKFLOW_OTLP_ENDPOINT", None, str,
                                   "OTLP/HTTP traces endpoint (e.g. `http://127.0.0.1:4318/v1/traces`): set, the "
                                   "dispatcher and every block record OpenTelemetry spans of sampled requests "
-                                  "(blockflow/tracing.py); unset, nothing is recorded or imported", "none")
+                                  "(blockflow/core/tracing.py); unset, nothing is recorded or imported", "none")
 TRACE_RATIO: float = _read("BLOCKFLOW_TRACE_RATIO", 0.01, _ratio,
                            "share of requests traced when the client sends no `traceparent` (one that does "
                            "decides for its request)")

@@ -4,7 +4,7 @@ A block (``blockflow.blocks.process``) and the dispatcher (``blockflow.dispatche
 are subclasses of ``ChildProcess``: each brings its own sockets, its own loop and its own
 commands; the life around them is written here once, as gunicorn's ``Worker`` base class does
 for its workers. The life of a child, and the exit code each way out of it gives
-(``blockflow.protocol.ExitCode``; the manager decodes it with ``describe_exit``)::
+(``blockflow.core.protocol.ExitCode``; the manager decodes it with ``describe_exit``)::
 
     manager (parent)                      child
     ----------------                      -----
@@ -39,7 +39,7 @@ for its workers. The life of a child, and the exit code each way out of it gives
                                              skip it too
 
 The control socket is a DEALER with identity ``<name>#<incarnation>``, connected to the
-controller's ROUTER (``blockflow.manager.controller``). A ``Command`` (blockflow/protocol.py,
+controller's ROUTER (``blockflow.manager.controller``). A ``Command`` (blockflow/core/protocol.py,
 where every control message is declared) is answered by the process's ``cmd_<name>`` method,
 found from ``protocol.Cmd`` (every child has ``cmd_ping`` and ``cmd_stop``), with its arguments
 typed (``protocol.ARGS``), and answered with a ``Reply``: ``ok`` and its ``result``, or, when it
@@ -66,11 +66,11 @@ import msgspec
 import setproctitle
 import zmq
 
-from blockflow import settings
-from blockflow import protocol
-from blockflow.protocol import BootFailure, Cmd, ExitCode, Ready, Reply, identity
-from blockflow.tensormq.header import WireError
-from blockflow.tensormq.curve import ClusterKeys, client_of
+from blockflow.core import settings
+from blockflow.core import protocol
+from blockflow.core.protocol import BootFailure, Cmd, ExitCode, Ready, Reply, identity
+from blockflow.core.header import WireError
+from blockflow.core.curve import ClusterKeys, client_of
 
 log = logging.getLogger("blockflow.child")
 
@@ -221,7 +221,7 @@ class ChildProcess:
 
     def control_socket(self, ctx: zmq.Context) -> zmq.Socket:
         """A DEALER connected to the controller with this process's identity; over TCP (a child
-        on another node, issue 30) a CURVE client of the cluster's keys (tensormq/curve.py)."""
+        on another node, issue 30) a CURVE client of the cluster's keys (blockflow/core/curve.py)."""
         sock = ctx.socket(zmq.DEALER)
         sock.identity = identity(self.name, self.spec.incarnation)
         keys = ClusterKeys.from_json(getattr(self.spec, "curve", None))

@@ -53,14 +53,14 @@ another, e.g. a node of a Ray cluster running another BlockFlow) and the data he
 (``v`` of tensormq/wire.py's ``DataHeader``, of a client's request and of its reply).
 
 The child's side of this contract (READY, boot error, commands by name, the parent watchdog,
-the exit code) is written once for blocks and the dispatcher, in ``blockflow/childproc.py``.
+the exit code) is written once for blocks and the dispatcher, in ``blockflow/core/childproc.py``.
 """
 import enum
 from typing import Any, Literal
 
 import msgspec
 
-from blockflow.tensormq.header import MAX_HEADER_BYTES, WireError, not_utf8
+from blockflow.core.header import MAX_HEADER_BYTES, WireError, not_utf8
 
 #: The version of every message between BlockFlow processes (see above).
 PROTOCOL_VERSION = 1
@@ -122,6 +122,17 @@ DISPATCHER = "@dispatcher"
 
 def identity(name: str, incarnation: int) -> bytes:
     return f"{name}#{incarnation}".encode()
+
+
+def canonical_device(value: str) -> str:
+    """One spelling per device, so that device strings compare (a block's declared ``device``, the
+    ``devices`` of a ``Topology``): 'cuda' is 'cuda:0' (and what
+    torch.cuda.set_device needs: it refuses a device without an index); 'cuda:01' is 'cuda:1'."""
+    if value == "cuda":
+        return "cuda:0"
+    if value.startswith("cuda:") and value[5:].isdigit():
+        return f"cuda:{int(value[5:])}"
+    return value
 
 
 def describe_exit(code: int | None) -> str:

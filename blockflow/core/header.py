@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import msgspec
 
-from blockflow import settings
+from blockflow.core import settings
 
 #: The dtypes a tensor can travel as, by name (tensormq/wire.py maps them to torch's; a block's
-#: ``input_dtype`` names one: blockflow/schema.py).
+#: ``input_dtype`` names one: blockflow/core/schema.py).
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 #: Largest header frame accepted (bytes). Paths and timings are small; anything bigger is hostile.

@@ -23,7 +23,7 @@ import random
 import re
 import time
 
-from blockflow import settings
+from blockflow.core import settings
 
 log = logging.getLogger("blockflow.tracing")
 

@@ -19,8 +19,9 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from blockflow import settings
-from blockflow.tensormq.header import TENSOR_DTYPES
+from blockflow.core import settings
+from blockflow.core.header import TENSOR_DTYPES
+from blockflow.core.protocol import canonical_device
 
 TRANSPORTS = ("tensormq", "zeromq")
 PROTOCOLS = ("ipc", "tcp")
@@ -258,16 +259,6 @@ def _block_name(value, where: str) -> str:
         raise UpdateError(where, f"{value!r} is reserved: it is the process name of replica {int(m['replica'])} of "
                                  f"block {m['block']!r} (a block's replicas run as NAME, NAME.r1, NAME.r2, ...); "
                                  f"rename this block, e.g. {m['block'] + '-r' + m['replica']!r}")
-    return value
-
-
-def canonical_device(value: str) -> str:
-    """One spelling per device, so that device strings compare: 'cuda' is 'cuda:0' (and what
-    torch.cuda.set_device needs: it refuses a device without an index); 'cuda:01' is 'cuda:1'."""
-    if value == "cuda":
-        return "cuda:0"
-    if value.startswith("cuda:") and value[5:].isdigit():
-        return f"cuda:{int(value[5:])}"
     return value
 
 
