@@ -49,6 +49,7 @@ import os
 import shutil
 import stat
 import sys
+import threading
 
 from blockflow.core import settings
 
@@ -59,6 +60,10 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "outalloc.cpp"
 
 _loaded = None  # the extension module once load() succeeded in this process
 _why_not: str | None = None  # why load() returned None
+#: load() runs once per process: the blocks of a shared process (blocks/host.py) start on their
+#: own threads, and two of them executing the extension's module at once was seen to leave one
+#: with a module that had no ``install`` yet (a member then failed to start)
+_load_lock = threading.Lock()
 
 
 def build_dir(root: str | None = None) -> str:
@@ -128,7 +133,14 @@ def built() -> str | None:
 
 def load():
     """The built extension, installed as this process's CPU allocator; None when it is not
-    built or is refused (``why_not()`` says which)."""
+    built or is refused (``why_not()`` says which). Thread-safe: one thread loads it."""
+    if _loaded is not None:
+        return _loaded
+    with _load_lock:
+        return _load_once()
+
+
+def _load_once():
     global _loaded, _why_not
     if _loaded is not None:
         return _loaded

@@ -264,3 +264,28 @@ def test_the_dispatcher_copies_on_one_thread(pipeline):
     with Client(pipeline.address, timeout=60) as c:
         c.infer("classify", x)
     assert pipeline.command(DISPATCHER, "ping")["torch_threads"] == 1
+
+
+def test_the_output_allocator_loads_once_when_the_blocks_of_a_group_start_together():
+    """A shared process's members start on their own threads and each loads the output-in-slot
+    extension (tensormq/outalloc.py): eight threads at once in a fresh interpreter all get the
+    one installed module (two loading it at once once left a member without ``install``)."""
+    import subprocess
+    import sys
+    code = (
+        "import threading\n"
+        "from blockflow.tensormq import outalloc\n"
+        "if outalloc.built() is None:\n"
+        "    print('unbuilt', outalloc.why_not()); raise SystemExit(0)\n"
+        "got, go = [], threading.Barrier(8)\n"
+        "def load():\n"
+        "    go.wait(); got.append(outalloc.load())\n"
+        "ts = [threading.Thread(target=load) for _ in range(8)]\n"
+        "[t.start() for t in ts]; [t.join(60) for t in ts]\n"
+        "assert len(got) == 8 and got[0] is not None and all(m is got[0] for m in got), (got, outalloc.why_not())\n"
+        "print('one module')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.startswith("unbuilt"):
+        pytest.skip(f"the extension is not built here: {out.stdout.strip()}")
+    assert "one module" in out.stdout
