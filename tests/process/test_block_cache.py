@@ -185,7 +185,8 @@ def test_a_group_killed_mid_swap_answers_everything_and_comes_back_with_its_budg
     host = {b["name"]: b["pid"] for b in srv.call("GET", "/system")["blocks"]}["bb"]
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3))
     want = {t: _direct(heads_repo, t, x) for t in range(HEADS)}
-    with Client(srv.dispatcher, timeout=30) as c:
+    # the client waits longer than the dispatcher's request deadline: every request is answered by it
+    with Client(srv.dispatcher, timeout=90) as c:
         held = [(t, c.submit(f"t{t}", x)) for _ in range(8) for t in range(HEADS)]  # swapping all along
         wait_for(lambda: sum(_cache(srv, f"h{i}")["misses"] for i in range(HEADS)) >= 2, 30, "swaps under way",
                  interval=0.01)
@@ -193,12 +194,14 @@ def test_a_group_killed_mid_swap_answers_everything_and_comes_back_with_its_budg
         outcomes = []
         for t, f in held:  # every request is answered: its result, or the group's failure
             try:
-                outcomes.append("ok" if torch.equal(f.result(25), want[t]) else "wrong")
+                outcomes.append("ok" if torch.equal(f.result(90), want[t]) else "wrong")
             except BlockFlowError as exc:
                 outcomes.append(exc.code)
         # the requests the group held fail at once; one the dispatcher was sending to the dead
-        # group's first block when it went is answered unavailable: none is lost, none is wrong
-        assert set(outcomes) <= {"ok", ErrorCode.BLOCK_FAILED.value, ErrorCode.UNAVAILABLE.value}, outcomes
+        # group's first block when it went is answered unavailable, one still queued past its
+        # deadline while the group came back (a loaded machine) timeout: none is lost, none is wrong
+        assert set(outcomes) <= {"ok", ErrorCode.BLOCK_FAILED.value, ErrorCode.UNAVAILABLE.value,
+                                 ErrorCode.TIMEOUT.value}, outcomes
         wait_for(lambda: all(b["status"] == "ready" and b["pid"] != host
                              for b in srv.call("GET", "/system")["blocks"]), 60, "the group comes back")
         for t in range(HEADS):
