@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
-import shlex
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -25,29 +23,17 @@ pytest.importorskip("transformers")
 from blockflow.blocks.repository import load_manifest  # noqa: E402
 from blockflow.client import Client  # noqa: E402
 from conftest import ROOT  # noqa: E402
+import test_configs_example as configs_example  # noqa: E402
 from configs import bert_tasks  # noqa: E402
 from experiments.memory_model import sharing  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "bert_shared.json")
-#: The README's export command: one line, run once per task (``$task``).
-EXPORT_LINE = re.compile(r"^\s*(blockflow export --model configs\.bert_tasks:\$task .*)$", re.M)
 #: Largest difference accepted between a served task and its model run directly (issue 43's goal).
 TOL = 1e-5
 
 
-def readme() -> str:
-    with open(os.path.join(ROOT, "README.md")) as f:
-        return f.read()
-
-
 def readme_export_args(task: str, out: str) -> list[str]:
-    """The README's `blockflow export` line for ``task``, writing into ``out``, as arguments."""
-    lines = EXPORT_LINE.findall(readme())
-    assert len(lines) == 1, f"README should show one `blockflow export --model configs.bert_tasks:$task` line: {lines}"
-    args = shlex.split(lines[0].replace("$task", task))[2:]  # after `blockflow export`
-    assert args[args.index("--out") + 1] == "model_repo", args
-    args[args.index("--out") + 1] = out
-    return args
+    return configs_example.readme_export_args(task, out, "bert_tasks")
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,6 @@ from conftest import ROOT
 from configs import mobilenet_tasks
 
 CONFIG = os.path.join(ROOT, "configs", "mobilenet_shared.json")
-#: The README's export command: one line, run once per task (``$task``).
-EXPORT_LINE = re.compile(r"^\s*(blockflow export --model configs\.mobilenet_tasks:\$task .*)$", re.M)
 SHARED = ("block1.pt", "block2.pt")
 TOL = 1e-4
 
@@ -35,10 +33,12 @@ def readme() -> str:
         return f.read()
 
 
-def readme_export_args(task: str, out: str) -> list[str]:
-    """The README's `blockflow export` line for ``task``, writing into ``out``, as arguments."""
-    lines = EXPORT_LINE.findall(readme())
-    assert len(lines) == 1, f"README should show one `blockflow export --model configs.mobilenet_tasks:$task` line: {lines}"
+def readme_export_args(task: str, out: str, tasks_module: str = "mobilenet_tasks") -> list[str]:
+    """The README's `blockflow export` line for ``task`` of ``configs.<tasks_module>`` (one
+    line, run once per task: ``$task``), writing into ``out``, as arguments."""
+    line = re.compile(rf"^\s*(blockflow export --model configs\.{tasks_module}:\$task .*)$", re.M)
+    lines = line.findall(readme())
+    assert len(lines) == 1, f"README should show one `blockflow export --model configs.{tasks_module}:$task` line: {lines}"
     args = shlex.split(lines[0].replace("$task", task))[2:]  # after `blockflow export`
     assert args[args.index("--out") + 1] == "model_repo", args
     args[args.index("--out") + 1] = out
