@@ -36,7 +36,8 @@ from blockflow.sockthread import QueueFull, SocketThread
 from blockflow.tensormq import bundle
 from blockflow.tensormq.shm import W_GENERATION, W_RELEASED, SlotMapper
 from blockflow.tensormq.transport import bytes_fields, read_bytes_value
-from blockflow.tensormq.wire import TensorDesc, WireError, contiguous_stride, dtype_name, dumps, is_local, loads_header
+from blockflow.tensormq.wire import (ClientOp, ClientRequest, TensorDesc, WireError, contiguous_stride, decode_reply,
+                                    dtype_name, encode_client, is_local)
 from blockflow.core import settings
 
 log = logging.getLogger(__name__)
@@ -222,23 +223,20 @@ class Client:
                     self._slot_of[rid] = placed[0]
                     self.stats["in_slot"] += 1
         if placed is not None:
-            fields, payloads = {"x": placed[1], "out": "shm"}, []
+            fields, payloads = {"x": placed[1]}, []
         else:
             fields, payloads = bytes_fields(tensor)  # a bad member: TypeError/ValueError naming it
-            if self.lent is not None:
-                fields["out"] = "shm"
-        if traceparent is not None:
-            fields["traceparent"] = traceparent
-        return self._request({"op": "infer", "task": task, **fields, "timeout": timeout},
-                             payloads, timeout, details, rid)
+        msg = ClientRequest(PROTOCOL_VERSION, rid, ClientOp.INFER, task=task, out="shm" if self.lent is not None else None,
+                            timeout=timeout if 0 < timeout < math.inf else None, traceparent=traceparent, **fields)
+        return self._request(msg, payloads, timeout, details)
 
     def _ask_for_slots(self, tensor: torch.Tensor) -> None:
         """Ask the dispatcher for a window of slots for tensors like ``tensor``; until the answer
         comes (and if none does) requests carry their bytes. Asked again when the lease may have
         ended (``LentSlots.stale``, a disconnect), at most every 10 s."""
         nbytes = max(tensor.numel() * tensor.element_size(), 1)
-        fut = self._request({"op": "lend", "nbytes": nbytes, "pid": os.getpid()}, [], self.timeout, False,
-                            keep=True)
+        fut = self._request(ClientRequest(PROTOCOL_VERSION, next(self._ids), ClientOp.LEND, nbytes=nbytes,
+                                          pid=os.getpid()), [], self.timeout, False, keep=True)
         fut.add_done_callback(self._lent)
 
     def _lent(self, fut: Future) -> None:
@@ -250,11 +248,11 @@ class Client:
                 self._lend_at = math.inf  # a dispatcher that does not lend: never ask again
             return
         try:
-            lent = LentSlots(header["shm"], header["slots"], float(header["idle_s"]))
+            lent = LentSlots(header.shm, header.slots, header.idle_s)
         except Exception as exc:  # not this host's files after all (a forwarded port): give them back
             log.info("client for %s: cannot map the lent slots (%s); tensors travel as bytes", self.address, exc)
             self._lend_at = math.inf
-            self._request({"op": "unlend"}, [], self.timeout, False)
+            self._request(self._simple(ClientOp.UNLEND), [], self.timeout, False)
             return
         with self._lock:
             self._drop_lease()
@@ -268,20 +266,24 @@ class Client:
             self.lent, self._lend_at = None, 0.0
             self._slot_of.clear()
 
-    def _request(self, fields: dict, payload: list, timeout: float, details: bool, rid: int | None = None,
+    def _simple(self, op: ClientOp) -> ClientRequest:
+        """A request with no more than its op (ping, unlend)."""
+        return ClientRequest(PROTOCOL_VERSION, next(self._ids), op)
+
+    def _request(self, msg: ClientRequest, payload: list, timeout: float, details: bool,
                  keep: bool = False) -> Future:
-        """``keep``: the future gets the whole reply header (the lend answer), not a tensor."""
-        rid = next(self._ids) if rid is None else rid
-        header = {"v": PROTOCOL_VERSION, "id": rid, **fields}
+        """Send ``msg`` (its ``id`` from ``self._ids``). ``keep``: the future gets the whole
+        reply (the lend answer), not a tensor."""
+        rid = msg.id
         if self.token:
-            header["token"] = self.token
+            msg.token = self.token
         fut: Future = Future()
         fut.details, fut.keep = details, keep
         deadline = time.monotonic() + timeout
         with self._lock:
             self._waiting[rid] = (fut, deadline)
         try:
-            self._io.send([dumps(header), *payload], deadline, on_sent=lambda: self._sent.add(rid))
+            self._io.send([encode_client(msg), *payload], deadline, on_sent=lambda: self._sent.add(rid))
         except QueueFull as exc:
             with self._lock:
                 self._waiting.pop(rid, None)
@@ -298,7 +300,7 @@ class Client:
         return self.submit(task, tensor, timeout, details=True, traceparent=traceparent).result()
 
     def ping(self, timeout: float = 5.0) -> bool:
-        self._request({"op": "ping"}, [], timeout, False).result()
+        self._request(self._simple(ClientOp.PING), [], timeout, False).result()
         return True
 
     def close(self) -> None:
@@ -306,7 +308,7 @@ class Client:
             return
         if self.lent is not None:  # the dispatcher reclaims the slots now rather than when this process exits
             try:
-                self._request({"op": "unlend"}, [], 1.0, False).result(2.0)
+                self._request(self._simple(ClientOp.UNLEND), [], 1.0, False).result(2.0)
             except Exception:
                 pass  # it reclaims them on its own (this process gone, or the lease unused)
         self._closed = True
@@ -343,11 +345,11 @@ class Client:
 
     def _on_reply(self, frames: list) -> None:
         try:
-            header = loads_header(frames[0])
+            header = decode_reply(frames[0])
         except WireError as exc:
             log.warning("client: dropped an unreadable reply (%s)", exc)
             return
-        rid = header.get("id")
+        rid = header.id
         with self._lock:
             entry = self._waiting.pop(rid, None)
             if entry is not None:
@@ -364,19 +366,18 @@ class Client:
             self.stats["late"] += 1  # answered after we gave up on it (deadline or disconnect)
             return
         fut = entry[0]
-        if header.get("status") != "ok":
-            fut.set_exception(BlockFlowError(str(header.get("error", "unknown error")),
-                                             str(header.get("code", "error")), header.get("hops")))
+        if header.status != "ok":
+            fut.set_exception(BlockFlowError(header.error or "unknown error", header.code or "error", header.hops))
             return
         if fut.keep:
             fut.set_result(header)
             return
-        if "x" not in header and "xs" not in header:
+        if header.x is None and header.xs is None:
             fut.set_result(None)
             return
         try:
-            x = header.get("x")
-            if isinstance(x, dict) and x.get("loc") == "shm" and len(frames) == 1:
+            x = header.x
+            if x is not None and x.get("loc") == "shm" and len(frames) == 1:
                 with self._lock:
                     lent = self.lent
                 if lent is None:
@@ -388,7 +389,7 @@ class Client:
         except (WireError, IndexError) as exc:
             fut.set_exception(BlockFlowError(f"unreadable result tensor: {exc}", ErrorCode.BAD_RESULT.value))
             return
-        fut.set_result(Result(tensor, header.get("hops"), header.get("ms")) if fut.details else tensor)
+        fut.set_result(Result(tensor, header.hops, header.ms) if fut.details else tensor)
 
     def _end_slot(self, rid, answered: bool) -> None:
         """The request ``rid`` ended; its lent slot, if any, may be filled again (under the lock)."""

@@ -82,7 +82,7 @@ from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.core.curve import ClusterKeys, authenticator, make_server
 from blockflow.tensormq.transport import RESULT_KEYS, Transport, receive_limit, recv_message
 from blockflow.tensormq.bundle import first
-from blockflow.tensormq.wire import DataHeader, WireError, check_path, dumps, loads_data_header
+from blockflow.tensormq.wire import DataHeader, WireError, block_error, check_path, dumps, loads_data_header
 
 from .batching import DelayController, plan_batches, run_batch
 from .handover import INBOXES, Handed, Inbox
@@ -565,8 +565,7 @@ class Block(ChildProcess):
                     frames.release()
                 else:
                     self.release_unused(header)
-                self.send_quietly(header.path[-1][1], {"t": "error", "rid": header.rid, "block": self.name,
-                                                          "code": ErrorCode.OVERLOADED.value, "err": str(exc)})
+                self.send_error(header.path[-1][1], header.rid, str(exc), ErrorCode.OVERLOADED)
                 self.kpi.add("latency", {"ts": arrival_wall, "rid": header.rid, "task": header.task,
                                          "error": ErrorCode.OVERLOADED.value})
             return
@@ -645,8 +644,7 @@ class Block(ChildProcess):
             log.warning("block %s: dropped a malformed message (%s)%s", self.name, exc,
                         f"; error sent to {ret[1]}" if ret else "; no requester named")
             if ret:
-                self.send_quietly(ret[1], {"t": "error", "rid": ret[0], "block": self.name,
-                                           "err": f"block {self.name}: malformed message: {exc}"})
+                self.send_error(ret[1], ret[0], f"block {self.name}: malformed message: {exc}")
             return
         except Exception:  # a hostile frame must not end this thread (and the block with it)
             log.exception("block %s: dropped a message that could not be handled", self.name)
@@ -666,21 +664,22 @@ class Block(ChildProcess):
         (``give_back(header)`` then releases what it holds: its slot, or a handed tensor's lease)."""
         if len(self.backlog) >= self.spec.max_queue:
             give_back(header)
-            self.send_quietly(header.path[-1][1], {
-                "t": "error", "rid": header.rid, "block": self.name, "code": ErrorCode.OVERLOADED.value,
-                "err": f"block {self.name} is overloaded: {self.spec.max_queue} requests already queued"})
+            self.send_error(header.path[-1][1], header.rid,
+                            f"block {self.name} is overloaded: {self.spec.max_queue} requests already queued",
+                            ErrorCode.OVERLOADED)
             return
         self.backlog.append((arrival, arrival_wall, header, frames))
         if self.batcher is not None:
             self.batcher.arrived(arrival)
 
-    def send_quietly(self, address: str, header: dict) -> None:
-        """An error reply (no tensor): best effort, a short wait, never raises."""
+    def send_error(self, address: str, rid: int, err: str, code: ErrorCode | None = None) -> None:
+        """Answer request ``rid`` with an error (``BlockError``, no tensor) at ``address``, its
+        return address: best effort, a short wait, never raises."""
         try:
-            self.transport.send(address, header, timeout=1.0)
+            self.transport.send(address, block_error(rid, self.name, err, code), timeout=1.0)
         except (TimeoutError, ConnectionError, zmq.ZMQError) as exc:
-            log.warning("block %s: could not send %s for request %s to %s: %s",
-                        self.name, header.get("t"), header.get("rid"), address, exc)
+            log.warning("block %s: could not send the error for request %s to %s: %s",
+                        self.name, rid, address, exc)
 
     def release_unused(self, header: DataHeader) -> None:
         """A refused request still holds a slot (shared memory or CUDA): release it through
@@ -974,12 +973,11 @@ class Block(ChildProcess):
             req.lease.release()
         msg = f"block {self.name}: {type(exc).__name__}: {exc}"
         log.warning("%s (request %s)", msg, rid)
-        err = {"t": "error", "rid": rid, "block": self.name, "err": msg}
-        if isinstance(exc, (HopGone, ShmExhausted)):
-            err["code"] = exc.code  # block_failed: the next hop was removed; no_shared_memory
-        self.send_quietly(header.path[-1][1], err)
+        # block_failed: the next hop was removed; no_shared_memory
+        code = ErrorCode(exc.code) if isinstance(exc, (HopGone, ShmExhausted)) else ErrorCode.ERROR
+        self.send_error(header.path[-1][1], rid, msg, code)
         self.kpi.add("latency", {"ts": req.arrival_wall, "rid": rid, "task": header.task,
-                                 "error": err.get("code", "error")})  # counted by GET /metrics
+                                 "error": code.value})  # counted by GET /metrics
         if header.trace is not None and self.tracer is not None:
             self.trace(header.trace, {"ts": req.arrival_wall, "rid": rid,
                                       "total": (time.perf_counter() - req.arrival) * 1e3}, error=msg)
@@ -997,9 +995,7 @@ class Block(ChildProcess):
             if type(frames) is Handed:
                 frames.release()
             self.release_unused(header)
-            self.send_quietly(header.path[-1][1], {"t": "error", "rid": header.rid, "block": self.name,
-                                                      "code": ErrorCode.SHUTDOWN.value,
-                                                      "err": f"block {self.name} is shutting down"})
+            self.send_error(header.path[-1][1], header.rid, f"block {self.name} is shutting down", ErrorCode.SHUTDOWN)
 
     def flush(self) -> None:
         self.kpi.flush()

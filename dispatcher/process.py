@@ -52,7 +52,8 @@ from blockflow.dispatcher.spec import DispatcherSpec
 from blockflow.tensormq.shm import ShmExhausted, ShmLease
 from blockflow.tensormq.transport import (RESULT_KEYS, Transport, bytes_fields, read_bytes_value, read_result_keys,
                                           receive_limit)
-from blockflow.tensormq.wire import DTYPES, DataHeader, TensorDesc, WireError, dumps, loads_header
+from blockflow.tensormq.wire import (DTYPES, ClientOp, ClientReply, ClientRequest, DataHeader, TensorDesc, WireError,
+                                    decode_request, encode_client, loads_header, read_block_error, salvage_id)
 
 log = logging.getLogger("blockflow.dispatcher")
 
@@ -217,26 +218,24 @@ class Dispatcher(ChildProcess):
 
     def reply(self, client: bytes, cid, status: str, *, error: str | None = None, code: ErrorCode | None = None,
               tensor=None, hops=None, started: float | None = None, task: str | None = None,
-              since: float | None = None, handle: dict | None = None, extra: dict | None = None,
+              since: float | None = None, handle: dict | None = None, lent: tuple | None = None,
               counted: bool = True) -> None:
-        """``counted``: False for the answers to ``lend``/``unlend``, which are no requests of a
-        task (``stats`` and the request log count those)."""
-        header = {"v": PROTOCOL_VERSION, "id": cid, "status": status}
+        """``handle``: the result's slot, which the client reads itself (Note [Lent slots]);
+        ``lent``: the answer to ``lend`` (folder, slot names, idle limit). ``counted``: False
+        for the answers to ``lend``/``unlend``, which are no requests of a task (``stats`` and
+        the request log count those)."""
+        header = ClientReply(PROTOCOL_VERSION, cid, status, hops=hops, x=handle)
         if error is not None:
-            header["error"], header["code"] = error, (code or ErrorCode.ERROR).value
-        if hops is not None:
-            header["hops"] = hops
+            header.error, header.code = error, (code or ErrorCode.ERROR).value
         if started is not None:
-            header["ms"] = (time.monotonic() - started) * 1e3
-        if handle is not None:  # the result's slot, which the client reads itself (Note [Lent slots])
-            header["x"] = handle
-        if extra:
-            header.update(extra)
-        frames = [client, dumps(header)]
+            header.ms = (time.monotonic() - started) * 1e3
+        if lent is not None:
+            header.shm, header.slots, header.idle_s = lent
+        payloads = ()
         if tensor is not None:  # a tensor or a bundle (tensormq/bundle.py), as bytes
             fields, payloads = bytes_fields(tensor)
-            header.update(fields)
-            frames = [client, dumps(header), *payloads]
+            header.x, header.xs, header.keys = fields.get("x"), fields.get("xs"), fields.get("keys")
+        frames = [client, encode_client(header), *payloads]
         try:
             # copy=True: the result may live in a slot that is released right after this call
             self.front.send_multipart(frames, copy=True)
@@ -245,7 +244,7 @@ class Dispatcher(ChildProcess):
         if counted:
             self.stats["ok" if status == "ok" else "errors"] += 1
         if self.kpi is not None and task is not None:
-            self.kpi.record(task, "ok" if status == "ok" else header["code"], since, hops)
+            self.kpi.record(task, "ok" if status == "ok" else header.code, since, hops)
 
     def receive_requests(self) -> None:
         for _ in range(64):
@@ -258,8 +257,8 @@ class Dispatcher(ChildProcess):
                 self.handle_request(client, frames[1:])
             except Exception as exc:  # one hostile frame must not take the clients' entry point down
                 log.exception("dispatcher: request from client %r failed unexpectedly", client[:16])
-                self.reply(client, None, "error", code=ErrorCode.BAD_REQUEST,
-                           error=f"bad request: {type(exc).__name__}")
+                self.reply(client, salvage_id(frames[1]) if len(frames) > 1 else None, "error",
+                           code=ErrorCode.BAD_REQUEST, error=f"bad request: {type(exc).__name__}")
 
     def handle_request(self, client: bytes, frames: list) -> None:
         self.stats["requests"] += 1
@@ -267,29 +266,27 @@ class Dispatcher(ChildProcess):
         try:
             if not frames:
                 raise WireError("empty message; send [header, tensor bytes]")
-            header = loads_header(frames[0])
-            cid = header.get("id")
-            if not isinstance(cid, (int, str)) or isinstance(cid, bool) or len(str(cid)) > 128:
-                cid = None
-                raise WireError("id must be an integer or a string of at most 128 characters")
+            try:
+                header = decode_request(frames[0])
+            except WireError:
+                cid = salvage_id(frames[0])
+                raise
+            cid = header.id
             # compared as bytes: compare_digest raises TypeError on non-ASCII str
-            if self.spec.token and not hmac.compare_digest(str(header.get("token", "")).encode(),
-                                                           self.spec.token.encode()):
+            if self.spec.token and not hmac.compare_digest((header.token or "").encode(), self.spec.token.encode()):
                 self.reply(client, cid, "error", error="unauthorized: a valid token is required",
                            code=ErrorCode.UNAUTHORIZED,
                            task=RequestLog.UNKNOWN_TASK)
                 return
-            op = header.get("op", "infer")
-            if op == "ping":
+            op = header.op
+            if op is ClientOp.PING:
                 self.reply(client, cid, "ok")
                 return
-            if op in ("lend", "unlend"):
+            if op is not ClientOp.INFER:
                 self.lend(client, cid, op, header)
                 return
-            if op != "infer":
-                raise WireError(f"op must be 'infer', 'ping', 'lend' or 'unlend', got {op!r:.20}")
-            task = header.get("task")
-            entry = self.tasks.get(task) if isinstance(task, str) else None
+            task = header.task
+            entry = self.tasks.get(task) if task is not None else None
             if entry is None:
                 known = ", ".join(sorted(self.tasks)) or "none"
                 self.reply(client, cid, "error", code=ErrorCode.UNKNOWN_TASK, task=RequestLog.UNKNOWN_TASK,
@@ -300,8 +297,8 @@ class Dispatcher(ChildProcess):
                            error=f"task {task} cannot be served now: {entry['unavailable']}")
                 return
             lent = None
-            x = header.get("x")
-            if isinstance(x, dict) and x.get("loc") == "shm" and len(frames) == 1:
+            x = header.x
+            if x is not None and x.get("loc") == "shm" and len(frames) == 1:
                 tensor, lent = self.read_lent(client, task, entry, x)
             else:
                 tensor = self.read_input(task, entry, header, frames)
@@ -319,20 +316,18 @@ class Dispatcher(ChildProcess):
                        error=f"dispatcher is overloaded: {self.spec.max_pending} requests are waiting; retry later")
             return
         now = time.monotonic()
-        timeout = header.get("timeout")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < 3600:
-            timeout = self.spec.request_timeout
-        req = Request(client, cid, task, tuple(entry["blocks"]), now, now + min(timeout, self.spec.request_timeout),
-                      tensor, frames, lent, header.get("out") == "shm")
+        timeout = min(header.timeout or self.spec.request_timeout, self.spec.request_timeout)
+        req = Request(client, cid, task, tuple(entry["blocks"]), now, now + timeout,
+                      tensor, frames, lent, header.out == "shm")
         rid = secrets.randbits(63)  # unguessable: a forged result cannot name a request in flight
         while rid in self.outstanding:
             rid = secrets.randbits(63)
         if self.tracer is not None:
-            req.span, req.trace = self.tracer.start_request(header.get("traceparent"), task, rid)
+            req.span, req.trace = self.tracer.start_request(header.traceparent, task, rid)
         if self.pending or not self.forward(rid, req):
             self.pending.append((rid, req))
 
-    def read_input(self, task: str, entry: dict, header: dict, frames: list):
+    def read_input(self, task: str, entry: dict, header: ClientRequest, frames: list):
         """A client's tensor, or its bundle (``xs``: tensormq/bundle.py), every member sent as
         bytes and checked against what the task's first block takes before it is read."""
         return read_bytes_value(header, frames, self.spec.max_tensor_bytes, self.input_check(task, entry))
@@ -345,9 +340,9 @@ class Dispatcher(ChildProcess):
         check = self.input_check(task, entry)
         return self.lender.take(client, x, self.spec.max_tensor_bytes, lambda desc: check(desc, None))
 
-    def lend(self, client: bytes, cid, op: str, header: dict) -> None:
+    def lend(self, client: bytes, cid, op: ClientOp, header: ClientRequest) -> None:
         """``lend``: a window of slots for a client on this host; ``unlend``: it gives them back."""
-        if op == "unlend":
+        if op is ClientOp.UNLEND:
             if self.lender is not None:
                 self.lender.end(client)
             self.reply(client, cid, "ok", counted=False)
@@ -359,12 +354,11 @@ class Dispatcher(ChildProcess):
                        error=f"transport {self.transport.mode}: requests carry their bytes, no slots are lent")
             return
         try:
-            slots = self.lender.lend(client, header.get("nbytes"), header.get("pid"))
+            slots = self.lender.lend(client, header.nbytes, header.pid)
         except ShmExhausted as exc:
             self.reply(client, cid, "error", code=ErrorCode.NO_SHARED_MEMORY, error=str(exc), counted=False)
             return
-        self.reply(client, cid, "ok", extra={"shm": self.spec.shm_dir, "slots": slots, "idle_s": LEASE_IDLE_S},
-                   counted=False)
+        self.reply(client, cid, "ok", lent=(self.spec.shm_dir, slots, LEASE_IDLE_S), counted=False)
 
     def input_check(self, task: str, entry: dict):
         """``check(descs, keys)``: refuses (ValueError) what the task's first block does not take."""
@@ -528,9 +522,13 @@ class Dispatcher(ChildProcess):
                                "timed out, or never sent)", kind, rid)
             return
         if kind == "error":
-            err = header.get("err")
-            self.answer(req, "error", error=str(err)[:2000], code=ErrorCode.of(header.get("code")),
-                       hops=header.get("hops"), started=req.started)
+            try:
+                err = read_block_error(header)
+            except WireError as exc:
+                self.answer(req, "error", code=ErrorCode.BAD_RESULT, started=req.started,
+                            error=f"a block sent an unreadable error: {exc}")
+                return
+            self.answer(req, "error", error=err.err[:2000], code=ErrorCode.of(err.code), started=req.started)
             return
         lease = None
         try:

@@ -123,13 +123,13 @@ def bytes_fields(value) -> tuple[dict, list]:
     return fields, [p for _, p in encoded]
 
 
-def read_bytes_value(header: dict, frames: list, max_bytes: int = MAX_TENSOR_BYTES, check=None):
-    """The tensor or bundle of a message whose every member travelled as bytes (the inverse of
-    ``bytes_fields``), over the frames' memory; WireError names what does not fit.
-    ``check(descs, keys)``, when given, sees the checked descriptors before any is read
-    (keys None: one tensor, or a tuple)."""
-    bundled = "xs" in header
-    xs, keys = member_descs(header["xs"], header.get("keys"), "x" in header) if bundled else ([header.get("x")], None)
+def read_bytes_value(msg, frames: list, max_bytes: int = MAX_TENSOR_BYTES, check=None):
+    """The tensor or bundle of a message (a ``ClientRequest`` or ``ClientReply``: its ``x``, or
+    ``xs`` and ``keys``) whose every member travelled as bytes (the inverse of ``bytes_fields``),
+    over the frames' memory; WireError names what does not fit. ``check(descs, keys)``, when
+    given, sees the checked descriptors before any is read (keys None: one tensor, or a tuple)."""
+    bundled = msg.xs is not None
+    xs, keys = member_descs(msg.xs, msg.keys, msg.x is not None) if bundled else ([msg.x], None)
     descs = [TensorDesc.parse(x, max_bytes) for x in xs]
     if any(d.loc != "bytes" for d in descs) or len(frames) != 1 + len(descs):
         raise WireError(f"{'xs' if bundled else 'x'} must have loc 'bytes', each tensor in its own frame after "

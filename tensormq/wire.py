@@ -17,8 +17,8 @@ of 1 to 16 descriptors, instead of ``"x"``, and ``"keys"`` (as many names) when 
 is a dict; one payload frame follows the header for each member whose ``loc`` is ``bytes``,
 in member order. A header has ``x`` or ``xs``, never both.
 
-A block decodes a data header into ``DataHeader`` (typed fields, Note [Typed header]); the
-dispatcher and clients read the other messages as dicts.
+A block decodes a data header into ``DataHeader`` (typed fields, Note [Typed header]). A client
+and the dispatcher speak ``ClientRequest`` and ``ClientReply`` (Note [Client messages]).
 
 A tensor descriptor always carries ``dtype``, ``shape`` and ``stride`` (in elements) and
 says where the memory is (``loc``):
@@ -30,6 +30,7 @@ says where the memory is (``loc``):
 """
 from __future__ import annotations
 
+import enum
 import math
 import os
 import re
@@ -251,6 +252,33 @@ class DataHeader(msgspec.Struct, omit_defaults=True):
 _DATA_DECODER = msgspec.json.Decoder(DataHeader)
 
 
+class BlockError(msgspec.Struct, omit_defaults=True):
+    """A block's answer to a request it cannot run or pass on, sent to the request's return
+    address (the dispatcher) instead of a result: the dispatcher answers the client with it."""
+
+    v: int
+    t: Literal["error"]
+    rid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+    #: the block that refused or failed, and why
+    block: str
+    err: str
+    #: an ``ErrorCode`` value (blockflow/core/protocol.py); absent: ``error``
+    code: str | None = None
+
+
+def block_error(rid: int, block: str, err: str, code=None) -> BlockError:
+    """The error message of ``block`` for request ``rid`` (``code``: an ``ErrorCode``, or None)."""
+    return BlockError(PROTOCOL_VERSION, "error", rid, block, err, None if code is None else code.value)
+
+
+def read_block_error(obj: dict) -> BlockError:
+    """A block's error message read from its parsed header, or WireError naming the bad field."""
+    try:
+        return msgspec.convert(obj, BlockError)
+    except msgspec.ValidationError as exc:
+        raise WireError(f"error message: {exc}") from None
+
+
 def loads_data_header(frame, limit: int = MAX_HEADER_BYTES) -> DataHeader:
     """A data message's header, typed and checked (Note [Typed header]), or WireError naming
     the field that is wrong."""
@@ -269,6 +297,129 @@ def loads_data_header(frame, limit: int = MAX_HEADER_BYTES) -> DataHeader:
     if header.xs is not None:
         member_descs(header.xs, header.keys, header.x is not None)
     return header
+
+
+# Note [Client messages]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# A client and the dispatcher exchange one JSON header per message (tensor frames follow it
+# where bytes travel): a ``ClientRequest`` and, for each, one ``ClientReply`` with the same
+# ``id``. Both are written only through these Structs (``encode_client``) and read only through
+# their decoders, so every field, its type and its bound is here and nowhere else. What the
+# dispatcher cannot decode is still answered: it salvages the request's ``id`` from the raw
+# JSON (``salvage_id``) so that the client can match the error to its call. A field neither
+# side declares is ignored on reading, so an older client keeps working with a newer dispatcher
+# as long as ``v`` is the same; a different ``v`` is refused, naming both versions.
+
+
+class ClientOp(str, enum.Enum):
+    """What a client asks the dispatcher (``op`` of a ``ClientRequest``)."""
+
+    INFER = "infer"    #: run ``task`` on the tensor(s) the request carries
+    PING = "ping"      #: is the dispatcher there (answered ok, nothing run)
+    LEND = "lend"      #: a window of shared-memory slots for a client on this host (dispatcher/lending.py)
+    UNLEND = "unlend"  #: the client gives its lent slots back
+
+
+#: A request's id: the client's to choose, echoed in the reply (an integer, or a short string).
+RequestId = int | Annotated[str, msgspec.Meta(max_length=128)]
+
+
+class ClientRequest(msgspec.Struct, omit_defaults=True):
+    """A client's message to the dispatcher (Note [Client messages])."""
+
+    #: the protocol version the client speaks (blockflow/core/protocol.py)
+    v: int
+    id: RequestId
+    op: ClientOp = ClientOp.INFER
+    #: the server's token when it has one (``blockflow serve --token``)
+    token: str | None = None
+    task: str | None = None
+    #: one tensor's descriptor (bytes in the next frame, or a lent slot), or ``xs`` (+ ``keys``) for several
+    x: dict | None = None
+    xs: list[dict] | None = None
+    keys: list[str] | None = None
+    #: "shm": answer in a slot this client maps (it holds a lease), not in bytes
+    out: Literal["shm"] | None = None
+    #: seconds the client waits; the dispatcher answers ``timeout`` by then (capped by its own limit)
+    timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    #: a W3C traceparent: the request joins that trace (blockflow/core/tracing.py)
+    traceparent: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    #: ``lend``: the size of the tensors the client will send, and its process id
+    nbytes: int | None = None
+    pid: int | None = None
+
+
+class ClientReply(msgspec.Struct, omit_defaults=True):
+    """The dispatcher's answer to one ``ClientRequest`` (Note [Client messages])."""
+
+    v: int
+    #: the request's id; None only when the request had no readable one
+    id: RequestId | None
+    status: Literal["ok", "error"]
+    #: an error's message and its ``ErrorCode`` (blockflow/core/protocol.py)
+    error: str | None = None
+    code: str | None = None
+    #: per-hop timings (client.Result) and ms from arrival at the dispatcher to this reply
+    hops: list[dict] | None = None
+    ms: float | None = None
+    #: the result: as bytes in the frames after this header, or a slot's handle (``out`` "shm")
+    x: dict | None = None
+    xs: list[dict] | None = None
+    keys: list[str] | None = None
+    #: the answer to ``lend``: the slots' folder, their names, and how long an unused lease lasts
+    shm: str | None = None
+    slots: list[str] | None = None
+    idle_s: float | None = None
+
+
+_CLIENT_ENCODER = msgspec.json.Encoder()
+_REQUEST_DECODER = msgspec.json.Decoder(ClientRequest)
+_REPLY_DECODER = msgspec.json.Decoder(ClientReply)
+
+
+def encode_client(msg: ClientRequest | ClientReply) -> bytes:
+    """The header frame of a client message."""
+    return _CLIENT_ENCODER.encode(msg)
+
+
+def _decode_client(decoder: msgspec.json.Decoder, frame, limit: int):
+    buf = getattr(frame, "buffer", frame)
+    if len(buf) > limit:
+        raise WireError(f"header is {len(buf)} bytes, more than the limit of {limit}")
+    try:
+        msg = decoder.decode(buf)
+    except msgspec.ValidationError as exc:
+        raise WireError(f"header: {exc}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise WireError(f"header is not JSON ({exc}); pickles and other formats are refused") from None
+    except UnicodeDecodeError as exc:
+        raise WireError(not_utf8(exc)) from None
+    if msg.v != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {msg.v!r:.20} is not this server's ({PROTOCOL_VERSION}); "
+                        "use a client of the same BlockFlow release as the server")
+    return msg
+
+
+def decode_request(frame, limit: int = MAX_HEADER_BYTES) -> ClientRequest:
+    """A client's request, typed and checked, or WireError naming the field that is wrong."""
+    return _decode_client(_REQUEST_DECODER, frame, limit)
+
+
+def decode_reply(frame, limit: int = MAX_HEADER_BYTES) -> ClientReply:
+    """The dispatcher's reply, typed and checked, or WireError naming the field that is wrong."""
+    return _decode_client(_REPLY_DECODER, frame, limit)
+
+
+def salvage_id(frame) -> int | str | None:
+    """The ``id`` of a request ``decode_request`` refused, when it has a valid one (so that the
+    error reaches the call that sent it); None otherwise."""
+    try:
+        rid = loads_header(frame).get("id")
+    except WireError:
+        return None
+    if isinstance(rid, bool) or not isinstance(rid, (int, str)) or (isinstance(rid, str) and len(rid) > 128):
+        return None
+    return rid
 
 
 def contiguous_stride(shape) -> tuple[int, ...]:

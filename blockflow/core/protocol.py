@@ -50,7 +50,7 @@ them from ``Cmd``); another command is answered with an error naming the ones it
 ``PROTOCOL_VERSION`` is the one version of what BlockFlow processes say to each other: the
 control messages here (a process says it in READY; the controller refuses one that speaks
 another, e.g. a node of a Ray cluster running another BlockFlow) and the data headers
-(``v`` of tensormq/wire.py's ``DataHeader``, of a client's request and of its reply).
+(``v`` of tensormq/wire.py's ``DataHeader``, ``BlockError``, ``ClientRequest`` and ``ClientReply``).
 
 The child's side of this contract (READY, boot error, commands by name, the parent watchdog,
 the exit code) is written once for blocks and the dispatcher, in ``blockflow/core/childproc.py``.

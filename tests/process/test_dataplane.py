@@ -174,10 +174,15 @@ def test_bad_requests_get_error_replies_and_blocks_keep_serving(pipeline):
                                                            "loc": "shm", "seg": "../../etc/passwd", "gen": 1,
                                                            "off": 0, "nbytes": 16}}).encode()],
     ]
+    garbage.append([json.dumps({"v": 2, "id": 11, "task": "classify"}).encode()])  # another protocol version
     for frames in garbage:
         raw.send_multipart(frames)
         reply = json.loads(raw.recv_multipart()[0])
         assert reply["status"] == "error" and reply["error"], reply
+        sent = frames[0][:1] == b"{" and json.loads(frames[0])
+        # a request with a readable id gets its error under that id, even when another field is wrong
+        assert reply["id"] == (sent["id"] if sent else None), (reply, frames[0][:80])
+    assert "protocol version 2" in reply["error"], reply
     raw.close()
     ctx.term()
 

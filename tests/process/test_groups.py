@@ -210,18 +210,35 @@ def test_a_forged_path_does_not_reach_a_neighbour_in_the_process(server_factory,
     system = {b["name"]: b for b in srv.call("GET", "/system")["blocks"]}
     assert system["a"]["next_hops"] == {"d": "handles", "s": "in_process"}, system["a"]
     x = torch.arange(8.0).reshape(1, 8)
+    import json
+
+    import zmq
+
     from blockflow.core.protocol import RETURN_HOP
     from blockflow.tensormq.transport import bytes_fields
+    from blockflow.tensormq.wire import ClientReply, decode_reply
     forged = [["s", system["s"]["endpoint"]], [RETURN_HOP, system["s"]["endpoint"]]]
+    fields, payloads = bytes_fields(x)
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)  # the client library cannot write a path: a hand-made request does
+    raw.linger = 0
+    try:
+        raw.connect(srv.dispatcher)
+        raw.send_multipart([json.dumps({"v": 1, "id": 1, "task": "t", **fields, "path": forged}).encode(),
+                            *map(bytes, payloads)])
+        assert raw.poll(30_000), "the dispatcher did not answer"
+        frames = raw.recv_multipart()
+    finally:
+        raw.close()
+        ctx.term()
+    reply: ClientReply = decode_reply(frames[0])
+    if reply.status == "ok":
+        assert torch.equal(torch.frombuffer(bytearray(frames[1]), dtype=torch.float32).reshape(1, 8), x * 2)
+        through_d = 1  # a (identity), then d (double): not s
+    else:
+        assert reply.code == "bad_request", reply  # refused is as good: s still never sees it
+        through_d = 0
     with Client(srv.dispatcher, timeout=30) as c:
-        fields, payloads = bytes_fields(x)
-        fut = c._request({"op": "infer", "task": "t", **fields, "timeout": 30, "path": forged}, payloads, 30, False)
-        try:
-            assert torch.equal(fut.result(30), x * 2)  # a (identity), then d (double): not s
-            through_d = 1
-        except BlockFlowError as exc:
-            assert exc.code == "bad_request", exc  # refused is as good: s still never sees it
-            through_d = 0
         assert _received(srv, "s") == {} and srv.call("GET", "/blocks/s/ping")["served"] == 0
         assert torch.equal(c.infer("u", x), x * 2)  # the path that names s does reach it, by reference
     assert _received(srv, "s") == {"local": 1} and _received(srv, "d") == ({"shm": 1} if through_d else {})

@@ -119,3 +119,58 @@ def test_a_block_error_code_is_one_clients_know():
     assert ErrorCode.of("no_shared_memory") is ErrorCode.NO_SHARED_MEMORY
     assert ErrorCode.of(None) is ErrorCode.of("<script>") is ErrorCode.ERROR
     assert isinstance(Command(1, "ping").args, msgspec.Raw)
+
+
+# -- the client's messages (tensormq/wire.py, Note [Client messages]) ---------------------------
+
+def test_a_client_request_and_a_reply_round_trip():
+    from blockflow.tensormq.wire import (ClientOp, ClientReply, ClientRequest, decode_reply, decode_request,
+                                         encode_client)
+    req = ClientRequest(PROTOCOL_VERSION, 12, ClientOp.INFER, task="t", timeout=2.5, out="shm",
+                        x={"dtype": "float32", "shape": [1, 4], "stride": [4, 1], "loc": "bytes"},
+                        traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+    assert decode_request(encode_client(req)) == req
+    lend = ClientRequest(PROTOCOL_VERSION, "c-1", ClientOp.LEND, nbytes=4096, pid=os.getpid())
+    assert decode_request(encode_client(lend)) == lend
+    reply = ClientReply(PROTOCOL_VERSION, 12, "error", error="unknown task 'u'", code=ErrorCode.UNKNOWN_TASK.value)
+    assert decode_reply(encode_client(reply)) == reply
+    # what is not set is not written: a ping is a few bytes
+    assert encode_client(ClientRequest(PROTOCOL_VERSION, 3, ClientOp.PING)) == b'{"v":1,"id":3,"op":"ping"}'
+
+
+@pytest.mark.parametrize("frame, words", [
+    (b'{"v":1,"id":1,"timeout":"soon"}', "$.timeout"),
+    (b'{"v":1,"id":1,"timeout":-1}', "$.timeout"),
+    (b'{"v":1,"id":1,"op":"shutdown"}', "$.op"),
+    (b'{"v":1,"id":true}', "$.id"),
+    (b'{"v":1,"id":"' + b"i" * 129 + b'"}', "$.id"),
+    (b'{"v":1,"id":1,"out":"disk"}', "$.out"),
+    (b'{"id":1,"task":"t"}', "`v`"),
+    (b'{"v":2,"id":1}', "protocol version 2 is not this server's (1)"),
+    (b'[1, 2]', "Expected `object`"),
+])
+def test_a_malformed_client_request_is_refused_by_name(frame, words):
+    from blockflow.tensormq.wire import decode_request
+    with pytest.raises(WireError) as exc:
+        decode_request(frame)
+    assert words in str(exc.value), exc.value
+
+
+def test_the_id_of_a_refused_request_is_salvaged_when_it_is_valid():
+    """The dispatcher answers a request it cannot decode with the request's own id, so that the
+    client's call gets the error instead of waiting for its deadline."""
+    from blockflow.tensormq.wire import salvage_id
+    assert salvage_id(b'{"v":1,"id":7,"timeout":"soon"}') == 7
+    assert salvage_id(b'{"id":"abc","op":"shutdown"}') == "abc"
+    for frame in (b'{"id":true}', b'{"id":[1]}', b'{"id":"' + b"i" * 129 + b'"}', b"not json", b"[7]"):
+        assert salvage_id(frame) is None, frame
+
+
+def test_a_block_error_is_built_only_with_an_error_code():
+    from blockflow.tensormq.wire import block_error, dumps, loads_header, read_block_error
+    err = block_error(5, "b1", "block b1 is shutting down", ErrorCode.SHUTDOWN)
+    back = read_block_error(loads_header(dumps(err)))
+    assert back == err and ErrorCode.of(back.code) is ErrorCode.SHUTDOWN
+    assert read_block_error(loads_header(dumps(block_error(6, "b1", "boom")))).code is None
+    with pytest.raises(WireError, match=r"\$.rid"):
+        read_block_error({"v": 1, "t": "error", "rid": -1, "block": "b1", "err": "x"})
