@@ -328,7 +328,10 @@ def test_tracing(tmp_path, resnet_repo, leak_check):
     row = series["before tracing"]
     assert row["code"] == "before" and positive(row["p50_ms"])
     assert before["off_over_before_rounds"] == [pytest.approx(series["off"]["p50_ms"] / row["p50_ms"])]
-    assert before["within_1pct"] == (abs(before["off_over_before"] - 1) <= 0.01)
+    like = [pytest.approx(series["off, bytes"]["p50_ms"] / row["p50_ms"])]
+    assert before["off_bytes_over_before_rounds"] == like and before["off_bytes_over_before_ci95"] == like * 2
+    # item 4 is read like for like (bytes, as the code before sent them), by the interval's upper end
+    assert before["within_1pct"] == (before["off_bytes_over_before_ci95"][1] <= 1.01)
     assert f"off / before tracing ({before['commit'][:10]}): {before['off_over_before']:.3f}x" in printed
     # the README's Measured-here table says it
     from experiments.summary import Results, _request_path_rows
