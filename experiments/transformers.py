@@ -1,7 +1,7 @@
 """A BERT-style encoder split in blocks against the whole model, and what sharing an encoder saves
 (issue 43's goals on the CPU).
 
-    python -m experiments.transformers [--quick] [--n N] [--seq S] [--out DIR]
+    python -m experiments.transformers [--quick] [--n N] [--seq S] [--repo DIR] [--out DIR]
 
 Two measurements, one JSON (``transformers.json``):
 
@@ -15,8 +15,9 @@ Two measurements, one JSON (``transformers.json``):
            Reported: p50/p99 of each and the ratio of the p50s (issue 43's goal: <= 1.3x), with
            where the round trip's time went (experiments/fused.py ``measure``).
   sharing  the three tasks of ``configs/bert_shared.json`` (configs/bert_tasks.py: one encoder,
-           three heads) exported as README "Bring your own model" does, and the parameter bytes
-           the update serves against three whole models (experiments/memory_model.py ``sharing``).
+           three heads) exported as README "Bring your own model" does, into ``--repo`` (model_repo/
+           by default, as the README's commands do; once: ``ensure_bert_tasks``), and the parameter
+           bytes the update serves against three whole models (experiments/memory_model.py ``sharing``).
 """
 from __future__ import annotations
 
@@ -55,11 +56,55 @@ def export(args: list[str]) -> None:
         raise RuntimeError(f"blockflow export {' '.join(args)} failed: {res.stderr.strip()[-500:]}")
 
 
+#: What the three tasks of configs/bert_shared.json take: the README's `blockflow export` line.
+SHARING_INPUTS = ("input_ids:int64:N,S=2..128", "attention_mask:int64:N,S:0..1")
+
+
+def sharing_export_args(task: str, out: str) -> list[str]:
+    """``blockflow export`` arguments for ``task`` of configs/bert_shared.json into ``out``: the
+    README's line (tests/process/test_configs_bert.py checks that they are the same)."""
+    from configs import bert_tasks
+    return ["--model", f"configs.bert_tasks:{task}", "--cut", bert_tasks.CUT,
+            *[a for i in SHARING_INPUTS for a in ("--input", i)], "--name", f"bert_{task}", "--out", out]
+
+
+def ensure_bert_tasks(repo: str = common.DEFAULT_REPO) -> str:
+    """``repo`` with the three tasks of configs/bert_shared.json exported, as the README exports
+    them into model_repo/. Once per repository, like the ResNet50 blocks (``common.ensure_repo``):
+    an export is repeatable byte for byte, and the server checks every file against its manifest.
+    Each task's folder is locked while it is looked at and exported, so that processes doing this
+    at once (pytest workers) export each task once; two tasks are exported at a time."""
+    import fcntl
+
+    from configs import bert_tasks
+
+    def one(task: str) -> None:
+        folder = os.path.join(repo, f"bert_{task}")
+        os.makedirs(folder, exist_ok=True)
+        lock = os.open(folder, os.O_RDONLY)  # the folder itself: no lock file lands anywhere
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                with open(os.path.join(folder, "manifest.json")) as f:
+                    listed = json.load(f).get("blocks", {})
+            except (OSError, ValueError):
+                listed = {}
+            if not all(name in listed and os.path.exists(os.path.join(folder, name))
+                       for name in ("block1.pt", "block2.pt", "full.pt")):
+                common.log.info("exporting bert_%s into %s (seeded weights, once)", task, repo)
+                export(sharing_export_args(task, repo))
+        finally:
+            os.close(lock)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(one, bert_tasks.TASKS))
+    return repo
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
     from blockflow.blocks.repository import load_block
-    from configs import bert_tasks
 
     from .fused import measure
     from .memory_model import sharing
@@ -73,20 +118,20 @@ def main(argv: list[str] | None = None) -> int:
                 "batch": 1, "seq": args.seq, "n": n, "quick": args.quick, "threads": 1, "transport": "tensormq",
                 "monolithic": "full.pt (the exported whole model) in the measuring process, 1 thread, "
                               "interleaved with the round trips",
-                "sharing_config": "configs/bert_shared.json"}
+                "sharing_config": "configs/bert_shared.json", "sharing_repo": args.repo}
     env = common.env_info(settings)
     repo = tempfile.mkdtemp(prefix="bftf-")
     try:
-        jobs = [["--model", "experiments.transformers:bert", *[a for c in CUTS for a in ("--cut", c)],
-                 *[a for i in INPUTS for a in ("--input", i)], "--name", TASK, "--out", repo]]
-        jobs += [["--model", f"configs.bert_tasks:{t}", "--cut", bert_tasks.CUT,
-                  *[a for i in ("input_ids:int64:N,S=2..128", "attention_mask:int64:N,S:0..1") for a in ("--input", i)],
-                  "--name", f"bert_{t}", "--out", repo] for t in bert_tasks.TASKS]
-        with common.Progress(len(jobs), "export") as bar, ThreadPoolExecutor(2) as pool:
-            for _ in pool.map(export, jobs):
-                bar.update()
+        # the measured encoder into a temporary repository; the sharing config's three tasks into
+        # --repo (model_repo/ by default, where the README exports them), once
+        with ThreadPoolExecutor(2) as pool:
+            measured = pool.submit(export, ["--model", "experiments.transformers:bert",
+                                            *[a for c in CUTS for a in ("--cut", c)],
+                                            *[a for i in INPUTS for a in ("--input", i)], "--name", TASK, "--out", repo])
+            tasks_repo = ensure_bert_tasks(args.repo)
+            measured.result()
         with open(os.path.join(common.ROOT, "configs", "bert_shared.json")) as f:
-            shared = sharing(repo, json.load(f))
+            shared = sharing(tasks_repo, json.load(f))
 
         torch.set_num_threads(1)
         whole = load_block(repo, f"{TASK}/full.pt")

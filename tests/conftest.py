@@ -137,26 +137,41 @@ def model_repo():
     exported into model_repo/ where a model lacks its manifest or a file (exports are
     byte-for-byte repeatable, and the server checks every file against the manifest's sha256)."""
     import fcntl
-    # Two pytest-xdist workers may both find the repository incomplete: one exports, the other
-    # waits on the lock (held on the checkout's directory, so no lock file lands anywhere).
-    lock = os.open(ROOT, os.O_RDONLY)
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
-        _export_missing()
-    finally:
-        os.close(lock)  # releases the lock
+    # Two pytest-xdist workers may both find the repository incomplete. Each model has its lock
+    # (held on the model's own folder, so no lock file lands anywhere): a worker first exports
+    # the models nobody is exporting, then waits for the others, so two workers export the two
+    # models side by side instead of one after the other.
+    done = set()
+    for blocking in (False, True):
+        for model in MODELS:
+            if model in done:
+                continue
+            folder = os.path.join(MODEL_REPO, model)
+            os.makedirs(folder, exist_ok=True)
+            lock = os.open(folder, os.O_RDONLY)
+            try:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+                except BlockingIOError:
+                    continue  # another worker exports it: the next model first
+                _export_missing(model)
+                done.add(model)
+            finally:
+                os.close(lock)  # releases the lock
     return MODEL_REPO
 
 
-def _export_missing() -> None:
+MODELS = ("resnet18", "resnet50")
+
+
+def _export_missing(model: str) -> None:
     from blockflow.blocks.repository import BlockFileError, export_model, load_manifest
-    for model in ("resnet18", "resnet50"):
-        try:
-            listed = set(load_manifest(MODEL_REPO, model).get("blocks", {}))
-        except BlockFileError:  # an unreadable manifest: export again
-            listed = set()
-        if not all(f in listed and os.path.exists(os.path.join(MODEL_REPO, model, f)) for f in REPO_FILES):
-            export_model(model, MODEL_REPO, blocks=4, method="script", variants={"x": ["block4", "head"]})
+    try:
+        listed = set(load_manifest(MODEL_REPO, model).get("blocks", {}))
+    except BlockFileError:  # an unreadable manifest: export again
+        listed = set()
+    if not all(f in listed and os.path.exists(os.path.join(MODEL_REPO, model, f)) for f in REPO_FILES):
+        export_model(model, MODEL_REPO, blocks=4, method="script", variants={"x": ["block4", "head"]})
 
 
 @pytest.fixture(scope="session")

@@ -4,15 +4,13 @@ export` line, serve the update, and every task's served answer is its stock ``tr
 model's run directly, at two sequence lengths over both transports; the sharing saves
 parameter bytes against three whole models (experiments/memory_model.py ``sharing``).
 
-The README's commands write into model_repo/; here the same commands write into a temporary
-repository (``--out``)."""
+The README's commands write into model_repo/, and so do these tests (once per checkout, shared with
+``python -m experiments.transformers``)."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,10 +20,11 @@ pytest.importorskip("transformers")
 
 from blockflow.blocks.repository import load_manifest  # noqa: E402
 from blockflow.client import Client  # noqa: E402
-from conftest import ROOT  # noqa: E402
+from conftest import MODEL_REPO, ROOT  # noqa: E402
 import test_configs_example as configs_example  # noqa: E402
 from configs import bert_tasks  # noqa: E402
 from experiments.memory_model import sharing  # noqa: E402
+from experiments.transformers import ensure_bert_tasks, sharing_export_args  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "bert_shared.json")
 #: Largest difference accepted between a served task and its model run directly (issue 43's goal).
@@ -37,22 +36,14 @@ def readme_export_args(task: str, out: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """The repository the README's commands export the three tasks into."""
-    repo = tmp_path_factory.mktemp("bert_tasks") / "repo"
-    env = dict(os.environ, BLOCKFLOW_LOG="WARNING")
-    env.pop("BLOCKFLOW_TOKEN", None)
-
-    def export(task):
-        cmd = [sys.executable, "-m", "blockflow.cli", "export", *readme_export_args(task, str(repo))]
-        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert res.returncode == 0, (cmd, res.stdout, res.stderr)
-        return res
-
-    with ThreadPoolExecutor(len(bert_tasks.TASKS)) as pool:  # three fresh interpreters at once
-        for res in pool.map(export, bert_tasks.TASKS):
-            assert f"2 blocks, cut after {bert_tasks.CUT}" in res.stdout, res.stdout
-    return str(repo)
+def exported():
+    """model_repo/, where the README's `blockflow export` line writes the three tasks: exported
+    there once per checkout (``ensure_bert_tasks``, which the transformers experiment shares; a
+    lock per task, so two pytest workers export each task once), with exactly the README's
+    arguments."""
+    for task in bert_tasks.TASKS:
+        assert sharing_export_args(task, MODEL_REPO) == readme_export_args(task, MODEL_REPO), task
+    return ensure_bert_tasks(MODEL_REPO)
 
 
 def test_the_shared_encoder_is_the_same_bytes_in_every_export_and_the_heads_differ(exported):
