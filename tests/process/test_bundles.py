@@ -15,7 +15,8 @@ import zmq
 
 from blockflow.tensormq import bundle
 from blockflow.tensormq.transport import LeaseSet, Transport, bytes_fields, read_bytes_value
-from blockflow.tensormq.wire import WireError, dumps, loads_data_header, member_descs
+from blockflow.core.protocol import PROTOCOL_VERSION
+from blockflow.tensormq.wire import ClientRequest, WireError, dumps, loads_data_header, member_descs
 
 
 class Fork(torch.nn.Module):
@@ -71,12 +72,14 @@ def test_bytes_fields_round_trip_a_dict_and_refuse_forged_headers():
     value = {"logits": torch.randn(2, 5), "mask": torch.arange(6).reshape(2, 3)}
     fields, payloads = bytes_fields(value)
     frames = [b"header", *[bytes(p) for p in payloads]]
-    back = read_bytes_value(fields, frames)
+    # the fields as a client's request carries them (and the dispatcher's reply: the same three)
+    msg = ClientRequest(PROTOCOL_VERSION, 1, task="t", **fields)
+    back = read_bytes_value(msg, frames)
     assert list(back) == ["logits", "mask"] and all(torch.equal(back[k], value[k]) for k in value)
     with pytest.raises(WireError, match="frame"):
-        read_bytes_value(fields, frames[:-1])  # a member's frame is missing
+        read_bytes_value(msg, frames[:-1])  # a member's frame is missing
     with pytest.raises(WireError, match="not both"):
-        read_bytes_value({**fields, "x": fields["xs"][0]}, frames)
+        read_bytes_value(ClientRequest(PROTOCOL_VERSION, 1, x=fields["xs"][0], **fields), frames)
     with pytest.raises(WireError, match="keys"):
         member_descs(fields["xs"], ["logits", "logits"])
     with pytest.raises(WireError, match="1 to 16"):
