@@ -39,7 +39,7 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 from blockflow.core import settings
-from blockflow.core.protocol import PROTOCOL_VERSION
+from blockflow.core.protocol import PROTOCOL_VERSION, decode_frame
 
 from .bundle import KEY_RE, MAX_MEMBERS
 # the header codec (torch-free, for the control plane), re-exported: every data-plane module imports it from here
@@ -383,17 +383,7 @@ def encode_client(msg: ClientRequest | ClientReply) -> bytes:
 
 
 def _decode_client(decoder: msgspec.json.Decoder, frame, limit: int):
-    buf = getattr(frame, "buffer", frame)
-    if len(buf) > limit:
-        raise WireError(f"header is {len(buf)} bytes, more than the limit of {limit}")
-    try:
-        msg = decoder.decode(buf)
-    except msgspec.ValidationError as exc:
-        raise WireError(f"header: {exc}") from None
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise WireError(f"header is not JSON ({exc}); pickles and other formats are refused") from None
-    except UnicodeDecodeError as exc:
-        raise WireError(not_utf8(exc)) from None
+    msg = decode_frame(decoder, frame, "header", limit)
     if msg.v != PROTOCOL_VERSION:
         raise WireError(f"protocol version {msg.v!r:.20} is not this server's ({PROTOCOL_VERSION}); "
                         "use a client of the same BlockFlow release as the server")

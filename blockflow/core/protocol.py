@@ -293,7 +293,9 @@ def command(rid: int, cmd: Cmd | str, args: msgspec.Struct | dict | None = None)
     return Command(rid, cmd.value, msgspec.Raw(_ENCODER.encode(args)))
 
 
-def _decode(decoder: msgspec.json.Decoder, frame, what: str, limit: int | None = None):
+def decode_frame(decoder: msgspec.json.Decoder, frame, what: str, limit: int | None = None):
+    """``frame`` (bytes, memoryview or zmq.Frame) decoded as ``decoder``'s Struct, or WireError
+    naming ``what`` and the field that is wrong (every typed message between processes)."""
     buf = getattr(frame, "buffer", frame)
     if limit is not None and len(buf) > limit:
         raise WireError(f"{what} is {len(buf)} bytes, more than the limit of {limit}")
@@ -309,15 +311,15 @@ def _decode(decoder: msgspec.json.Decoder, frame, what: str, limit: int | None =
 
 def decode_control(frame) -> Ready | BootFailure | Gone | Reply:
     """A message a process sent the controller, typed, or WireError naming what is wrong."""
-    return _decode(_CONTROL_DECODER, frame, "control message")
+    return decode_frame(_CONTROL_DECODER, frame, "control message")
 
 
 def decode_command(frame) -> Command:
     """A command the controller sent, or WireError naming what is wrong (a process reads at
     most MAX_HEADER_BYTES from its control socket, as from its data socket)."""
-    return _decode(_COMMAND_DECODER, frame, "command", MAX_HEADER_BYTES)
+    return decode_frame(_COMMAND_DECODER, frame, "command", MAX_HEADER_BYTES)
 
 
 def command_args(cmd: Cmd, raw: msgspec.Raw) -> msgspec.Struct:
     """The arguments of ``cmd``, typed (WireError naming the field when they do not fit)."""
-    return _decode(_ARGS_DECODERS[cmd], raw, f"arguments of {cmd}")
+    return decode_frame(_ARGS_DECODERS[cmd], raw, f"arguments of {cmd}")

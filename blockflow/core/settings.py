@@ -39,24 +39,19 @@ def _read(name: str, default, parse, meaning: str, shown: str = ""):
                          f"{getattr(parse, '__name__', 'value')}; unset it or give e.g. {default!r}") from None
 
 
-def _non_negative_int(raw: str) -> int:
-    v = int(raw)
-    if v < 0:
-        raise ValueError(raw)
-    return v
+def _non_negative(cast, name: str):
+    """A parser of numbers ``cast(raw) >= 0``; ``name`` is what an error calls it."""
+    def parse(raw: str):
+        v = cast(raw)
+        if v < 0:
+            raise ValueError(raw)
+        return v
+    parse.__name__ = name
+    return parse
 
 
-_non_negative_int.__name__ = "non-negative integer"
-
-
-def _seconds(raw: str) -> float:
-    v = float(raw)
-    if v < 0:
-        raise ValueError(raw)
-    return v
-
-
-_seconds.__name__ = "number of seconds"
+_non_negative_int = _non_negative(int, "non-negative integer")
+_seconds = _non_negative(float, "number of seconds")
 
 
 def _flag(raw: str) -> bool:
@@ -70,13 +65,18 @@ def _flag(raw: str) -> bool:
 _flag.__name__ = "flag (1 or 0)"
 
 
-def _hand_over(raw: str) -> str:
-    if raw.strip().lower() not in ("event", "sync"):
-        raise ValueError(raw)
-    return raw.strip().lower()
+def _one_of(what: str, *choices: str):
+    """A parser of one of ``choices`` (any case, spaces around ignored); ``what`` names it in an error."""
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError(raw)
+        return value
+    parse.__name__ = f"{what} ({' or '.join(repr(c) for c in choices)})"
+    return parse
 
 
-_hand_over.__name__ = "hand-over mode ('event' or 'sync')"
+_hand_over = _one_of("hand-over mode", "event", "sync")
 
 # -- data plane ---------------------------------------------------------------------------------
 MAX_TENSOR_BYTES: int = _read("BLOCKFLOW_MAX_TENSOR_BYTES", 1 << 30, _non_negative_int,
@@ -101,16 +101,8 @@ CLIENT_TIMEOUT: float = _read("BLOCKFLOW_CLIENT_TIMEOUT", 30.0, _seconds,
                               "default deadline of one client call", "30 s")
 
 
-def _cache_policy(raw: str) -> str:
-    if raw.strip().lower() not in ("sharing", "lru"):
-        raise ValueError(raw)
-    return raw.strip().lower()
-
-
-_cache_policy.__name__ = "eviction policy ('sharing' or 'lru')"
-
 # -- block cache (a shared process with memory_budget_mb: blocks/cache.py) -------------------------
-CACHE_POLICY: str = _read("BLOCKFLOW_CACHE_POLICY", "sharing", _cache_policy,
+CACHE_POLICY: str = _read("BLOCKFLOW_CACHE_POLICY", "sharing", _one_of("eviction policy", "sharing", "lru"),
                           "which parked-block victim a swap-in evicts first: `sharing` (least recently used among "
                           "blocks of one task, a block several tasks share last) or `lru`")
 CACHE_WAIT_S: float = _read("BLOCKFLOW_CACHE_WAIT", 5.0, _seconds,
