@@ -111,7 +111,7 @@ def _export(args) -> int:
                         f"2 or 1 blocks; to split it otherwise name the cuts (e.g. --cut layer2 --cut layer3 --name "
                         f"{other}) or balance them: --model torchvision.models:{args.model} --blocks {args.blocks} "
                         f"--name {other}", Exit.USAGE)
-    from blockflow.blocks.repository import export_model
+    from blockflow.blocks.exporter import export_model
     if args.name or args.input_shape != DEFAULT_INPUT_SHAPE:
         raise UserError(f"--name and --input-shape apply to exports with --cut; {args.model} --blocks "
                         f"{args.blocks or 4} is the ResNet export, named {args.model}, input 1,3,224,224", Exit.USAGE)
@@ -131,7 +131,7 @@ def _export(args) -> int:
 
 def _export_split(args) -> int:
     """Any model (torchvision name or package.module:callable) cut after named submodules."""
-    from blockflow.blocks.split import export_split
+    from blockflow.blocks.exporter import export_split
     if args.variant:
         raise UserError("--variant applies to the ResNet export (resnet18/50/152 without --cut)", Exit.USAGE)
     if not args.cut and not args.blocks:
@@ -750,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def explain(exc: Exception) -> tuple[Exit, str]:
     """One line and an exit code for an exception no subcommand turned into a UserError."""
-    from blockflow.blocks.repository import BlockFileError
+    from blockflow.blocks.verify import BlockFileError
     if isinstance(exc, BlockFileError):
         return Exit.NO_FILE, str(exc)
     if isinstance(exc, FileNotFoundError):

@@ -42,7 +42,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
 import warnings
 import zlib
@@ -60,26 +59,11 @@ from blockflow.tensormq import bundle
 from blockflow.blocks.verify import (MANIFEST, RESNET_SPLITS, RESNETS, SUFFIX, BlockFileError,  # noqa: F401
                                     check_digest, file_signature, read_manifest, remake_hint, resolve,
                                     sha256_file, verify_block)
+# the caller's side of an export (no torch), re-exported: what its worker runs is below
+from blockflow.blocks.exporter import (BLOCK_NAMES, FORMATS, FULL, INPUT_SHAPE, METHODS, MODELS,  # noqa: F401
+                                       SPLITS, check_model, export_model, run_export_worker, worker_main)
 
 log = logging.getLogger("blockflow.blocks.repository")
-
-MODELS = RESNETS
-METHODS = ("script", "trace")
-#: File formats: TorchScript archives (``.pt``) or torch.export programs (``.pt2``).
-FORMATS = ("torchscript", "export")
-SPLITS = RESNET_SPLITS
-FULL = "full"
-INPUT_SHAPE = (3, 224, 224)
-
-#: Block names produced by :func:`split_model` for each ``blocks`` value, known
-#: statically so arguments can be validated without building a model.
-BLOCK_NAMES: dict[int, tuple[str, ...]] = {
-    4: ("block1", "block2", "block3", "block4", "head"),
-    2: ("block12", "block34", "head"),
-    1: (),
-}
-
-_VARIANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_]*$")
 
 #: What torch (2.12+) says on every TorchScript call BlockFlow makes (``torch.jit.trace`` of a
 #: module also says it for ``trace_method``).  TorchScript is deprecated upstream but still one of
@@ -119,7 +103,7 @@ def build_reference(model: str, seed: int = 0) -> nn.Module:
     nothing may be downloaded at run time, and because equivalence/latency
     experiments only need *fixed* weights, not good ones.
     """
-    _check_model(model)
+    check_model(model)
     import torchvision  # lazy: block servers only load files, no torchvision
 
     torch.manual_seed(seed)
@@ -191,194 +175,9 @@ def variant_seed(seed: int, variant: str) -> int:
 # --------------------------------------------------------------------------
 
 
-def export_model(
-    model: str,
-    out: str | os.PathLike,
-    blocks: int = 4,
-    method: str = "script",
-    variants: dict[str, list[str]] | None = None,
-    seed: int = 0,
-    batch: int = 1,
-    fmt: str = "torchscript",
-) -> Path:
-    """Export ``model`` split into ``blocks`` blocks plus ``full.pt`` into
-    ``out/<model>/`` and merge their entries into ``manifest.json``.
-
-    ``method``: ``"script"`` (``torch.jit.script``) or ``"trace"``
-    (``torch.jit.trace`` on a seeded ``(batch, 3, 224, 224)`` input).
-    ``variants``: ``{"x": ["block4", "head"]}`` also exports differently seeded
-    copies of those blocks as ``block4-x.pt``/``head-x.pt``.
-    ``fmt``: ``"torchscript"`` (``.pt`` files, ``method`` applies) or ``"export"``
-    (``torch.export`` programs, ``.pt2`` files, with a dynamic batch dimension).
-
-    The work runs in a fresh interpreter with a fixed hash seed so the files
-    are byte-for-byte repeatable (see the module docstring).  Returns the
-    manifest path.
-    """
-    _check_model(model)
-    if blocks not in SPLITS:
-        raise ValueError(f"blocks must be one of {SPLITS}, got {blocks!r}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-        raise ValueError(f"batch must be a positive int, got {batch!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an int, got {seed!r}")
-    variants = _check_variants(variants or {}, blocks)
-
-    out_dir = Path(out).resolve()
-    args = dict(model=model, out=str(out_dir), blocks=blocks, method=method,
-                variants=variants, seed=seed, batch=batch, fmt=fmt)
-    log.info("exporting %s (blocks=%d, %s, variants=%s, seed=%d) to %s", model, blocks,
-             f"method={method}" if fmt == "torchscript" else "torch.export", variants or "none", seed, out_dir / model)
-    total = 1 + len(BLOCK_NAMES[blocks]) + sum(len(v) for v in variants.values())
-    # Load this very file in the child (not "import blocks.repository"): the
-    # child must not depend on sys.path/cwd, and -P keeps cwd off sys.path.
-    code = (
-        "import importlib.util as u, sys\n"
-        f"s = u.spec_from_file_location('_blockflow_export_worker', {str(Path(__file__).resolve())!r})\n"
-        "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
-        "m._export_worker(sys.argv[1])\n"
-    )
-    result = run_export_worker(code, args, total, f"export {model} ({fmt})", f"{model} to {out_dir / model}")
-    return Path(result["manifest"])
-
-
-def run_export_worker(code: str, args: dict, total: int, label: str, what: str) -> dict:
-    """Run ``python -P -c code json(args)`` in a fresh interpreter with ``PYTHONHASHSEED=0``
-    (see the module docstring), relay its log records, count its progress records on a bar of
-    ``total`` files, and return the JSON object its last stdout line holds.
-
-    A result ``{"error": message}`` (a mistake in the request the worker found, such as a cut
-    that does not exist) is raised here as a ``ValueError`` with that one-line message; any
-    other failure is a ``RuntimeError`` with the tail of the worker's output.
-    """
-    args = dict(args, log_level=log.getEffectiveLevel())
-    env = dict(os.environ, PYTHONHASHSEED="0")
-    bar = _progress(total, label)
-    proc = subprocess.Popen(
-        [sys.executable, "-P", "-c", code, json.dumps(args)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    lines = []
-    for line in proc.stderr:  # the worker's log records as they come: one progress record per file
-        if line.startswith('{"blockflow_progress"'):
-            bar.update()
-        else:
-            lines.append(line)
-    stdout = proc.stdout.read()
-    proc.wait()
-    bar.close()
-    proc.stdout.close()
-    proc.stderr.close()
-    raw = _relay_child_logs("".join(lines))
-    try:
-        result = json.loads(stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        result = None
-    if isinstance(result, dict) and isinstance(result.get("error"), str):
-        raise ValueError(result["error"])
-    if proc.returncode != 0:
-        tail = "\n".join(raw[-20:]) or "(no output)"
-        raise RuntimeError(
-            f"export of {what} failed in the export "
-            f"worker (exit {proc.returncode}):\n{tail}"
-        )
-    if not isinstance(result, dict):
-        raise RuntimeError(
-            f"export worker for {what} returned no result; "
-            f"stdout: {stdout[-500:]!r}"
-        )
-    return result
-
-
-def _check_variants(variants: dict[str, list[str]], blocks: int) -> dict[str, list[str]]:
-    """Validate variant names and their block lists up front (a ValueError
-    here is nicer than a failure half-way through writing files)."""
-    allowed = set(BLOCK_NAMES[blocks]) | {FULL}
-    clean: dict[str, list[str]] = {}
-    for name in sorted(variants):
-        if not isinstance(name, str) or not _VARIANT_RE.fullmatch(name):
-            raise ValueError(
-                f"variant name {name!r} must match {_VARIANT_RE.pattern} "
-                "(it becomes part of a file name)"
-            )
-        names = variants[name]
-        if isinstance(names, str):
-            names = [n for n in names.split(",") if n]
-        unknown = sorted(set(names) - allowed)
-        if unknown:
-            raise ValueError(
-                f"variant {name!r}: unknown block(s) {', '.join(unknown)} for "
-                f"blocks={blocks}; known: {', '.join(sorted(allowed))}"
-            )
-        # keep split order, drop duplicates
-        order = list(BLOCK_NAMES[blocks]) + [FULL]
-        clean[name] = [b for b in order if b in set(names)]
-    return clean
-
-
-def _relay_child_logs(stderr: str) -> list[str]:
-    """Re-emit the worker's JSON log records through this process's logging
-    (so the caller's handlers/levels apply); return the non-log lines
-    (tracebacks, stray warnings) for error messages."""
-    raw = []
-    for line in stderr.splitlines():
-        rec = None
-        if line.startswith("{"):
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                rec = None
-        if isinstance(rec, dict) and "blockflow_log" in rec:
-            # under the worker's logger name (split, manifest...), so the caller's per-logger levels apply
-            source = rec.get("logger") if isinstance(rec.get("logger"), str) else log.name
-            logging.getLogger(source).log(int(rec.get("level", logging.INFO)), "%s", rec["blockflow_log"])
-        elif line.strip():
-            raw.append(line)
-    for line in raw:
-        log.debug("export worker: %s", line)
-    return raw
-
-
-class _JsonLineHandler(logging.Handler):
-    """Worker-side handler: one JSON object per record on stderr."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            msg = json.dumps({"blockflow_log": record.getMessage(), "level": record.levelno,
-                              "logger": record.name})
-            sys.stderr.write(msg + "\n")
-            sys.stderr.flush()
-        except Exception:  # pragma: no cover - logging must never raise
-            self.handleError(record)
-
-
 def _export_worker(argv_json: str) -> None:
     """Entry point of the export child process (see :func:`export_model`)."""
     worker_main(argv_json, lambda **args: {"manifest": str(_export_in_process(**args))})
-
-
-def worker_main(argv_json: str, fn, logger: logging.Logger | None = None) -> None:
-    """Run ``fn(**args)`` in an export child (see :func:`run_export_worker`): log records go
-    to stderr as JSON lines, the JSON result to stdout.  A ``ValueError`` (the request is
-    wrong, not the code) is reported as ``{"error": message}`` and exit status 2."""
-    args = json.loads(argv_json)
-    level = int(args.pop("log_level"))
-    for lg in {log, logger or log}:
-        lg.handlers[:] = [_JsonLineHandler()]
-        lg.setLevel(level)
-        lg.propagate = False
-    try:
-        result = fn(**args)
-    except ValueError as exc:
-        sys.stdout.write(json.dumps({"error": str(exc)}) + "\n")
-        sys.stdout.flush()
-        sys.exit(2)
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
 
 
 def _export_in_process(model: str, out: str, blocks: int, method: str,
@@ -544,12 +343,6 @@ def export_program_bytes(mod: nn.Module, example: torch.Tensor | tuple[torch.Ten
     return buf.getvalue()
 
 
-def _progress(total: int, label: str):
-    """A tqdm bar of files written, on stderr when it is a terminal (exports take minutes)."""
-    from tqdm import tqdm
-    return tqdm(total=total, desc=label, unit="file", disable=not sys.stderr.isatty(), leave=False)
-
-
 def manifest_bytes(manifest: dict) -> bytes:
     """The manifest as written: sorted keys, indent 2, so equal manifests are equal bytes."""
     return (json.dumps(manifest, sort_keys=True, indent=2) + "\n").encode("utf-8")
@@ -702,6 +495,3 @@ def list_blocks(repo: str | os.PathLike) -> list[dict[str, Any]]:
     return out
 
 
-def _check_model(model: str) -> None:
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")

@@ -48,7 +48,6 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,9 +55,9 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata, _extract_tensor_metadata
 
 from blockflow.tensormq import bundle
-from blockflow.core.header import TENSOR_DTYPES
-
 from . import repository as repo
+# the caller's side of an export (no torch), re-exported: what split's worker runs is below
+from .exporter import DEFAULT_DIM_BOUNDS, InputDecl, export_split, worker_main  # noqa: F401
 
 log = logging.getLogger("blockflow.blocks.split")
 
@@ -69,7 +68,6 @@ CHAIN_TOLERANCE = 1e-4
 #: Most tensors that may cross one cut: the wire's limit on tensors per message (tensormq carries
 #: a bundle of 1 to 16 tensors in one message).
 MAX_HOP_TENSORS = bundle.MAX_MEMBERS  # what one hop's header carries (tensormq/bundle.py)
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _BLOCK_RE = re.compile(r"^block\d+$")
 
 
@@ -176,86 +174,6 @@ def _propagate_shapes(gm: fx.GraphModule, example: torch.Tensor, what: str) -> N
 # --------------------------------------------------------------------------
 
 #: Bounds of a dynamic dimension declared without them (``N``, or ``S`` alone).
-DEFAULT_DIM_BOUNDS = (1, 4096)
-_DECL_RE = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*):(?P<dtype>[a-z0-9]+):(?P<dims>[^:]+)"
-                      r"(?::(?P<low>-?\d+)\.\.(?P<high>-?\d+))?$")
-_DIM_RE = re.compile(r"^(?:(?P<size>\d+)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:=(?P<low>\d+)\.\.(?P<high>\d+))?)$")
-
-
-@dataclass(frozen=True)
-class InputDecl:
-    """One model input as ``--input name:dtype:dims[:low..high]`` declares it: its keyword
-    name, dtype, dimensions (an int, or the name of a dynamic dimension with its bounds, e.g.
-    ``N`` the batch, ``S=2..128``) and, for an integer input, the range its trace example is
-    drawn from (inclusive; default: ``0`` to the smallest ``nn.Embedding`` size - 1, token ids
-    in range)."""
-    name: str
-    dtype: str
-    dims: tuple  # int | (name, low, high)
-    low: int | None = None
-    high: int | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> "InputDecl":
-        m = _DECL_RE.fullmatch(text.strip())
-        dtype = m and m["dtype"]
-        if not m or dtype not in TENSOR_DTYPES:
-            raise ValueError(f"--input {text!r}: give name:dtype:dims[:low..high], e.g. input_ids:int64:N,S=2..128 "
-                             f"or attention_mask:int64:N,S:0..1 (dtype one of {', '.join(TENSOR_DTYPES)})")
-        dims = []
-        for part in m["dims"].split(","):
-            d = _DIM_RE.fullmatch(part.strip())
-            if not d or (d["size"] and int(d["size"]) < 1) or (d["low"] and not 1 <= int(d["low"]) <= int(d["high"])):
-                raise ValueError(f"--input {text!r}: dimension {part!r} is neither a positive size nor a "
-                                 "dynamic one (a name, e.g. N or S=2..128 with 1 <= low <= high)")
-            if d["size"]:
-                dims.append(int(d["size"]))
-            else:
-                dims.append((d["name"], *((int(d["low"]), int(d["high"])) if d["low"] else (None, None))))
-        low = high = None
-        if m["low"] is not None:
-            low, high = int(m["low"]), int(m["high"])
-            if low > high or dtype.startswith("float") or dtype == "bfloat16":
-                raise ValueError(f"--input {text!r}: a value range low..high (low <= high) is for integer inputs")
-        return cls(m["name"], dtype, tuple(dims), low, high)
-
-    @staticmethod
-    def bind(decls: list["InputDecl"]) -> list["InputDecl"]:
-        """``decls`` with every dynamic dimension's bounds as declared once (``S=2..128`` in one
-        input, ``S`` in another), :data:`DEFAULT_DIM_BOUNDS` where never; refused when an input
-        is declared twice or a dimension with two bounds."""
-        if len({d.name for d in decls}) != len(decls):
-            raise ValueError(f"--input names {', '.join(d.name for d in decls)}: declare each input once")
-        bounds: dict[str, tuple] = {}
-        for decl in decls:
-            for dim in decl.dims:
-                if not isinstance(dim, int) and dim[1] is not None:
-                    if bounds.setdefault(dim[0], dim[1:]) != dim[1:]:
-                        raise ValueError(f"--input: dimension {dim[0]} is given bounds {bounds[dim[0]][0]}.."
-                                         f"{bounds[dim[0]][1]} and {dim[1]}..{dim[2]}; give them once")
-        return [InputDecl(d.name, d.dtype, tuple(dim if isinstance(dim, int) else
-                                                 (dim[0], *bounds.get(dim[0], DEFAULT_DIM_BOUNDS)) for dim in d.dims),
-                          d.low, d.high) for d in decls]
-
-    def example_shape(self) -> list[int]:
-        """The shape traced with: a dynamic dimension at 2 (torch.export specialises 0 and 1)
-        or within its bounds, a fixed one as declared."""
-        return [d if isinstance(d, int) else max(d[1], min(d[2], 2 if i == 0 else 8)) for i, d in enumerate(self.dims)]
-
-    def example(self, net: nn.Module, gen: torch.Generator) -> torch.Tensor:
-        shape, dtype = self.example_shape(), getattr(torch, self.dtype)
-        if dtype.is_floating_point:
-            return torch.randn(shape, generator=gen).to(dtype)
-        if dtype == torch.bool:
-            return torch.randint(0, 2, shape, generator=gen).bool()
-        if self.low is not None:
-            low, high = self.low, self.high
-        else:
-            sizes = [m.num_embeddings for m in net.modules() if isinstance(m, nn.Embedding)]
-            low, high = 0, (min(sizes) - 1 if sizes else 1)
-        return torch.randint(low, high + 1, shape, generator=gen, dtype=dtype)
-
-
 def export_graph(net: nn.Module, decls: list[InputDecl], example: tuple) -> fx.GraphModule:
     """The model as one flat graph from ``torch.export`` (strict, then non-strict where strict
     fails), taking the declared inputs positionally and returning a tensor, a tuple or a dict
@@ -775,40 +693,6 @@ def _min_max_partition(cum: list[float], ends: list[int], blocks: int) -> list[i
 # --------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------
-
-
-def export_split(model: str, out: str | os.PathLike, cuts: list[str] | None = None,
-                 blocks: int | None = None, input_shape: tuple[int, ...] = (1, *repo.INPUT_SHAPE),
-                 name: str | None = None, fmt: str = "torchscript", method: str = "script",
-                 seed: int = 0, inputs: list[str] | None = None) -> dict:
-    """Split ``model`` (see :func:`build_model`) at ``cuts``, or at ``blocks - 1`` balanced
-    cuts, and write ``out/<name>/block1..blockK`` plus ``full`` with their manifest.
-    ``inputs`` (``--input name:dtype:dims``, see :class:`InputDecl`) declares the model's
-    inputs and splits the graph ``torch.export`` makes; without them the model takes one
-    float32 tensor of ``input_shape`` and is traced by ``torch.fx``, falling back to
-    ``torch.export`` where ``torch.fx`` cannot trace it.
-
-    Runs in a fresh interpreter (as :func:`blockflow.blocks.repository.export_model` does).
-    Returns ``{"manifest": path, "name": name, "cuts": [the cuts made]}``; a cut that does
-    not exist or cannot be made raises a ``ValueError`` naming it."""
-    if bool(cuts) == bool(blocks):
-        raise ValueError("give either cuts (--cut LAYER ...) or a number of blocks (--blocks N)")
-    if fmt not in repo.FORMATS:
-        raise ValueError(f"fmt must be one of {repo.FORMATS}, got {fmt!r}")
-    if method not in repo.METHODS:
-        raise ValueError(f"method must be one of {repo.METHODS}, got {method!r}")
-    if len(input_shape) < 1 or any(not isinstance(d, int) or d < 1 for d in input_shape):
-        raise ValueError(f"input shape must be positive integers, got {input_shape!r}")
-    if name is not None and not _NAME_RE.fullmatch(name):
-        raise ValueError(f"--name {name!r} must match {_NAME_RE.pattern} (it names a directory)")
-    InputDecl.bind([InputDecl.parse(text) for text in inputs or []])  # refused here, before the worker starts
-    args = dict(model=model, out=str(Path(out).resolve()), cuts=list(cuts or []), blocks=blocks,
-                input_shape=list(input_shape), name=name, fmt=fmt, method=method, seed=seed,
-                inputs=list(inputs or []))
-    code = ("import sys\nfrom blockflow.blocks import split\n"
-            "split.repo.worker_main(sys.argv[1], split._export_in_process, split.log)\n")
-    total = (len(cuts) + 2) if cuts else (blocks + 1)
-    return repo.run_export_worker(code, args, total, f"export {model} ({fmt})", f"{model} to {out}")
 
 
 def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None,
