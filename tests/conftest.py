@@ -1,6 +1,7 @@
 """Shared fixtures: a seeded model repository, leak checks, a real server on free ports."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -69,6 +70,16 @@ def _tier_of(path) -> str:
             f"tests/{rel} is in no tier: move it (git mv) into tests/unit, tests/process, tests/cluster "
             f"or tests/cuda, whichever says what it needs (CONTRIBUTING.md, 'Where a test goes')")
     return tier
+
+
+def pytest_ignore_collect(collection_path, config):
+    """``-m exclusive`` alone (make test's second phase) collects only the test files that mark a
+    test exclusive (by name: ``pytestmark`` or a parameter's marks): importing the rest only to
+    deselect every test in them cost that phase about 16 s of CPU."""
+    if (config.getoption("markexpr") == "exclusive" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_") and "exclusive" not in collection_path.read_text()):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -331,6 +342,14 @@ def loaded_libraries(pid: int, name: str) -> set[str]:
     with open(f"/proc/{pid}/maps") as f:
         paths = {line.split()[-1] for line in f if line.count("/")}
     return {p for p in paths if name in os.path.basename(p)}
+
+
+def needs(module: str):
+    """A ``pytestmark`` skipping a test file when ``module`` is not installed, found without
+    importing it (``pytest.importorskip`` imports it: 6 s of CPU for transformers, paid by every
+    pytest process that collects the file, whether or not it runs a test of it)."""
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"{module} is not installed (the test extra has it: pip install -e '.[test]')")
 
 
 def kill_tree(pid: int) -> None:

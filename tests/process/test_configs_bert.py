@@ -16,15 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from blockflow.blocks.repository import load_manifest
+from blockflow.client import Client
+from conftest import MODEL_REPO, ROOT, needs
+import test_configs_example as configs_example
+from experiments.memory_model import sharing
+from experiments.transformers import ensure_bert_tasks, sharing_export_args
 
-from blockflow.blocks.repository import load_manifest  # noqa: E402
-from blockflow.client import Client  # noqa: E402
-from conftest import MODEL_REPO, ROOT  # noqa: E402
-import test_configs_example as configs_example  # noqa: E402
-from configs import bert_tasks  # noqa: E402
-from experiments.memory_model import sharing  # noqa: E402
-from experiments.transformers import ensure_bert_tasks, sharing_export_args  # noqa: E402
+pytestmark = needs("transformers")
 
 CONFIG = os.path.join(ROOT, "configs", "bert_shared.json")
 #: Largest difference accepted between a served task and its model run directly (issue 43's goal).
@@ -36,7 +35,15 @@ def readme_export_args(task: str, out: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def exported():
+def bert_tasks():
+    """configs/bert_tasks.py, imported by the tests that use it: it imports transformers (6 s of
+    CPU), which a pytest process that only collects this file need not pay."""
+    from configs import bert_tasks
+    return bert_tasks
+
+
+@pytest.fixture(scope="module")
+def exported(bert_tasks):
     """model_repo/, where the README's `blockflow export` line writes the three tasks: exported
     there once per checkout (``ensure_bert_tasks``, which the transformers experiment shares; a
     lock per task, so two pytest workers export each task once), with exactly the README's
@@ -46,7 +53,7 @@ def exported():
     return ensure_bert_tasks(MODEL_REPO)
 
 
-def test_the_shared_encoder_is_the_same_bytes_in_every_export_and_the_heads_differ(exported):
+def test_the_shared_encoder_is_the_same_bytes_in_every_export_and_the_heads_differ(exported, bert_tasks):
     manifests = {t: load_manifest(exported, f"bert_{t}") for t in bert_tasks.TASKS}
     sums = {t: m["blocks"]["block1.pt"]["sha256"] for t, m in manifests.items()}
     assert len(set(sums.values())) == 1, sums
@@ -62,7 +69,7 @@ def test_the_shared_encoder_is_the_same_bytes_in_every_export_and_the_heads_diff
     assert heads["embed"]["output_dims"] == [["N", 64]]
 
 
-def test_sharing_the_encoder_saves_its_parameters_twice_against_three_whole_models(exported):
+def test_sharing_the_encoder_saves_its_parameters_twice_against_three_whole_models(exported, bert_tasks):
     with open(CONFIG) as f:
         update = json.load(f)
     saved = sharing(exported, update)
@@ -79,13 +86,14 @@ def test_sharing_the_encoder_saves_its_parameters_twice_against_three_whole_mode
 
 
 def direct(task: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    from configs import bert_tasks
     with torch.no_grad():
         out = bert_tasks.build(task)(input_ids=ids, attention_mask=mask)
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
 @pytest.mark.parametrize("transport", ["tensormq", "zeromq"])
-def test_the_config_serves_each_task_as_its_model_run_directly(server_factory, exported, transport):
+def test_the_config_serves_each_task_as_its_model_run_directly(server_factory, exported, bert_tasks, transport):
     """All three tasks at once through the one encoder process, at two sequence lengths (the
     same blocks), each within 1e-5 of the stock model run directly."""
     with open(CONFIG) as f:

@@ -16,9 +16,10 @@ from blockflow.client import BlockFlowError, Client
 from blockflow.cli import Exit
 from blockflow.core.protocol import ErrorCode
 
+from conftest import needs
 from test_split import blockflow, one_line_error
 
-pytest.importorskip("transformers")
+pytestmark = needs("transformers")
 
 HF_MODELS = '''
 import torch
