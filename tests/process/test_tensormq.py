@@ -333,17 +333,20 @@ def test_a_release_never_frees_a_slot_the_producer_has_reused(shm_dir):
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    # busy processes oversubscribe the cores, so that the consumer is preempted mid-release
-    # now and then, as it is in a pipeline of five processes on two cores
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 2))]
     consumer = subprocess.Popen([sys.executable, "-c", _CONSUMER, shm_dir], cwd=root, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)
     pool = SlotPool(shm_dir, "race", window=4)
     x = torch.arange(4, dtype=torch.float32)
     sent = 0
+    burners: list[subprocess.Popen] = []
     try:
-        # the race starts once the consumer has imported torch (seconds on oversubscribed cores)
+        # the race starts once the consumer has imported torch
         assert consumer.stdout.readline().strip() == "ready"
+        # then busy processes oversubscribe the cores, so that the consumer is preempted
+        # mid-release now and then, as it is in a pipeline of five processes on two cores (started
+        # only now: burning through the consumer's torch import too cost the machine ~10 s of CPU)
+        burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                   for _ in range(2 * (os.cpu_count() or 2))]
         deadline = time.monotonic() + 6.0
         while time.monotonic() < deadline and sent < 100_000:
             desc = pool.put("edge", x, timeout=10.0)
