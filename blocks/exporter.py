@@ -189,7 +189,7 @@ def export_model(
     (``torch.export`` programs, ``.pt2`` files, with a dynamic batch dimension).
 
     The work runs in a fresh interpreter with a fixed hash seed so the files
-    are byte-for-byte repeatable (see the module docstring).  Returns the
+    are byte-for-byte repeatable (see :mod:`blockflow.blocks.repository`).  Returns the
     manifest path.
     """
     check_model(model)
@@ -211,11 +211,12 @@ def export_model(
     log.info("exporting %s (blocks=%d, %s, variants=%s, seed=%d) to %s", model, blocks,
              f"method={method}" if fmt == "torchscript" else "torch.export", variants or "none", seed, out_dir / model)
     total = 1 + len(BLOCK_NAMES[blocks]) + sum(len(v) for v in variants.values())
-    # Load this very file in the child (not "import blocks.repository"): the
+    # Load repository.py by its path in the child (not "import blocks.repository"): the
     # child must not depend on sys.path/cwd, and -P keeps cwd off sys.path.
+    worker = str(Path(__file__).with_name("repository.py").resolve())
     code = (
         "import importlib.util as u, sys\n"
-        f"s = u.spec_from_file_location('_blockflow_export_worker', {str(Path(__file__).with_name('repository.py').resolve())!r})\n"
+        f"s = u.spec_from_file_location('_blockflow_export_worker', {worker!r})\n"
         "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
         "m._export_worker(sys.argv[1])\n"
     )
@@ -225,7 +226,7 @@ def export_model(
 
 def run_export_worker(code: str, args: dict, total: int, label: str, what: str) -> dict:
     """Run ``python -P -c code json(args)`` in a fresh interpreter with ``PYTHONHASHSEED=0``
-    (see the module docstring), relay its log records, count its progress records on a bar of
+    (see :mod:`blockflow.blocks.repository`), relay its log records, count its progress records on a bar of
     ``total`` files, and return the JSON object its last stdout line holds.
 
     A result ``{"error": message}`` (a mistake in the request the worker found, such as a cut
