@@ -101,11 +101,13 @@ def test_every_product_module_imports_without_experiments_or_tests(tmp_path):
 
 def test_the_control_plane_imports_no_torch():
     """``blockflow serve`` runs no model: its modules load without torch or numpy (about 2.8 s of
-    CPU and 600 MB per server). test_control_plane checks the running server's own mappings."""
+    CPU and 600 MB per server). test_control_plane checks the running server's own mappings. Nor
+    does ``blockflow export`` before its worker starts (``blocks/exporter.py``)."""
     import subprocess
     import sys
     code = ("import sys, blockflow.cli, blockflow.server, blockflow.rest, blockflow.metrics, blockflow.openinference, "
-            "blockflow.manager.ray_launcher; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+            "blockflow.manager.ray_launcher, blockflow.blocks.exporter; "
+            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[]"], f"the control plane imports {out.stdout.strip()}"
