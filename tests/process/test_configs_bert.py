@@ -85,8 +85,7 @@ def test_sharing_the_encoder_saves_its_parameters_twice_against_three_whole_mode
     assert (saved["processes"], saved["whole_model_processes"]) == (4, 3)
 
 
-def direct(task: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    from configs import bert_tasks
+def direct(bert_tasks, task: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = bert_tasks.build(task)(input_ids=ids, attention_mask=mask)
     return out if isinstance(out, torch.Tensor) else out.logits
@@ -109,7 +108,7 @@ def test_the_config_serves_each_task_as_its_model_run_directly(server_factory, e
         ids = torch.randint(0, bert_tasks.CONFIG["vocab_size"], (batch, seq), generator=gen)
         mask = torch.ones(batch, seq, dtype=torch.int64)
         mask[-1, seq // 2:] = 0  # padding in one sequence: the mask changes the answer
-        want = {t: direct(t, ids, mask) for t in bert_tasks.TASKS}
+        want = {t: direct(bert_tasks, t, ids, mask) for t in bert_tasks.TASKS}
 
         def infer(task):
             with Client(srv.dispatcher, timeout=120) as c:
