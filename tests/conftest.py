@@ -135,6 +135,27 @@ def pytest_runtest_setup(item):
 pytest_runtest_call = pytest_runtest_setup  # the same guard around the test's call as around its setup
 
 
+#: ``BLOCKFLOW_TEST_CPU=FILE``: every test appends a line to FILE with the CPU it cost (CONTRIBUTING.md,
+#: "What a test costs"): this process's own, and its children's that were reaped during the test
+#: (every server a test stops, with the forkserver and blocks under it; a module or session
+#: fixture's cost lands on the test that set it up or tore it down).
+_CPU_LOG = os.environ.get("BLOCKFLOW_TEST_CPU")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_LOG:
+        yield
+        return
+    t0, w0, start = os.times(), time.monotonic(), time.time()
+    yield
+    t1 = os.times()
+    own = t1.user + t1.system - t0.user - t0.system
+    children = t1.children_user + t1.children_system - t0.children_user - t0.children_system
+    with open(_CPU_LOG, "a") as f:  # one short write per line: two workers may append at once
+        f.write(f"{item.nodeid}\t{time.monotonic() - w0:.2f}\t{own:.2f}\t{children:.2f}\t{_WORKER or 'main'}\t{start:.1f}\n")
+
+
 #: The checkout's git-ignored model repository (experiments.common.DEFAULT_REPO, the one `make
 #: demo` and the experiments use): the tests' seeded exports live there too, so that one export
 #: serves the whole suite and the experiments' smoke tests instead of one per session and user.
