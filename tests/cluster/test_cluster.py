@@ -328,24 +328,33 @@ def test_a_node_lost_under_load_answers_every_request_and_serving_resumes_when_i
 
 
 def test_a_partition_that_heals_leaves_no_block_running_twice(server, cluster, model_repo):
-    """edge-b cut off (its raylet stopped: the head hears nothing from it, its processes run on),
-    then back: Ray declared it dead meanwhile, so its raylet and workers end when it returns, and
-    the old block processes with them (each watches its agent); the blocks come back once per
-    name on a node that joins."""
+    """edge-b cut off (its raylet and Ray's processes under it stopped: the head hears nothing from
+    the node and the node hears nothing from the head; its blocks run on), then back: Ray declared
+    it dead meanwhile, so its raylet and workers end when it returns, and the old block processes
+    with them (each watches its agent); the blocks come back once per name on a node that joins."""
     import signal as sig
     from ray._private import ray_constants
     c, nodes = cluster
     server.call("POST", "/system/update", _body({n: node for n, (_, node) in SPLIT.items()}), timeout=240)
     before = {b["name"]: b["pid"] for b in server.call("GET", "/system")["blocks"] if b["name"] in ("b3", "b4", "h")}
     cut = nodes.pop("edge-b")
-    raylet = cut.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-    os.kill(raylet, sig.SIGSTOP)
+    raylet = psutil.Process(cut.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+    # The whole node is cut off, not only its raylet: a Ray worker (a block's agent) that still
+    # heard the head would learn that its node was declared dead and exit at once, its block with
+    # it, before the partition healed. The blocks themselves keep running, as on a real partition.
+    ray_side = [raylet] + [p for p in raylet.children(recursive=True) if p.pid not in before.values()]
+    for p in ray_side:
+        p.send_signal(sig.SIGSTOP)
     try:
         wait_for(lambda: all(b.get("waiting_for_node") == "edge-b" for b in server.call("GET", "/system")["blocks"]
                              if b["name"] in before), 60, "edge-b's blocks waiting for a node after the cut")
         assert all(psutil.pid_exists(p) for p in before.values())  # cut off, not dead: they still run
     finally:
-        os.kill(raylet, sig.SIGCONT)
+        for p in reversed(ray_side):
+            try:
+                p.send_signal(sig.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
     wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                              for p in before.values()), 60, "the cut-off node's old block processes ending")
     c.remove_node(cut, allow_graceful=False)  # whatever of it is left
