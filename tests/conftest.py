@@ -34,6 +34,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 #: in the directory", and one worker must not count (or remove) what another worker's test made.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER:
+    import multiprocessing.util
+    # multiprocessing's own directory (pymp-*, its forkserver's socket) is made in the machine's
+    # temporary directory, before TMPDIR changes: multiprocessing removes it when the worker exits,
+    # which is after pytest_unconfigure has removed the private directories below.
+    multiprocessing.util.get_temp_dir()
     _private = {"TMPDIR": tempfile.mkdtemp(prefix=f"bfw-{_WORKER}-", dir="/tmp")}
     if os.path.isdir("/dev/shm"):
         _private["BLOCKFLOW_SHM_DIR"] = tempfile.mkdtemp(prefix=f"bfw-{_WORKER}-", dir="/dev/shm")
