@@ -117,6 +117,10 @@ def test_eviction_follows_the_policy_and_status_metrics_and_kpi_show_it(server_f
     with Client(srv.dispatcher, timeout=60) as c:
         for t in (0, 1, 0, 2):  # h5 (pinned) + h0, h1, h2 do not fit: h1, least recently used, goes
             c.infer(f"t{t}", x)
+            # A block is last used when it lets go of its weights, just after it sent its output:
+            # the next request waits for that, or a descheduled h1 could let go after h0's second
+            # request and be the more recent (seen once on a loaded machine)
+            wait_for(lambda: srv.call("GET", f"/blocks/h{t}/ping")["busy_s"] == 0.0, 30, f"h{t} idle")
         states = _states(srv)
         assert states["h5"] == "resident" and states["h0"] == "resident" and states["h2"] == "resident", states
         assert states["h1"] == "parked", states
