@@ -351,10 +351,11 @@ def describe(values) -> dict:
 
 # -- the model repository ------------------------------------------------------------------
 @contextlib.contextmanager
-def _exporting(folder: str):
+def exporting(folder: str):
     """Hold an exclusive lock on ``folder`` (created if missing) while its model is checked and
     exported: two processes (two pytest workers, a test and an experiment) that both find an
-    export missing would otherwise write the same files at once. The second waits, then finds it."""
+    export missing would otherwise write the same files at once. The second waits, then finds it.
+    The lock is on the folder itself, so no lock file lands anywhere."""
     import fcntl
     os.makedirs(folder, exist_ok=True)
     fd = os.open(folder, os.O_RDONLY)
@@ -368,7 +369,7 @@ def _exporting(folder: str):
 def ensure_repo(repo: str = DEFAULT_REPO, model: str = "resnet50", method: str = "script") -> str:
     """``repo`` with ``<model>`` exported (4 blocks, head, full and the 'x' variant of block4/head)."""
     from blockflow.blocks.repository import export_model
-    with _exporting(os.path.join(repo, model)):
+    with exporting(os.path.join(repo, model)):
         if not os.path.exists(os.path.join(repo, model, "block4-x.pt")):
             log.info("exporting %s blocks (%s) into %s (seeded weights, once)", model, method, repo)
             export_model(model, repo, blocks=4, method=method, variants={"x": ["block4", "head"]})
@@ -380,7 +381,7 @@ def traced_repo(repo: str = DEFAULT_REPO, model: str = "resnet50") -> str:
     by git along with the repository and never overwrites the scripted files."""
     from blockflow.blocks.repository import export_model
     path = os.path.join(repo, "_traced")
-    with _exporting(os.path.join(path, model)):
+    with exporting(os.path.join(path, model)):
         if not os.path.exists(os.path.join(path, model, "manifest.json")):
             log.info("exporting traced %s blocks into %s (once)", model, path)
             export_model(model, path, blocks=4, method="trace")
@@ -391,7 +392,7 @@ def exported_repo(repo: str = DEFAULT_REPO, model: str = "resnet50") -> str:
     """A repository with torch.export programs (``.pt2``), kept in ``<repo>/_export``."""
     from blockflow.blocks.repository import export_model
     path = os.path.join(repo, "_export")
-    with _exporting(os.path.join(path, model)):
+    with exporting(os.path.join(path, model)):
         if not os.path.exists(os.path.join(path, model, "manifest.json")):
             log.info("exporting %s as torch.export programs into %s (once)", model, path)
             export_model(model, path, blocks=4, fmt="export")

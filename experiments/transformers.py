@@ -74,16 +74,11 @@ def ensure_bert_tasks(repo: str = common.DEFAULT_REPO) -> str:
     an export is repeatable byte for byte, and the server checks every file against its manifest.
     Each task's folder is locked while it is looked at and exported, so that processes doing this
     at once (pytest workers) export each task once; two tasks are exported at a time."""
-    import fcntl
-
     from configs import bert_tasks
 
     def one(task: str) -> None:
         folder = os.path.join(repo, f"bert_{task}")
-        os.makedirs(folder, exist_ok=True)
-        lock = os.open(folder, os.O_RDONLY)  # the folder itself: no lock file lands anywhere
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with common.exporting(folder):
             try:
                 with open(os.path.join(folder, "manifest.json")) as f:
                     listed = json.load(f).get("blocks", {})
@@ -93,8 +88,6 @@ def ensure_bert_tasks(repo: str = common.DEFAULT_REPO) -> str:
                        for name in ("block1.pt", "block2.pt", "full.pt")):
                 common.log.info("exporting bert_%s into %s (seeded weights, once)", task, repo)
                 export(sharing_export_args(task, repo))
-        finally:
-            os.close(lock)
 
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(one, bert_tasks.TASKS))
