@@ -51,24 +51,28 @@ demo: export
 
 # The tests are in four tiers, one folder each (CONTRIBUTING.md, "Where a test goes"): tests/unit
 # (in the test process alone), tests/process (real processes, sockets, servers), tests/cluster
-# (Ray), tests/cuda (a GPU; skipped without one). `make test` runs all of them, as CI does, in two
-# phases: most tests on JOBS pytest-xdist workers (each with its own temporary and /dev/shm
-# directories, tests/conftest.py), then the `exclusive` ones (load, rates, deadlines, Ray) alone.
-# Both phases always run; the target fails when either did. JOBS=1 runs the first phase serially.
+# (Ray), tests/cuda (a GPU; skipped without one). `make test` runs all of them, as CI does, in
+# three phases: most tests on JOBS pytest-xdist workers (each with its own temporary and /dev/shm
+# directories, tests/conftest.py); then the `exclusive` ones (load, rates, deadlines, Ray) with
+# nothing else running, a file per worker (the Ray cluster's beside chaos); then the `alone` ones
+# (soak measures the machine's capacity) by themselves. Every phase runs; the target fails when
+# any did. JOBS=1 runs the phases serially.
 # `make test-unit` (seconds), `test-process`, `test-cluster` and `test-cuda` run one tier alone.
 JOBS ?= 2
-# $(call two_phases,PATHS): a phase that selects no test (pytest's exit code 5) is no failure.
-define two_phases
+# $(call phases,PATHS): a phase that selects no test (pytest's exit code 5) is no failure.
+define phases
 	@status=0; \
 	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "not exclusive" $(1) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
-	echo "==> the exclusive tests, alone"; \
-	$(PY) -m pytest -q -m exclusive $(1) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
+	echo "==> the exclusive tests, a file per worker, nothing else running"; \
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "exclusive and not alone" $(1) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
+	echo "==> the tests that measure the machine's capacity, alone"; \
+	$(PY) -m pytest -q -m alone $(1) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
 	exit $$status
 endef
 
 test: $(STAMP) $(EXT_STAMP)
 	@echo "==> running the test suite (pytest): the parallel phase on $(JOBS) workers, then the exclusive tests"
-	$(call two_phases,tests)
+	$(call phases,tests)
 
 test-unit: $(STAMP) $(EXT_STAMP)
 	@echo "==> the unit tests (tests/unit): no process, no server"
@@ -76,7 +80,7 @@ test-unit: $(STAMP) $(EXT_STAMP)
 
 test-process: $(STAMP) $(EXT_STAMP)
 	@echo "==> the process tests (tests/process): the parallel phase on $(JOBS) workers, then the exclusive tests"
-	$(call two_phases,tests/process)
+	$(call phases,tests/process)
 
 test-cluster: $(STAMP) $(EXT_STAMP)
 	@echo "==> the cluster tests (tests/cluster): a real multi-node Ray cluster on this machine"

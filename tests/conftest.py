@@ -77,14 +77,25 @@ def _tier_of(path) -> str:
     return tier
 
 
+#: The mark expressions of make test's later phases: they collect only the files that say ``exclusive``.
+EXCLUSIVE_PHASES = ("exclusive", "exclusive and not alone", "alone")
+
+
 def pytest_ignore_collect(collection_path, config):
-    """``-m exclusive`` alone (make test's second phase) collects only the test files that mark a
-    test exclusive (by name: ``pytestmark`` or a parameter's marks): importing the rest only to
-    deselect every test in them cost that phase about 16 s of CPU."""
-    if (config.getoption("markexpr") == "exclusive" and collection_path.suffix == ".py"
+    """make test's exclusive phases (``-m exclusive and not alone``, ``-m alone``) collect only
+    the test files that mark a test exclusive (by name: ``pytestmark`` or a parameter's marks):
+    importing the rest only to deselect every test in them cost that phase about 16 s of CPU."""
+    if (config.getoption("markexpr") in EXCLUSIVE_PHASES and collection_path.suffix == ".py"
             and collection_path.name.startswith("test_") and "exclusive" not in collection_path.read_text()):
         return True
     return None
+
+
+def _check_alone(item) -> None:
+    """``alone`` is a kind of ``exclusive``: a test marked alone but not exclusive would also run
+    in the parallel phase."""
+    if item.get_closest_marker("alone") is not None and item.get_closest_marker("exclusive") is None:
+        raise pytest.UsageError(f"{item.nodeid} is marked alone but not exclusive: mark it both")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -95,6 +106,7 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} is in tests/cuda but is not marked cuda: a test that "
                                     f"runs without a GPU goes in tests/unit or tests/process")
         item.add_marker(getattr(pytest.mark, tier))
+        _check_alone(item)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible here")

@@ -11,7 +11,8 @@ import pytest
 
 from experiments.chaos import run_chaos
 
-# Shares of requests answered and recovery deadlines: measured with the machine to itself.
+# Shares of requests answered and recovery deadlines: no parallel worker beside them, one other
+# exclusive file at most (Makefile).
 pytestmark = pytest.mark.exclusive
 
 

@@ -260,11 +260,13 @@ def test_every_detailed_experiment_is_listed():
     assert set(SMOKE_ARGS) <= set(EXPERIMENTS), set(SMOKE_ARGS) - set(EXPERIMENTS)
 
 
-#: Started alone (see the exclusive marker): the peer's smoke run starts a Ray of its own.
-EXCLUSIVE_SMOKE = {"peers"}
+#: Run alone, last (see the alone marker): the peers' smoke run starts a Ray of its own (one Ray at a
+#: time on this machine) and measures throughput against it.
+ALONE_SMOKE = {"peers"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.exclusive) if n in EXCLUSIVE_SMOKE else n
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.exclusive, pytest.mark.alone])
+                                  if n in ALONE_SMOKE else n
                                   for n in EXPERIMENTS if n not in DETAILED])
 def test_smoke(name, tmp_path, resnet_repo, leak_check):
     """``python -m experiments.NAME --quick`` exits 0 and writes a JSON that records its code and
