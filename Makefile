@@ -71,7 +71,7 @@ define phases
 endef
 
 test: $(STAMP) $(EXT_STAMP)
-	@echo "==> running the test suite (pytest): the parallel phase on $(JOBS) workers, then the exclusive tests"
+	@echo "==> running the test suite (pytest): the parallel phase on $(JOBS) workers, then the exclusive tests, then those that run alone"
 	$(call phases,tests)
 
 test-unit: $(STAMP) $(EXT_STAMP)
@@ -79,7 +79,7 @@ test-unit: $(STAMP) $(EXT_STAMP)
 	$(PY) -m pytest -q tests/unit
 
 test-process: $(STAMP) $(EXT_STAMP)
-	@echo "==> the process tests (tests/process): the parallel phase on $(JOBS) workers, then the exclusive tests"
+	@echo "==> the process tests (tests/process): the parallel phase on $(JOBS) workers, then the exclusive tests, then those that run alone"
 	$(call phases,tests/process)
 
 test-cluster: $(STAMP) $(EXT_STAMP)
