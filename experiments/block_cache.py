@@ -13,7 +13,8 @@ torch thread per block, transport tensormq.
 
 One ``blockflow serve`` holds three deployments of the same tasks, measured in interleaved
 chunks (each chunk of the access sequence goes through every deployment in turn, the order
-rotating), so that all see the same machine:
+rotating), so that all see the same machine: ``--rounds`` chunks per cell, and with one request
+in flight chunks of 5 requests (``CHUNK_ONE_IN_FLIGHT``):
 
   block cache     group ``c``: backbone + N heads, budget = backbone + 4 heads (+ half a head)
   all resident    group ``r``: the same blocks, no budget (today's shared process)
@@ -64,6 +65,10 @@ IN_SHAPE = (1, 3, 64, 64)
 FEATURES = 1024
 #: Rafiqi's cache: room for 4 models
 ROOM = 4
+#: with one request in flight, the deployments take turns every this many requests (a chunk of
+#: the sequence): on the shared 2-core VM the machine's speed drifts within seconds, and with 4
+#: chunks of 50 a cell's p50 ratio moved by up to 19% with no swap at all (N = 4, 2026-11-28)
+CHUNK_ONE_IN_FLIGHT = 5
 PATTERNS = ("sequential", "uniform", "zipf")
 ZIPF_ALPHA = 1.1
 DEPLOYMENTS = ("cache", "resident", "whole")
@@ -290,9 +295,10 @@ def run_grid(server, clients, x, heads_list, concurrency, n, rounds, width_label
                 if pw is not None:
                     series["whole"] = [f"{pw}{i}" for i in seq]
                     counted["whole"] = [f"{pw}{i}" for i in range(n_tasks)]
-                res = interleaved(server, clients, x, series, conc, rounds, warm, counted)
+                chunks = max(rounds, n // CHUNK_ONE_IN_FLIGHT) if conc == 1 else rounds
+                res = interleaved(server, clients, x, series, conc, chunks, warm, counted)
                 row = {"heads": n_tasks, "pattern": pattern, "concurrency": conc, "head": width_label,
-                       "deployments": res}
+                       "chunks": chunks, "deployments": res}
                 base = res["resident"]
                 for d in series:
                     if d == "resident":
@@ -546,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     repo = tempfile.mkdtemp(prefix="bf-cache-repo-")
     try:
         sizes = write_repo(repo, max(heads_list + [8]), widths)
-        settings = {"quick": quick, "n": n, "rounds": rounds, "heads": heads_list, "concurrency": concurrency,
+        settings = {"quick": quick, "n": n, "rounds": rounds, "chunk_one_in_flight": CHUNK_ONE_IN_FLIGHT,
+                    "heads": heads_list, "concurrency": concurrency,
                     "patterns": patterns, "sections": sorted(sections), "room": ROOM, "zipf_alpha": ZIPF_ALPHA,
                     "input_shape": list(IN_SHAPE), "threads": 1, "transport": "tensormq", "device": args.device,
                     "backbone_mb": sizes["bb"] / 2**20, "head_mb": sizes[f"h{widths[0]}_0"] / 2**20,
