@@ -883,8 +883,14 @@ def block_cache_text(d: dict) -> str:
                      f"{lru['head_misses']} head swaps).")
     hit = d.get("hit")
     if hit:
+        paired = ""
+        if "p50_ratio_paired" in hit:  # results from before 2026-11-28 have the pooled ratio only
+            lo, hi = hit["p50_ratio_paired_ci95"]
+            paired = (f"; each request against its neighbour without a budget, median of the ratios "
+                      f"{hit['p50_ratio_paired']:.3f}x (95% interval {lo:.3f}-{hi:.3f})")
         parts.append(f"A hit: p50 {_f(hit['cache']['p50'])} ms with a budget against {_f(hit['resident']['p50'])} ms "
-                     f"without, {hit['p50_ratio']:.3f}x (median of per-round ratios {hit['p50_ratio_median_of_rounds']:.3f}x).")
+                     f"without, {hit['p50_ratio']:.3f}x (median of per-round ratios {hit['p50_ratio_median_of_rounds']:.3f}x"
+                     f"{paired}).")
     return " ".join(parts) or "–"
 
 
