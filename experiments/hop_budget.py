@@ -31,13 +31,19 @@ it, add the KPI row, release the slot; a hand-over between two threads (a ZeroMQ
 pair, as the client's I/O thread and a block's control thread get messages) and the client
 library's encoding of a request (descriptor, header).
 
+``shapes`` (experiments/path_shapes.py; ``--shapes 0`` skips it): the same path's crossings
+alone, as bare pyzmq processes moving a header, the way BlockFlow wires them (``today``), with
+the last stage answering the client directly (``direct answer``) and with no dispatcher, in turns
+with BlockFlow's own round trip through as many identity blocks (1 KB, lent slots): what the
+dispatcher's place on the path costs, and what BlockFlow's code adds to the crossings.
+
 ``--profile DIR`` records flame graphs (py-spy, the ``bench`` extra) of every block, the
 dispatcher and this process (the client) during the ``path`` rounds, one SVG each.
 
 Run::
 
     python -m experiments.hop_budget [--quick] [--rounds R] [--n N] [--chain K]
-        [--device cpu|cuda] [--profile DIR] [--out DIR]
+        [--device cpu|cuda] [--shapes N] [--profile DIR] [--out DIR]
 """
 from __future__ import annotations
 
@@ -472,6 +478,10 @@ def main(argv=None) -> int:
                     help="py-spy's format: flamegraph (SVG, default), raw (collapsed stacks), speedscope")
     ap.add_argument("--idle-seconds", type=float, help="seconds without traffic to measure idle CPU (default 10, "
                                                        "quick 2)")
+    ap.add_argument("--shapes", type=int, default=None, metavar="N",
+                    help="requests per round and shape in the path-shapes table (experiments/path_shapes.py: "
+                         "the same path as bare pyzmq processes, with the last stage answering the client "
+                         "directly and with no dispatcher; default 200, quick 20; 0 skips it)")
     ap.add_argument("--client", default="shm", choices=sorted(CLIENT_WAYS),
                     help="how the tensor and result travel between client and dispatcher: shm (lent slots, "
                          "default), bytes (shared_memory=False), both (interleaved rounds)")
@@ -495,11 +505,19 @@ def main(argv=None) -> int:
     if args.client == "both":
         print()
         print(ways_table(path))
+    shapes_n = args.shapes if args.shapes is not None else (20 if args.quick else 200)
+    shapes = None
+    if shapes_n > 0:
+        from experiments.path_shapes import measure_shapes, shapes_table
+        shapes = measure_shapes(rounds, shapes_n, args.chain)
+        print()
+        print(shapes_table(shapes, args.chain))
     print(f"took {time.monotonic() - started:.0f} s")
     picture(path, names, args.out)
     write_json(args.out, "hop_budget", {"env": env_info(), "settings": {
         "rounds": rounds, "n": n, "iters": iters, "chain": args.chain, "device": args.device, "shape": list(SHAPE),
-        "quick": args.quick, "profile": args.profile, "client": args.client}, "path": path, "steps": steps, "blocks": names})
+        "quick": args.quick, "profile": args.profile, "client": args.client, "shapes_n": shapes_n},
+        "path": path, "steps": steps, "blocks": names, "shapes": shapes})
     return 0
 
 
