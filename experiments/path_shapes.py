@@ -16,6 +16,13 @@ lent slots, so only headers cross there too):
   ``no dispatcher``  client -> s1 -> ... -> sN -> client: the floor of the stages alone
   ``BlockFlow``      ``Client.infer`` through a ``StandalonePipeline`` of N identity blocks
 
+Each round runs the turns twice: with every process of the paths free to run on any core, and
+with all of them (their every thread, this process's too) pinned to one core (``one core``),
+where a message wakes its receiver by a context switch on the same core instead of waking the
+other one. With one request in flight nothing runs in parallel anyway; under load one core
+would halve what the path can serve, so this measures where a single request's time goes, not
+a deployment to copy.
+
 ``today`` minus ``direct answer`` is what the dispatcher's place on the way out costs on this
 machine; ``BlockFlow`` minus ``today`` is what BlockFlow's own code (client library, dispatcher,
 blocks) adds to the crossings. The shapes take turns request by request (the order rotating);
@@ -35,6 +42,19 @@ import time
 SHAPES = ("today", "direct answer", "no dispatcher", "BlockFlow")
 #: What the BlockFlow row sends: 1 KB, through the slots the dispatcher lends a local client.
 SMALL = (1, 256)
+#: The two placements of every round: all cores, and one (the same one for every process).
+PLACEMENTS = ("all cores", "one core")
+
+
+def pin(pids: list[int], cpus: set[int]) -> None:
+    """Every thread of every process in ``pids`` may run only on ``cpus`` (threads started later
+    inherit their creator's)."""
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except (ProcessLookupError, PermissionError):
+                pass  # a thread that ended meanwhile
 
 
 def _stage(work: str, i: int, last: bool, ready) -> None:
@@ -166,8 +186,11 @@ class BarePath:
 
 
 def measure_shapes(rounds: int, n: int, chain: int, warmup: int = 50) -> dict:
-    """Round trips (ms) of every shape in ``rounds`` interleaved rounds of ``n`` requests each:
-    per shape the median of the rounds' medians and their range, and the two differences."""
+    """Round trips (ms) of every shape in ``rounds`` rounds of ``n`` turns each (a request of every
+    shape per turn), on all cores and then on one in every round: per shape and placement the
+    median of the rounds' medians and their range, the differences between shapes (all cores),
+    and per shape one core over all cores (median of the rounds' ratios). On a machine with one
+    core only the first placement runs."""
     import torch
 
     from blockflow.client import Client
@@ -176,14 +199,18 @@ def measure_shapes(rounds: int, n: int, chain: int, warmup: int = 50) -> dict:
 
     repo = _toy_repo()
     names = [f"i{k}" for k in range(chain)]
+    everywhere = os.sched_getaffinity(0)
+    one = {min(everywhere)}
     bare = BarePath(chain)
-    per_round: dict[str, list[float]] = {s: [] for s in SHAPES}
-    samples: dict[str, list[float]] = {s: [] for s in SHAPES}
+    keys = [(s, pl) for pl in PLACEMENTS for s in SHAPES] if len(everywhere) > 1 else [(s, PLACEMENTS[0]) for s in SHAPES]
+    per_round: dict[tuple, list[float]] = {k: [] for k in keys}
+    samples: dict[tuple, list[float]] = {k: [] for k in keys}
     try:
         with StandalonePipeline(repo, {nm: "toy/identity.pt" for nm in names}, {"hop": names}, transport="tensormq",
                                 threads=1, env={"BLOCKFLOW_KPI_FLUSH_EVERY": "100000"},
                                 shm_prefix="bfbench-shapes") as p, Client(p.address, timeout=60) as c:
             x = torch.randn(*SMALL)
+            pids = [os.getpid()] + [pr.pid for pr in bare.procs] + [pr.pid for pr in p.procs.values()]
 
             def run(shape: str) -> None:
                 if shape == "BlockFlow":
@@ -194,21 +221,39 @@ def measure_shapes(rounds: int, n: int, chain: int, warmup: int = 50) -> dict:
             for shape in SHAPES:
                 for _ in range(warmup):
                     run(shape)
-            for r in range(rounds):
-                lat: dict[str, list[float]] = {s: [] for s in SHAPES}
-                for k in range(n):  # the shapes take turns request by request, the order rotating
-                    for shape in SHAPES[k % len(SHAPES):] + SHAPES[:k % len(SHAPES)]:
-                        t0 = time.perf_counter()
-                        run(shape)
-                        lat[shape].append((time.perf_counter() - t0) * 1e3)
-                for shape, v in lat.items():
-                    per_round[shape].append(statistics.median(v))
-                    samples[shape] += v
+            try:
+                for r in range(rounds):
+                    for placement in sorted({pl for _, pl in keys}, key=PLACEMENTS.index):
+                        pin(pids, one if placement == "one core" else everywhere)
+                        for _ in range(warmup // 5):  # the first turns after a move pay for it
+                            for shape in SHAPES:
+                                run(shape)
+                        lat: dict[str, list[float]] = {s: [] for s in SHAPES}
+                        for k in range(n):  # the shapes take turns request by request, the order rotating
+                            for shape in SHAPES[k % len(SHAPES):] + SHAPES[:k % len(SHAPES)]:
+                                t0 = time.perf_counter()
+                                run(shape)
+                                lat[shape].append((time.perf_counter() - t0) * 1e3)
+                        for shape, v in lat.items():
+                            per_round[(shape, placement)].append(statistics.median(v))
+                            samples[(shape, placement)] += v
+            finally:
+                pin(pids, everywhere)
     finally:
         bare.close()
         shutil.rmtree(repo, ignore_errors=True)
-    out = {s: spread(v) for s, v in per_round.items()}
-    out["per_round_ms"] = per_round
+    out = {s: spread(per_round[(s, PLACEMENTS[0])]) for s in SHAPES}
+    out["per_round_ms"] = {s: per_round[(s, PLACEMENTS[0])] for s in SHAPES}
+    if (SHAPES[0], "one core") in per_round:
+        out["one core"] = {s: spread(per_round[(s, "one core")]) for s in SHAPES}
+        out["one core"]["per_round_ms"] = {s: per_round[(s, "one core")] for s in SHAPES}
+        # each round ran both placements back to back: their ratio per round, and its median
+        out["one core / all cores"] = {s: spread([a / b for a, b in zip(per_round[(s, "one core")],
+                                                                         per_round[(s, PLACEMENTS[0])])])
+                                       for s in SHAPES}
+        out["one core"]["cpu"] = min(one)
+    samples = {s: samples[(s, PLACEMENTS[0])] for s in SHAPES}
+    per_round = {s: per_round[(s, PLACEMENTS[0])] for s in SHAPES}
     diffs = {"dispatcher on the way out (today - direct answer)": ("today", "direct answer"),
              "the dispatcher in all (today - no dispatcher)": ("today", "no dispatcher"),
              "BlockFlow's code (BlockFlow - today)": ("BlockFlow", "today")}
@@ -227,6 +272,10 @@ def shapes_table(shapes: dict, chain: int) -> str:
         lines.append(f"| {s} | {_f(v)} |")
     for k, v in shapes["differences"].items():
         lines.append(f"| {k} | {_f(v)}; request by request {v['paired_median']:.3f} |")
+    if "one core" in shapes:
+        for s in SHAPES:
+            lines.append(f"| {s}, every process on CPU {shapes['one core']['cpu']} | {_f(shapes['one core'][s])}; "
+                         f"one core / all cores {_f(shapes['one core / all cores'][s])} |")
     return "\n".join(lines)
 
 
