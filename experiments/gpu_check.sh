@@ -151,8 +151,10 @@ for step in $STEPS; do
         --batches "${HOP_BATCHES:-1,32}" "${OUTARG[@]}" ;;
     groups)  # issue 40 item 4: ResNet50's 5 blocks in one process vs 5 processes vs full.pt as one CUDA graph (goal <= 1.3x)
       run_step "$step" "$PY" -m experiments.fused --series "one group" --device cuda --n 300 "${OUTARG[@]}" ;;
-    hop_budget)  # issue 40 item 1: the per-hop budget on the GPU (add --profile DIR where py-spy is installed)
-      run_step "$step" "$PY" -m experiments.hop_budget --device cuda:0 --rounds 5 --n 200 "${OUTARG[@]}" ;;
+    hop_budget)  # issue 40 item 1: the per-hop budget on the GPU (add --profile DIR where py-spy is installed);
+      # its shapes (the path's crossings as bare pyzmq processes, on all cores and on one) run on the
+      # host's CPUs: 100 turns a round keep them to about 15 s of the lease
+      run_step "$step" "$PY" -m experiments.hop_budget --device cuda:0 --rounds 5 --n 200 --shapes 100 "${OUTARG[@]}" ;;
     batching)  # issue 27 item 5: saturation unbatched vs dynamic batching (goal >= 3x)
       run_step "$step" "$PY" -m experiments.batching --device cuda --rates 400,800,1600,3200 --duration 4 \
         --rounds 2 --window 4 "${OUTARG[@]}" ;;
