@@ -320,14 +320,6 @@ def run_grid(server, clients, x, heads_list, concurrency, n, rounds, width_label
     return rows
 
 
-def bootstrap_ci(sample: list, stat, draws: int = 1000, seed: int = 0) -> list[float]:
-    """The 2.5th and 97.5th percentiles of ``stat`` over ``draws`` resamples (with replacement)
-    of ``sample``: the statistic's 95% interval."""
-    rng = random.Random(seed)
-    got = sorted(stat(rng.choices(sample, k=len(sample))) for _ in range(draws))
-    return [got[int(0.025 * draws)], got[int(0.975 * draws) - 1]]
-
-
 def run_hit(server, clients, x, n: int, rounds: int) -> dict:
     """Resident heads with a budget (c0..c3) against the same heads without (r0..r3), one request
     of each in turn (the order alternating per round), one in flight."""
@@ -362,8 +354,8 @@ def run_hit(server, clients, x, n: int, rounds: int) -> dict:
     # not: on the shared 2-core VM its standard error at 600 pairs was ~2%, as large as the goal.
     pairs = [a / b for a, b in zip(lat["cache"], lat["resident"])]
     out["p50_ratio_paired"] = statistics.median(pairs)
-    out["p50_ratio_paired_ci95"] = bootstrap_ci(pairs, statistics.median)
-    out["p50_ratio_ci95"] = bootstrap_ci(list(zip(lat["cache"], lat["resident"])), lambda ps: (
+    out["p50_ratio_paired_ci95"] = common.bootstrap_ci(pairs, statistics.median)
+    out["p50_ratio_ci95"] = common.bootstrap_ci(list(zip(lat["cache"], lat["resident"])), lambda ps: (
         statistics.median(a for a, _ in ps) / statistics.median(b for _, b in ps)))
     out["cache_counts"] = {k: after[k] - before[k] for k in after}
     return out

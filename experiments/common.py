@@ -340,6 +340,15 @@ def pct(values, q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def bootstrap_ci(sample: list, stat, draws: int = 1000, seed: int = 0) -> list[float]:
+    """The 2.5th and 97.5th percentiles of ``stat`` over ``draws`` resamples (with replacement,
+    seeded) of ``sample``: the statistic's 95% interval."""
+    import random
+    rng = random.Random(seed)
+    got = sorted(stat(rng.choices(sample, k=len(sample))) for _ in range(draws))
+    return [got[int(0.025 * draws)], got[int(0.975 * draws) - 1]]
+
+
 def describe(values) -> dict:
     """n, mean, std, min, p50, p90, p99, max (milliseconds in, milliseconds out)."""
     v = [float(x) for x in values]

@@ -202,7 +202,8 @@ def measure_shapes(rounds: int, n: int, chain: int, warmup: int = 50) -> dict:
     everywhere = os.sched_getaffinity(0)
     one = {min(everywhere)}
     bare = BarePath(chain)
-    keys = [(s, pl) for pl in PLACEMENTS for s in SHAPES] if len(everywhere) > 1 else [(s, PLACEMENTS[0]) for s in SHAPES]
+    placements = PLACEMENTS if len(everywhere) > 1 else PLACEMENTS[:1]
+    keys = [(s, pl) for pl in placements for s in SHAPES]
     per_round: dict[tuple, list[float]] = {k: [] for k in keys}
     samples: dict[tuple, list[float]] = {k: [] for k in keys}
     try:
@@ -223,7 +224,7 @@ def measure_shapes(rounds: int, n: int, chain: int, warmup: int = 50) -> dict:
                     run(shape)
             try:
                 for r in range(rounds):
-                    for placement in sorted({pl for _, pl in keys}, key=PLACEMENTS.index):
+                    for placement in placements:
                         pin(pids, one if placement == "one core" else everywhere)
                         for _ in range(warmup // 5):  # the first turns after a move pay for it
                             for shape in SHAPES:
@@ -244,7 +245,7 @@ def measure_shapes(rounds: int, n: int, chain: int, warmup: int = 50) -> dict:
         shutil.rmtree(repo, ignore_errors=True)
     out = {s: spread(per_round[(s, PLACEMENTS[0])]) for s in SHAPES}
     out["per_round_ms"] = {s: per_round[(s, PLACEMENTS[0])] for s in SHAPES}
-    if (SHAPES[0], "one core") in per_round:
+    if "one core" in placements:
         out["one core"] = {s: spread(per_round[(s, "one core")]) for s in SHAPES}
         out["one core"]["per_round_ms"] = {s: per_round[(s, "one core")] for s in SHAPES}
         # each round ran both placements back to back: their ratio per round, and its median

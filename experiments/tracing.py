@@ -302,10 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def median_ci(values: list[float], draws: int = 4000, seed: int = 0) -> list[float]:
     """A bootstrap 95% interval of the median of ``values`` (per-round ratios), seeded."""
-    import random
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
-    return [meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]]
+    return common.bootstrap_ci(values, statistics.median, draws, seed)
 
 
 def _outalloc_of(code: str) -> str | None:
