@@ -65,6 +65,7 @@ is one file in the instance's private shared-memory directory (``0700``, under /
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -193,6 +194,8 @@ class Slot:
             self.data.zero_()  # fault the pages in now, not on the first send
         else:  # a header-only slot (CUDA slots keep their data on the GPU)
             self.data = torch.empty(0, dtype=torch.uint8)
+        #: the data area's address, for ``SlotPool.put``'s copy (Note [One copy, no views])
+        self.ptr = self.data.data_ptr()
         self.generation = 0
         #: armed for an output at least once (Note [Outputs made in a slot]): the extension
         #: knows this slot's data area and may have given it to a storage
@@ -428,12 +431,27 @@ class SlotPool:
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
+    # Note [One copy, no views]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A contiguous host tensor goes into a host slot with one memmove, and its handle is built
+    # from the tensor itself (its dtype, shape and strides are the bytes' as they now lie in the
+    # slot), not from a typed view of the slot. Measured on the 2-core VM with a BERT block's
+    # output (a [1, 128, 256] float32 and a [1, 1, 128, 128] bool): warm, the three views and
+    # copy_ that Slot.fill makes cost ~33 us against ~6 us for the memmove; in a process that slept
+    # while a model ran (every block, every request), 195 us against 58 us, and encode_value of
+    # the pair 318 us against 86 us. Each torch call is paid afresh when the process's caches
+    # went cold; a Python-level memmove is not a torch call. Other tensors (not contiguous, on a
+    # GPU) and CUDA slots still go through ``Slot.fill``.
     def put(self, edge: str, tensor: torch.Tensor, timeout: float, give_up=None) -> TensorDesc:
         """Copy ``tensor`` into a slot on ``edge`` and return the handle that travels."""
         dtype_name(tensor.dtype)  # refuse what cannot travel before a slot is taken
         nbytes = tensor.numel() * tensor.element_size()
         slot = self.acquire(edge, nbytes, timeout, give_up)
         gen = slot.generation
+        if slot.kind == KIND_HOST and tensor.device.type == "cpu" and tensor.is_contiguous():
+            # Note [One copy, no views]: the bytes as they lie, described by the tensor itself
+            ctypes.memmove(slot.ptr, tensor.data_ptr(), nbytes)
+            return TensorDesc.of(tensor, slot.loc, seg=slot.name, gen=gen, off=0, nbytes=nbytes)
         try:
             dst = slot.fill(tensor, nbytes)
             return TensorDesc.of(dst, slot.loc, seg=slot.name, gen=gen, off=0, nbytes=nbytes)

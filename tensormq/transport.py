@@ -26,7 +26,7 @@ from .shm import DEFAULT_WINDOW, HopGone, SlotMapper, SlotPool
 from .bundle import assemble, flatten
 from blockflow.core.curve import client_of
 from blockflow.core.protocol import canonical_device
-from .wire import (MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, contiguous_stride, dumps, is_local,
+from .wire import (DTYPES, MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, contiguous_stride, dumps, is_local,
                    member_descs)
 from blockflow.core import settings
 
@@ -94,18 +94,29 @@ def decode_bytes(desc: TensorDesc, frame) -> torch.Tensor:
         raise WireError("x.stride must be C-contiguous when bytes travel")
     if expected == 0:
         return torch.empty(desc.shape, dtype=desc.dtype)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(desc.dtype).view(desc.shape)
+    return torch.frombuffer(buf, dtype=desc.dtype).view(desc.shape)  # two torch calls: each counts when cold
+
+
+#: dtypes numpy has: their payload is the tensor's own array (one call); the others go as uint8
+_NUMPY_DTYPES = frozenset(DTYPES.values()) - {torch.bfloat16}
 
 
 def encode_bytes(tensor: torch.Tensor):
-    """Descriptor and payload for a tensor whose bytes travel."""
-    t = tensor.detach()
+    """Descriptor and payload for a tensor whose bytes travel (the payload is an array over
+    the tensor's memory: ZeroMQ copies or references it when the message is sent)."""
+    t = tensor.detach() if tensor.requires_grad else tensor
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    if not t.is_contiguous():
+        t = t.contiguous()
     desc = TensorDesc.of(t, "bytes")
-    payload = t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b""
-    return desc, payload
+    if not t.numel():
+        return desc, b""
+    if desc.stride != (canonical := contiguous_stride(desc.shape)):
+        # contiguous, yet a dimension of size 1 has another stride (e.g. x[:, 0]): the bytes are
+        # the same, and the receiver takes C-contiguous strides only
+        desc.stride, desc.fields["stride"] = canonical, list(canonical)
+    return desc, (t.numpy() if t.dtype in _NUMPY_DTYPES else t.view(torch.uint8).reshape(-1).numpy())
 
 
 def bytes_fields(value) -> tuple[dict, list]:
