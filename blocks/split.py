@@ -478,7 +478,7 @@ def dim_fields(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node]
     """The manifest fields of a block's dynamic dimensions, for a graph ``torch.export`` made
     with some (:func:`export_graph`): ``input_dims``/``output_dims`` (per member, each dimension
     its size or the name of the declared dynamic one, None for a size computed from them) and
-    ``dim_bounds`` (name -> [low, high]); ``input_names`` where the block takes the model's inputs."""
+    ``dim_bounds`` (name -> [low, high])."""
     symbols = gm.meta.get("dims") or {}
     if not symbols:
         return {}
@@ -490,9 +490,34 @@ def dim_fields(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node]
     fields = {"input_dims": [dims(n) for n in inputs], "output_dims": [dims(n) for n in outputs],
               "dim_bounds": {name: [low, high] for name, low, high in symbols.values()},
               "dim_buckets": {name: buckets(low, high) for name, low, high in symbols.values()}}
-    if all(n.op == "placeholder" for n in inputs):
-        fields["input_names"] = [n.name for n in inputs]
     return fields
+
+
+def name_fields(gm: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], ends_at_cut: bool) -> dict:
+    """The manifest's names of what a block takes (``input_names``) and, where it ends at a
+    cut, of what it hands on (``output_names``, the next block's ``input_names``); the last
+    block's outputs are the model's (``output_keys`` where it returns a dict)."""
+    fields = {"input_names": member_names(gm, inputs)}
+    if ends_at_cut:
+        fields["output_names"] = member_names(gm, outputs)
+    return fields
+
+
+def member_names(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[str]:
+    """Values of the graph by names a user knows: the model's input it is (``input_ids``), the
+    submodule whose output it is (the outermost one it is the last value of: ``encoder.layer.0``),
+    else the graph's own name for it (``expand_2``: BERT's attention mask, made in the model's
+    ``forward`` itself). Distinct within one list (a repeated name gets the graph's after a colon)."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    ends: dict[int, str] = {}  # node index -> the outermost submodule that ends there
+    for module, i in cut_positions(gm).items():
+        if module and (i not in ends or module.count(".") < ends[i].count(".")):
+            ends[i] = module
+    names: list[str] = []
+    for n in nodes:
+        name = n.name if n.op == "placeholder" else ends.get(index[n], n.name)
+        names.append(f"{name}:{n.name}" if name in names else name)
+    return names
 
 
 #: Sizes a dynamic dimension is warmed up at (and, on a GPU, a CUDA graph captured for), at most,
@@ -727,7 +752,7 @@ def _export_in_process(model: str, out: str, cuts: list[str], blocks: int | None
     for bname, mod, x, y, cut, members in jobs:
         dims = dim_fields(gm, *members)
         fname, entry = _write_block(model_dir, bname, mod, x, y, fmt, method, seed, dims)
-        entries[fname] = dict(entry, cut=cut, **dims)
+        entries[fname] = dict(entry, cut=cut, **dims, **name_fields(gm, *members, ends_at_cut=cut is not None))
     manifest_path = _merge_manifest(model_dir, name, seed, model, cuts, entries)
     return {"manifest": str(manifest_path), "name": name, "cuts": cuts}
 

@@ -114,6 +114,11 @@ def test_bert_manifest_declares_every_member_dtype_and_the_dynamic_length(bert_r
     assert sorted(mid["input_dtypes"]) == sorted(first["output_dtypes"]) and "float32" in mid["input_dtypes"]
     assert all("S" in dims for dims in mid["input_dims"]), mid["input_dims"]
     assert last["output_keys"] == ["last_hidden_state", "pooler_output"] and last["cut"] is None
+    # each hop's members are named, by the block that hands them on and the one that takes them
+    # alike: the submodule whose output a member is, or the graph's name for what the model made
+    assert mid["input_names"] == first["output_names"] and last["input_names"] == mid["output_names"]
+    assert [BERT_CUTS[0] in first["output_names"], BERT_CUTS[1] in mid["output_names"]] == [True, True]
+    assert len(set(mid["input_names"])) == len(mid["input_dtypes"]) and "output_names" not in last
     assert [first["cut"], mid["cut"]] == list(BERT_CUTS)
 
 
