@@ -5,8 +5,10 @@ sockets, threads and the request's way through them. Tests drive a runner withou
 
 On a CPU a runner calls the model, nothing more. On a GPU it
 
-- replays a **CUDA graph** per input shape (``GraphCache``): captured the first time the shape
-  is seen (or before the block reports ready, for the shapes its update declares: ``warm_up``),
+- replays a **CUDA graph** per input shape (``GraphCache``; for a block that takes several
+  tensors, a transformer's hidden states and mask, per shape of every member: ``graph_key``):
+  captured the first time the shape is seen (or before the block reports ready, for the shapes
+  its update declares and its manifest's buckets of a dynamic dimension: ``warm_up``),
   at most ``max_graphs`` of them; a later shape runs eager. A capture that fails (an operation
   that synchronises, data-dependent control flow) is logged once with its reason and that shape
   runs eager from then on. The request's tensor is copied into the graph's static input (one
@@ -80,7 +82,7 @@ class GraphCache:
         #: as capturing. The mode is process-wide, so a block sharing its process with others
         #: (whose threads synchronise) does not probe; its failed captures are still caught.
         self.probe_syncs = probe_syncs
-        #: (dtype, shape) -> (graph, static input, static output)
+        #: graph_key -> (graph, static input, static output, members handed on: _handed_on)
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         #: (dtype, shape) -> why it runs eager (its capture failed)
         self.refused: dict[tuple, str] = {}
@@ -89,31 +91,43 @@ class GraphCache:
         self.views: set[tuple] = set()
         self.replays = self.eager_calls = 0
 
-    def __call__(self, x: torch.Tensor):
-        key = (x.dtype, tuple(x.shape))
+    def __call__(self, x):
+        key = graph_key(x)
         entry = self.graphs.get(key)
         if entry is None:
             if key in self.refused or key in self.views or len(self.graphs) >= self.max_graphs:
                 self.eager_calls += 1
-                return self.model(x)
+                return bundle.call(self.model, x)
             with SETUP_LOCK:  # Note [One block sets up CUDA at a time]
                 entry = self.capture(x, key)
             if entry is None:
                 self.eager_calls += 1
-                return self.model(x)
-        graph, static_in, static_out = entry
-        static_in.copy_(x)
+                return bundle.call(self.model, x)
+        graph, static_in, static_out, through = entry
+        if type(x) is torch.Tensor or isinstance(x, torch.Tensor):
+            static_in.copy_(x)
+        else:  # a bundle: each member into its own static input, in the bundle's order
+            for dst, src in zip(_members(static_in), _members(x)):
+                dst.copy_(src)
         graph.replay()
         self.replays += 1
+        if through:  # members the model hands on as they came: the request's own, not the static copies
+            members, keys = bundle.flatten(static_out, "the model's output")
+            given = _members(x)
+            for out_i, in_i in through:
+                members[out_i] = given[in_i]
+            return bundle.assemble(members, keys)
         return static_out
 
-    def capture(self, x: torch.Tensor, key: tuple, eager_first: int = CAPTURE_WARM_CALLS):
-        """Capture the model on a static copy of ``x``: the cache entry, or None (logged why).
-        ``eager_first``: eager calls first (fewer where the model ran this shape before)."""
+    def capture(self, x, key: tuple, eager_first: int = CAPTURE_WARM_CALLS):
+        """Capture the model on a static copy of ``x`` (a tensor, or a bundle: a static copy of
+        each member): the cache entry, or None (logged why). ``eager_first``: eager calls
+        first (fewer where the model ran this shape before)."""
         stream = torch.cuda.current_stream(self.device)
         try:
-            static_in = torch.empty(x.shape, dtype=x.dtype, device=self.device)
-            static_in.copy_(x)
+            static_in = bundle.apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device), x)
+            for dst, src in zip(_members(static_in), _members(x)):
+                dst.copy_(src)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(stream)
             before = torch.cuda.get_sync_debug_mode()
@@ -122,41 +136,106 @@ class GraphCache:
                     torch.cuda.set_sync_debug_mode("error")
                 with torch.cuda.stream(side):
                     for _ in range(eager_first):
-                        self.model(static_in)
+                        bundle.call(self.model, static_in)
             finally:
                 torch.cuda.set_sync_debug_mode(before)
             stream.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread-local: another block's thread in this process may use CUDA meanwhile
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                static_out = self.model(static_in)
-            if not isinstance(static_out, torch.Tensor):
-                raise TypeError(f"the model returned {type(static_out).__name__}, not a tensor")
-            if static_out.untyped_storage().data_ptr() == static_in.untyped_storage().data_ptr():
+                static_out = bundle.call(self.model, static_in)
+            through = _handed_on(static_in, static_out)
+            if through is None:
                 self.views.add(key)
-                log.info("block %s: its output is a view of its input %s %s: no graph, the output travels by "
-                         "the input's handle", self.name, str(key[0]).replace("torch.", ""), list(key[1]))
+                log.info("block %s: its output is a view of its input %s: no graph, the output travels by "
+                         "the input's handle", self.name, key_text(key))
                 return None
         except Exception as exc:  # the capture's reason, once per shape; the shape runs eager
             reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
             self.refused[key] = reason
-            log.warning("block %s: no CUDA graph for input %s %s, it runs eager (%s)",
-                        self.name, str(key[0]).replace("torch.", ""), list(key[1]), reason)
+            log.warning("block %s: no CUDA graph for input %s, it runs eager (%s)", self.name, key_text(key), reason)
             try:
                 torch.cuda.synchronize(self.device)  # a failed capture leaves nothing queued behind
             except Exception:
                 pass
             return None
-        self.graphs[key] = (graph, static_in, static_out)
-        log.info("block %s: captured a CUDA graph for input %s %s (%d of at most %d)", self.name,
-                 str(key[0]).replace("torch.", ""), list(key[1]), len(self.graphs), self.max_graphs)
+        self.graphs[key] = (graph, static_in, static_out, through)
+        log.info("block %s: captured a CUDA graph for input %s (%d of at most %d)", self.name, key_text(key),
+                 len(self.graphs), self.max_graphs)
         return self.graphs[key]
 
     def stats(self) -> dict:
-        return {"graphs": [[str(k[0]).replace("torch.", ""), list(k[1])] for k in self.graphs],
-                "refused": {f"{str(k[0]).replace('torch.', '')}{list(k[1])}": r for k, r in self.refused.items()},
-                "views": [[str(k[0]).replace("torch.", ""), list(k[1])] for k in self.views],
+        return {"graphs": [key_json(k) for k in self.graphs],
+                "refused": {key_text(k) if k[0] == BUNDLE else f"{_dtype_text(k[0])}{list(k[1])}": r
+                            for k, r in self.refused.items()},
+                "views": [key_json(k) for k in self.views],
                 "replays": self.replays, "eager_calls": self.eager_calls}
+
+
+#: The first item of a bundle's graph key (a tensor's is its dtype).
+BUNDLE = "bundle"
+
+
+def graph_key(x) -> tuple:
+    """What a CUDA graph is captured for: a tensor's ``(dtype, shape)``; for a bundle
+    (tensormq/bundle.py: a block that takes several tensors, as a transformer's hidden states
+    and mask) ``(BUNDLE, its dict keys or None, each member's (dtype, shape))``."""
+    if type(x) is torch.Tensor or isinstance(x, torch.Tensor):
+        return (x.dtype, tuple(x.shape))
+    members, keys = bundle.flatten(x, "the block's input")
+    return (BUNDLE, None if keys is None else tuple(keys), tuple((t.dtype, tuple(t.shape)) for t in members))
+
+
+def _handed_on(static_in, static_out) -> list[tuple[int, int]] | None:
+    """How a captured model's output relates to its input: ``[(output member, input member)]``
+    for the members of a bundle it returns as they came (BERT's middle block hands on the
+    attention mask it was given): on replay those are the request's own tensors, which go on
+    by the handle they came with. None where an output is any other view of the input (or a
+    tensor model returns its input): no graph then, the shape runs eager."""
+    ins = _members(static_in)
+    outs = _members(static_out, "the model's output")  # a tensor, or a tuple or dict of them
+    storages = {t.untyped_storage().data_ptr(): i for i, t in enumerate(ins)}
+    through = []
+    for out_i, t in enumerate(outs):
+        in_i = storages.get(t.untyped_storage().data_ptr())
+        if in_i is None:
+            continue
+        same = ins[in_i]
+        if isinstance(static_out, torch.Tensor) or not (t.data_ptr() == same.data_ptr() and t.shape == same.shape
+                                                        and t.stride() == same.stride() and t.dtype == same.dtype):
+            return None
+        through.append((out_i, in_i))
+    return through
+
+
+def _members(value, what: str = "the block's input") -> list:
+    return [value] if isinstance(value, torch.Tensor) else bundle.flatten(value, what)[0]
+
+
+def _dtype_text(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def key_json(key: tuple) -> list:
+    """A graph key as GET /blocks/NAME/ping shows it: [dtype, shape], or a bundle's list of them."""
+    if key[0] == BUNDLE:
+        return [[_dtype_text(d), list(s)] for d, s in key[2]]
+    return [_dtype_text(key[0]), list(key[1])]
+
+
+def key_text(key: tuple) -> str:
+    """A graph key for a log line: ``float32 [1, 3]``, a bundle's ``(bool [1, 1, 8, 8], float32 [1, 8, 256])``."""
+    if key[0] == BUNDLE:
+        return "(" + ", ".join(f"{_dtype_text(d)} {list(s)}" for d, s in key[2]) + ")"
+    return f"{_dtype_text(key[0])} {list(key[1])}"
+
+
+def zeros_for_key(key: tuple, device) -> torch.Tensor | tuple | dict:
+    """A zero input the graph of ``key`` takes (what ``BlockRunner.recapture`` captures on)."""
+    if key[0] == BUNDLE:
+        members = [torch.zeros(s, dtype=d, device=device) for d, s in key[2]]
+        return bundle.assemble(members, None if key[1] is None else list(key[1]))
+    return torch.zeros(key[1], dtype=key[0], device=device)
 
 
 class GpuClock:
@@ -218,11 +297,11 @@ class BlockRunner:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def __call__(self, x):
+        if self.graphs is not None:
+            return self.graphs(x)  # a graph per input shape, a bundle's (every member's) too
         if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
-            # a bundle (tensormq/bundle.py): its members as the model's arguments, eager (a
-            # graph is kept per input shape of one tensor)
-            return bundle.call(self.model, x)
-        return self.graphs(x) if self.graphs is not None else self.model(x)
+            return bundle.call(self.model, x)  # a bundle (tensormq/bundle.py): its members as the arguments
+        return self.model(x)
 
     def to_device(self, x):
         """``x`` (a tensor or a bundle) on this block's device. From host memory the copy is
@@ -279,10 +358,10 @@ class BlockRunner:
             return
         keys, self.dropped = self.dropped, []
         with SETUP_LOCK, torch.inference_mode():  # Note [One block sets up CUDA at a time]
-            for dtype, shape in keys:
-                if (dtype, shape) not in self.graphs.graphs:
+            for key in keys:
+                if key not in self.graphs.graphs:
                     # one eager call: TorchScript and cuDNN settled on this shape before the park
-                    self.graphs.capture(torch.zeros(shape, dtype=dtype, device=self.device), (dtype, shape), 1)
+                    self.graphs.capture(zeros_for_key(key, self.device), key, 1)
 
     def stats(self) -> dict:
         if self.graphs is None:

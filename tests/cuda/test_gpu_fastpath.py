@@ -196,3 +196,44 @@ def test_a_model_returning_a_view_of_its_input_keeps_it_and_gets_no_graph():
             assert y.data_ptr() == x.data_ptr() and y.shape == (2, 12)
     st = runner.stats()
     assert st["graphs"] == [] and st["views"] == [["float32", [2, 3, 4]]] and not st["refused"], st
+
+
+class _MaskedBlock(torch.nn.Module):
+    """A transformer's middle block as blockflow export writes it: takes the attention mask and
+    the hidden states, hands the mask on as it came and computes new hidden states."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, mask: torch.Tensor, h: torch.Tensor):
+        scores = (h @ h.transpose(1, 2)).masked_fill(~mask[:, 0], -1e4).softmax(-1)
+        return mask, self.proj(scores @ h) + h
+
+
+@CUDA
+@needs_gpu
+def test_a_block_that_takes_several_tensors_replays_a_graph_per_bucket_and_hands_its_mask_on():
+    """Issue 43: BERT's blocks take a bundle (mask, hidden states); each declared bucket of the
+    sequence length gets its graph, answers equal eager, and the member handed on unchanged is
+    the request's own tensor (it goes on by the handle it came with), not a static copy."""
+    torch.manual_seed(0)
+    model = torch.jit.script(_MaskedBlock().cuda().eval())
+    runner = BlockRunner(model, "cuda:0", "mid")
+    shapes = [[[1, 1, s, s], [1, s, 32]] for s in (8, 32)]
+    assert runner.warm_up(shapes, [torch.bool, torch.float32]) == 2
+    with torch.inference_mode():
+        for s in (8, 32, 8, 17):  # 17 is no bucket: captured too, while there is room
+            mask = torch.rand(1, 1, s, s, device="cuda:0") > 0.2
+            h = torch.randn(1, s, 32, device="cuda:0")
+            want = model(mask, h)
+            got = runner((mask, h))
+            assert got[0] is mask, "the mask goes on as it came"
+            _assert_same(got[1].clone(), want[1], f"S = {s}")
+        torch.cuda.synchronize()
+    st = runner.stats()
+    assert [m[0][1] for m in st["graphs"]] == [[1, 1, 8, 8], [1, 1, 32, 32], [1, 1, 17, 17]], st
+    assert st["eager_calls"] == 0 and not st["refused"] and not st["views"], st
+    runner.drop_graphs()  # parked and restored (blocks/cache.py): the same bundle graphs again
+    runner.recapture()
+    assert len(runner.stats()["graphs"]) == 3

@@ -107,3 +107,34 @@ def test_the_share_record_carries_the_slots_event_and_refuses_a_forged_one():
     forged[56:64] = (63).to_bytes(8, "little")  # an event handle that is not a cudaIpcEventHandle_t
     with pytest.raises(WireError, match="lengths"):
         ShareRecord.unpack(bytes(forged), "s")
+
+
+def test_a_bundle_has_a_graph_key_of_every_member_and_a_zero_input_for_it():
+    """What a GPU block captures a graph for (blocks/runner.py ``graph_key``), checked here on
+    the CPU: a bundle's key names every member's dtype and shape and its dict keys, and the
+    zero input a parked block recaptures on has that layout again."""
+    from blockflow.blocks.runner import graph_key, key_json, key_text, zeros_for_key
+    mask, h = torch.ones(1, 1, 8, 8, dtype=torch.bool), torch.zeros(1, 8, 32)
+    assert graph_key(h) == (torch.float32, (1, 8, 32)) and key_json(graph_key(h)) == ["float32", [1, 8, 32]]
+    key = graph_key((mask, h))
+    assert key_json(key) == [["bool", [1, 1, 8, 8]], ["float32", [1, 8, 32]]]
+    assert key_text(key) == "(bool [1, 1, 8, 8], float32 [1, 8, 32])"
+    assert graph_key((mask, h)) == key != graph_key((mask, torch.zeros(1, 9, 32)))
+    assert graph_key({"mask": mask, "h": h}) != key  # a dict's names are part of it
+    again = zeros_for_key(key, "cpu")
+    assert isinstance(again, tuple) and graph_key(again) == key
+    named = zeros_for_key(graph_key({"mask": mask, "h": h}), "cpu")
+    assert list(named) == ["mask", "h"] and named["mask"].dtype == torch.bool
+
+
+def test_what_a_captured_model_hands_on_unchanged_is_told_from_other_views():
+    """``_handed_on``: the members a bundle's model returns as they came replay as the request's
+    own tensors; any other view of an input (or a tensor model returning its input) runs eager."""
+    from blockflow.blocks.runner import _handed_on
+    mask, h = torch.ones(1, 1, 4, 4, dtype=torch.bool), torch.randn(1, 4, 8)
+    assert _handed_on((mask, h), (mask, h * 2)) == [(0, 0)]
+    assert _handed_on((mask, h), {"h": h + 1, "m": mask}) == [(1, 0)]
+    assert _handed_on((mask, h), (h * 2, h.sum(-1))) == []
+    assert _handed_on((mask, h), (mask[:, :, :2], h * 2)) is None  # a slice of an input
+    assert _handed_on(h, h) is None and _handed_on(h, h.flatten(1)) is None
+    assert _handed_on(h, h * 2) == []
