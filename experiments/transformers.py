@@ -17,7 +17,9 @@ Two measurements, one JSON (``transformers.json``):
            blocks also run as one shared process (``process: g``, README "Shared processes":
            the members hand over by reference, no sockets between them), task ``bert_group``;
            its round trips take turns with the three processes' in every round
-           (``latency_group``, against the same whole-model runs).
+           (``latency_group``, against the same whole-model runs). Each row also has the p50 of
+           every block's stages from its KPI log (``blocks_ms_p50``: wait, deser, dev, inf,
+           share, fwd, total), what the round trip's ``rest`` is made of inside the blocks.
   sharing  the three tasks of ``configs/bert_shared.json`` (configs/bert_tasks.py: one encoder,
            three heads) exported as README "Bring your own model" does, into ``--repo`` (model_repo/
            by default, as the README's commands do; once: ``ensure_bert_tasks``), and the parameter
@@ -45,6 +47,8 @@ GOAL = 1.3
 TASK = "bert"
 #: The same blocks in one shared process (``process: g``).
 GROUP_TASK = "bert_group"
+#: A block's stages, as its KPI log records them (blocks/kpilog.py): ``blocks_ms_p50`` per block.
+BLOCK_STAGES = ("wait", "deser", "dev", "inf", "share", "fwd", "total")
 
 
 def bert():
@@ -154,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
             diff_group = max((got[GROUP_TASK][k] - want[k]).abs().max().item() for k in want)
             rows = measure(server, lambda x: whole(*x), x, n, args.quick, tasks=(TASK, GROUP_TASK))
             row, group_row = rows[TASK], rows[GROUP_TASK]
+            # where each block's time went: the p50 of its KPI log's stages (warm-up included)
+            for r, names in ((row, [b["name"] for b in blocks]), (group_row, [b["name"] for b in grouped])):
+                r["blocks_ms_p50"] = {}
+                for name in names:
+                    kpi = server.call("POST", f"/blocks/{name}/kpi")["latency_ms"]
+                    r["blocks_ms_p50"][name] = {k: kpi[k]["p50"] for k in BLOCK_STAGES}
     finally:
         shutil.rmtree(repo, ignore_errors=True)
     row["max_abs_diff_to_whole_model"] = diff
