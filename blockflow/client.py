@@ -5,9 +5,11 @@
         y = c.infer("classify", x, timeout=5)          # or raises BlockFlowError / TimeoutError
         fut = c.submit("classify", x); y = fut.result()
 
-One I/O thread owns the DEALER socket (ZeroMQ sockets are not thread-safe, see
+One I/O thread looks after the DEALER socket (ZeroMQ sockets are not thread-safe, see
 blockflow/sockthread.py); ``submit`` hands requests to it through a bounded queue, so any
-thread may call the client. Every call has a deadline, the default ``timeout`` of the client
+thread may call the client. ``infer`` sends and waits on its own thread when nothing else is
+in flight, sparing a round trip two thread hand-overs (Note [A caller that waits holds the
+socket] in blockflow/sockthread.py). Every call has a deadline, the default ``timeout`` of the client
 or the one given per call, and ends by it whatever the server does (even when none listens).
 
 A client whose dispatcher is on its host (an ipc:// or loopback address) asks it for a window
@@ -183,13 +185,14 @@ class Client:
         self._slot_of: dict[int, str] = {}  # request id -> the lent slot it was written in
         # one I/O thread owns the socket; requests that cannot be sent before their deadline
         # (no dispatcher listening) are dropped from its queue, and a full queue refuses at once
-        self._io = SocketThread(sock, "blockflow-client", self._on_reply, on_tick=self._expire, max_queued=max_queued)
+        self._io = SocketThread(sock, "blockflow-client", self._on_reply, on_tick=self._expire, max_queued=max_queued,
+                                busy=lambda: bool(self._waiting))
         self._io.watch(self._monitor, self._on_disconnect)
         self._io.start()
 
     # -- public ------------------------------------------------------------------------------
     def submit(self, task: str, tensor, timeout: float | None = None, details: bool = False,
-               traceparent: str | None = None) -> Future:
+               traceparent: str | None = None, _wait: bool = False) -> Future:
         """Send one request; the future gives the result tensor (or a ``Result`` with details).
 
         ``tensor`` is a tensor, or a tuple (list) or flat dict of tensors for a task whose first
@@ -199,7 +202,9 @@ class Client:
         sampled flag decides whether the request is traced.
 
         The future is resolved by its deadline whatever the server does. Raises BlockFlowError
-        (code ``overloaded``) at once when ``max_queued`` requests are still waiting to be sent."""
+        (code ``overloaded``) at once when ``max_queued`` requests are still waiting to be sent.
+        ``_wait``: the caller waits for the result next (``infer``): this thread may send and
+        receive itself."""
         if self._closed:
             raise RuntimeError("client is closed")
         if not isinstance(tensor, torch.Tensor) and not bundle.is_bundle(tensor):
@@ -228,7 +233,7 @@ class Client:
             fields, payloads = bytes_fields(tensor)  # a bad member: TypeError/ValueError naming it
         msg = ClientRequest(PROTOCOL_VERSION, rid, ClientOp.INFER, task=task, out="shm" if self.lent is not None else None,
                             timeout=timeout if 0 < timeout < math.inf else None, traceparent=traceparent, **fields)
-        return self._request(msg, payloads, timeout, details)
+        return self._request(msg, payloads, timeout, details, wait=_wait)
 
     def _ask_for_slots(self, tensor: torch.Tensor) -> None:
         """Ask the dispatcher for a window of slots for tensors like ``tensor``; until the answer
@@ -271,9 +276,10 @@ class Client:
         return ClientRequest(PROTOCOL_VERSION, next(self._ids), op)
 
     def _request(self, msg: ClientRequest, payload: list, timeout: float, details: bool,
-                 keep: bool = False) -> Future:
+                 keep: bool = False, wait: bool = False) -> Future:
         """Send ``msg`` (its ``id`` from ``self._ids``). ``keep``: the future gets the whole
-        reply (the lend answer), not a tensor."""
+        reply (the lend answer), not a tensor. ``wait``: the caller waits for the future next,
+        so this thread may hold the socket until the reply is in (``SocketThread.call``)."""
         rid = msg.id
         if self.token:
             msg.token = self.token
@@ -282,8 +288,11 @@ class Client:
         deadline = time.monotonic() + timeout
         with self._lock:
             self._waiting[rid] = (fut, deadline)
+        frames, on_sent = [encode_client(msg), *payload], lambda: self._sent.add(rid)
+        if wait and self._io.call(frames, deadline, on_sent, fut.done):
+            return fut
         try:
-            self._io.send([encode_client(msg), *payload], deadline, on_sent=lambda: self._sent.add(rid))
+            self._io.send(frames, deadline, on_sent=on_sent)
         except QueueFull as exc:
             with self._lock:
                 self._waiting.pop(rid, None)
@@ -293,14 +302,14 @@ class Client:
 
     def infer(self, task: str, tensor, timeout: float | None = None, traceparent: str | None = None):
         """The result (a tensor, or a tuple/dict of them) for ``task``; raises BlockFlowError with the server's message or TimeoutError."""
-        return self.submit(task, tensor, timeout, traceparent=traceparent).result()
+        return self.submit(task, tensor, timeout, traceparent=traceparent, _wait=True).result()
 
     def infer_details(self, task: str, tensor: torch.Tensor, timeout: float | None = None,
                       traceparent: str | None = None) -> Result:
-        return self.submit(task, tensor, timeout, details=True, traceparent=traceparent).result()
+        return self.submit(task, tensor, timeout, details=True, traceparent=traceparent, _wait=True).result()
 
     def ping(self, timeout: float = 5.0) -> bool:
-        self._request(self._simple(ClientOp.PING), [], timeout, False).result()
+        self._request(self._simple(ClientOp.PING), [], timeout, False, wait=True).result()
         return True
 
     def close(self) -> None:
@@ -328,11 +337,15 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    # -- on the I/O thread -------------------------------------------------------------------
+    # -- where the socket is held: the I/O thread, or a caller waiting in infer() ---------------
     def _on_disconnect(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
         while self._monitor.poll(0):
             recv_monitor_message(self._monitor)
+        self._io.with_socket(self._connection_lost)
+
+    def _connection_lost(self) -> None:
+        """Where the socket is held, after a disconnect: what was in flight fails, the lease goes."""
         self._io._receive()  # replies that arrived before the connection dropped still count
         with self._lock:
             lost = [(rid, self._waiting.pop(rid)[0]) for rid in list(self._sent) if rid in self._waiting]

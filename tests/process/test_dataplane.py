@@ -109,6 +109,43 @@ def test_every_request_gets_exactly_one_reply(pipeline, model_repo):
             assert pipeline.command(name, "ping")["outputs_made_in_slot"] == made[name] + 1, name
 
 
+def test_callers_that_wait_and_callers_that_submit_share_one_client(pipeline, model_repo):
+    """Note [A caller that waits holds the socket]: threads calling ``infer`` hold the client's
+    socket in turn, while another thread's ``submit``s go through the I/O thread; every answer is
+    its own request's, once."""
+    import threading
+    full = load_block(model_repo, "resnet18/full.pt")
+    inputs = [torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(100 + i)) for i in range(4)]
+    with torch.inference_mode():
+        want = [full(x) for x in inputs]
+    got, errors = {}, []
+    with Client(pipeline.address, timeout=60) as c:
+        for x, y in zip(inputs[:2], want[:2]):  # alone: the second (the first asked for slots too) holds it
+            assert torch.allclose(c.infer("classify", x), y, atol=pipeline.tol, rtol=pipeline.tol)
+        assert c._io.held > 0
+
+        def waiting(k: int) -> None:
+            try:
+                for j in range(3):
+                    got[(k, j)] = c.infer("classify", inputs[(k + j) % 4])
+            except Exception as exc:  # the assertion below names it
+                errors.append(exc)
+        threads = [threading.Thread(target=waiting, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        futures = [(i, c.submit("classify", inputs[i % 4])) for i in range(6)]
+        for t in threads:
+            t.join(120)
+        submitted = [(i, f.result(60)) for i, f in futures]
+        assert not errors, errors
+        assert c.stats["duplicates"] == 0 and c.stats["late"] == 0 and not c._waiting
+    for (k, j), y in got.items():
+        assert torch.allclose(y, want[(k + j) % 4], atol=pipeline.tol, rtol=pipeline.tol), (k, j)
+    for i, y in submitted:
+        assert torch.allclose(y, want[i % 4], atol=pipeline.tol, rtol=pipeline.tol), i
+    assert len(got) == 9
+
+
 def test_hop_records_carry_ordered_instants(pipeline):
     """Note [Hop timestamps] (blocks/kpilog.py): every block stamps t_in and t_out on
     CLOCK_MONOTONIC, one clock for every process here, so the instants of consecutive blocks

@@ -66,3 +66,17 @@ def test_a_full_send_queue_refuses_at_once():
         assert time.monotonic() - t0 < 5.0
         done, not_done = wait(futures, timeout=5.0 + 3.0)
         assert not not_done
+
+
+def test_a_waiting_call_ends_by_its_deadline_with_no_dispatcher():
+    """``infer`` sends on its own thread when it can (Note [A caller that waits holds the
+    socket]); with no peer the socket refuses, the owner thread queues it, and the call still
+    ends by its deadline, the next one too."""
+    address = f"tcp://127.0.0.1:{_unused_port()}"
+    with Client(address, timeout=0.5) as c:
+        for _ in range(2):
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError):
+                c.infer("t", torch.zeros(1, 4))
+            assert time.monotonic() - t0 < 0.5 + 3.0
+        assert c._io.queued() == 0
