@@ -20,6 +20,30 @@ def test_the_cuda_context_is_left_alone_on_a_cpu():
     assert trim_cuda_context(torch.device("cpu"), 256) == {"stack_bytes": "driver default"}
 
 
+class _Pair(torch.nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + 2 * b
+
+
+def test_a_torchscript_block_is_called_at_its_compiled_forward():
+    """Note [The model's own forward]: a TorchScript model's ``forward`` is called directly (one
+    tensor or a bundle's members), with the same answers; any other module is called whole, so
+    its hooks still run."""
+    scripted = torch.jit.script(_Pair())
+    r = BlockRunner(scripted, "cpu", "b")
+    assert r.forward is not scripted and r.forward.name == "forward"
+    a, b = torch.arange(4.0), torch.ones(4)
+    assert torch.equal(r((a, b)), scripted(a, b))
+    assert torch.equal(r({"a": a, "b": b}), a + 2 * b)
+    seen = []
+    plain = torch.nn.Linear(4, 2)
+    plain.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    r = BlockRunner(plain, "cpu", "b")
+    assert r.forward is plain
+    r(torch.zeros(3, 4))
+    assert seen == [torch.Size([3, 2])]
+
+
 def test_a_cpu_runner_calls_the_model_and_warms_up_each_shape():
     calls = []
 
