@@ -41,6 +41,8 @@ import os
 import time
 from typing import Callable
 
+import torch
+
 from blockflow.tensormq.shm import FREE, W_GENERATION, W_RELEASED, SlotPool
 from blockflow.tensormq.wire import TensorDesc, WireError, contiguous_stride
 
@@ -103,8 +105,10 @@ class Lender:
 
     def take(self, client: bytes, x, max_bytes: int, check: Callable[[TensorDesc], None]):
         """A request's handle to a lent slot, checked (``check`` sees the descriptor before the
-        slot is taken); the slot goes in flight. Returns (tensor over the slot, the handle that
-        travels on)."""
+        slot is taken); the slot goes in flight. Returns the handle that travels on. No tensor
+        is made over the slot: a first block on this host takes the handle as it is, and the
+        three views a tensor costs are paid cold in the dispatcher (Note [One copy, no views] in
+        tensormq/shm.py); ``tensor_of`` makes one where the bytes must travel."""
         local = self.clients.get(client)
         if local is None:
             raise WireError("x.loc is shm but this client holds no lent slots (ask with op 'lend'; a lease "
@@ -123,9 +127,15 @@ class Lender:
             raise WireError(f"x.seg {seg} is still in flight with an earlier request; wait for its reply")
         check(desc)
         gen = slot.mark_in_flight()
-        tensor = slot.data[:nbytes].view(desc.dtype).view(desc.shape)
         local.last_used = time.monotonic()
-        return tensor, TensorDesc.of(tensor, "shm", seg=seg, gen=gen, off=0, nbytes=nbytes).to_json()
+        return {"dtype": x["dtype"], "shape": list(desc.shape), "stride": list(desc.stride), "loc": "shm",
+                "seg": seg, "gen": gen, "off": 0, "nbytes": nbytes}
+
+    def tensor_of(self, handle: dict) -> torch.Tensor:
+        """The tensor over the lent slot a handle from ``take`` names (still in flight)."""
+        desc = TensorDesc.parse(handle)
+        slot = self.pool.slot_named(handle["seg"])
+        return slot.data[:handle["nbytes"]].view(desc.dtype).view(desc.shape)
 
     def give_back(self, handle: dict) -> None:
         """Free a taken slot whose handle never left the dispatcher (the request was refused)."""

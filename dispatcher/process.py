@@ -334,11 +334,12 @@ class Dispatcher(ChildProcess):
 
     def read_lent(self, client: bytes, task: str, entry: dict, x: dict):
         """A client's tensor in a slot the dispatcher lent it (Note [Lent slots]), checked as
-        ``read_input`` checks bytes: (tensor over the slot, the handle that travels on)."""
+        ``read_input`` checks bytes: (None, the handle that travels on); ``forward`` makes the
+        tensor over the slot only where its bytes must travel (``Lender.tensor_of``)."""
         if self.lender is None:
             raise WireError("x.loc is shm but this dispatcher has no shared-memory directory; send bytes")
         check = self.input_check(task, entry)
-        return self.lender.take(client, x, self.spec.max_tensor_bytes, lambda desc: check(desc, None))
+        return None, self.lender.take(client, x, self.spec.max_tensor_bytes, lambda desc: check(desc, None))
 
     def lend(self, client: bytes, cid, op: ClientOp, header: ClientRequest) -> None:
         """``lend``: a window of slots for a client on this host; ``unlend``: it gives them back."""
@@ -438,7 +439,7 @@ class Dispatcher(ChildProcess):
         if req.lent is not None and self.transport.mode == "tensormq" and self.transport.handles_to(first):
             fields, payload = {"x": req.lent}, []  # the client's slot goes on by handle, uncopied
         elif req.lent is not None:  # bytes (or our own slot) towards this hop: the lent slot is free at once
-            req.tensor = req.tensor.clone()
+            req.tensor = self.lender.tensor_of(req.lent).clone()
             self.drop_lent(req)
         if req.lent is None:
             try:

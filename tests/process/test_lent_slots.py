@@ -68,6 +68,26 @@ def test_a_local_client_writes_and_reads_lent_slots_and_gets_exact_results(pipel
     assert pipeline.command("d", "ping")["in_flight"] == 0
 
 
+def test_a_lent_slot_goes_on_as_bytes_where_the_first_hop_takes_bytes(pipeline):
+    """A request in a lent slot whose first hop takes no handles (here: the dispatcher told to
+    send bytes) is copied out of the slot, which is free again at once; results are exact."""
+    with Client(pipeline.address, timeout=30) as c:
+        c.infer("id", torch.randn(2, 256))
+        _until(lambda: c.lent is not None, what="the lent slots")
+        update = {"live": list(pipeline.endpoints.values()), "transport": "zeromq"}
+        pipeline.command(DISPATCHER, "update", update)
+        try:
+            before = c.stats["in_slot"]
+            for i in range(WINDOW + 4):  # more than the window: each slot came back free
+                x = torch.randn(2, 256, generator=torch.Generator().manual_seed(i))
+                assert torch.equal(c.infer("dbl", x), x * 2)
+            assert c.stats["in_slot"] - before == WINDOW + 4, c.stats
+        finally:
+            pipeline.command(DISPATCHER, "update", {**update, "transport": "tensormq"})
+    assert _ping(pipeline)["lent_slots"] == 0
+    assert pipeline.command("a", "ping")["in_flight"] == 0
+
+
 def test_the_opt_out_sends_bytes(pipeline):
     with Client(pipeline.address, timeout=30, shared_memory=False) as c:
         for _ in range(5):
