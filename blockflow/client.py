@@ -21,6 +21,7 @@ the bytes travel in the message as they do from another host.
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import math
@@ -122,7 +123,10 @@ class LentSlots:
                 self.busy[name] = (int(m.hdr[W_GENERATION]), False)
                 self.last_used = now
                 shape = tuple(tensor.shape)
-                if nbytes:
+                if nbytes and tensor.device.type == "cpu" and tensor.is_contiguous():
+                    # one memmove, no views of the slot (Note [One copy, no views] in tensormq/shm.py)
+                    ctypes.memmove(m.data.data_ptr(), tensor.data_ptr(), nbytes)
+                elif nbytes:
                     _copy(m.data[:nbytes].view(tensor.dtype).view(shape), tensor.detach())
                 return name, {"dtype": dtype_name(tensor.dtype), "shape": list(shape),
                               "stride": list(contiguous_stride(shape)), "loc": "shm", "seg": name, "off": 0,
@@ -139,10 +143,14 @@ class LentSlots:
     def read(self, x) -> torch.Tensor:
         """A copy of the result the handle ``x`` names, then the slot released (WireError: refused
         or reclaimed before the copy was whole)."""
-        tensor, lease = self.results.open(TensorDesc.parse(x))
+        desc = TensorDesc.parse(x)
+        m, off, lease = self.results.locate(desc)
         try:
-            out = torch.empty(tensor.shape, dtype=tensor.dtype)
-            _copy(out, tensor)
+            out = torch.empty(desc.shape, dtype=desc.dtype)
+            if tuple(desc.stride) == out.stride():  # C-contiguous: one memmove, no tensor over the slot
+                ctypes.memmove(out.data_ptr(), m.data.data_ptr() + off, desc.numel * desc.dtype.itemsize)
+            else:
+                _copy(out, self.results.view(m, off, desc, lease.seg))
             hdr = lease.mapped.hdr
             if hdr is None or int(hdr[W_GENERATION]) != lease.gen or int(hdr[W_RELEASED]) == lease.gen:
                 raise WireError(f"the result's slot {lease.seg} was reclaimed while it was read")

@@ -609,6 +609,21 @@ class SlotMapper:
 
     def open(self, desc: TensorDesc) -> tuple[torch.Tensor, "ShmLease"]:
         """The tensor the handle names, viewed in place, and the lease to release it with."""
+        m, off, lease = self.locate(desc)
+        return self.view(m, off, desc, lease.seg), lease
+
+    @staticmethod
+    def view(m: Mapped, off: int, desc: TensorDesc, seg: str) -> torch.Tensor:
+        """The tensor ``desc`` describes at byte ``off`` of a located slot (``locate``), in place."""
+        typed = m.as_dtype(desc.dtype)
+        if typed is None:
+            raise WireError(f"slot {seg} is not aligned for {dtype_name(desc.dtype)}")
+        return torch.as_strided(typed, desc.shape, desc.stride, off // desc.dtype.itemsize)
+
+    def locate(self, desc: TensorDesc) -> tuple[Mapped, int, "ShmLease"]:
+        """Where the handle's tensor lies, checked as ``open`` checks it: (the mapped slot, the
+        byte offset in its data area, the lease), for a reader that copies the bytes out
+        without a tensor over them (Note [One copy, no views])."""
         f = desc.fields
         seg = f.get("seg")
         m = self.maps.get(seg) if type(seg) is str else None  # a mapped slot's name was checked once
@@ -634,11 +649,7 @@ class SlotMapper:
         itemsize = desc.dtype.itemsize
         if off % itemsize or off + max(nbytes, span) > m.cap or span > nbytes:
             raise WireError(f"x.off/x.nbytes/x.shape describe memory outside slot {seg}")
-        typed = m.as_dtype(desc.dtype)
-        if typed is None:
-            raise WireError(f"slot {seg} is not aligned for {dtype_name(desc.dtype)}")
-        tensor = torch.as_strided(typed, desc.shape, desc.stride, off // itemsize)
-        return tensor, ShmLease(m, seg, gen, f)
+        return m, off, ShmLease(m, seg, gen, f)
 
     def close(self) -> None:
         for m in self.maps.values():

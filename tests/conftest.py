@@ -244,11 +244,16 @@ def identity_repo(tmp_path_factory):
                 y = torch.tanh(y + 0.001)
             return y
 
+    class Transpose(torch.nn.Module):
+        def forward(self, x):
+            return x.transpose(0, 1)  # a view of its input: it goes on by handle, not C-contiguous
+
     repo = tmp_path_factory.mktemp("identity_repo")
     os.makedirs(repo / "toy")
     torch.jit.save(torch.jit.script(Identity()), str(repo / "toy" / "identity.pt"))
     torch.jit.save(torch.jit.script(Double()), str(repo / "toy" / "double.pt"))
     torch.jit.save(torch.jit.script(Sleepy()), str(repo / "toy" / "sleepy.pt"))
+    torch.jit.save(torch.jit.script(Transpose()), str(repo / "toy" / "transpose.pt"))
     (repo / "toy" / "broken.pt").write_bytes(b"this is not TorchScript")
     return str(repo)
 

@@ -34,8 +34,9 @@ def _until(cond, timeout: float = 20.0, what: str = "condition"):
 
 @pytest.fixture
 def pipeline(identity_repo):
-    with StandalonePipeline(identity_repo, {"a": "toy/identity.pt", "d": "toy/double.pt", "s": "toy/sleepy.pt"},
-                            {"id": ["a"], "dbl": ["a", "d"], "slow": ["s"]}, shm_prefix=SHM_PREFIX) as p:
+    with StandalonePipeline(identity_repo, {"a": "toy/identity.pt", "d": "toy/double.pt", "s": "toy/sleepy.pt",
+                                            "t": "toy/transpose.pt"},
+                            {"id": ["a"], "dbl": ["a", "d"], "slow": ["s"], "tr": ["d", "t"]}, shm_prefix=SHM_PREFIX) as p:
         yield p
         left = p.stop()
         assert left["left"] == {"slots": [], "sockets": []}, left
@@ -59,6 +60,11 @@ def test_a_local_client_writes_and_reads_lent_slots_and_gets_exact_results(pipel
         for i, f in enumerate(futures):
             assert torch.equal(f.result(), torch.full((2, 256), 2.0 * i))
         assert c.stats["in_slot"] >= 6 * WINDOW and c.stats["out_slot"] >= 6 * WINDOW, c.stats
+        # a result that is a view (not C-contiguous) in its slot is read whole too
+        for i in range(3):
+            x = torch.randn(2, 256, generator=torch.Generator().manual_seed(100 + i))
+            y = c.infer("tr", x)
+            assert torch.equal(y, (x * 2).t()) and y.is_contiguous()
         # a tensor larger than the slots and a bundle travel as bytes
         big = torch.randn(64, 256)
         assert torch.equal(c.infer("id", big), big)
