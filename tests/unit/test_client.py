@@ -80,3 +80,27 @@ def test_a_waiting_call_ends_by_its_deadline_with_no_dispatcher():
                 c.infer("t", torch.zeros(1, 4))
             assert time.monotonic() - t0 < 0.5 + 3.0
         assert c._io.queued() == 0
+
+
+def test_a_call_holding_the_socket_ends_by_its_deadline_when_no_answer_comes():
+    """A peer that takes requests and never answers: the call that holds the socket (Note [A
+    caller that waits holds the socket]) is ended by the owner thread's tick at its deadline,
+    and the next call holds it again."""
+    import zmq
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with Client(f"tcp://127.0.0.1:{port}", timeout=0.5, shared_memory=False) as c:
+            deadline = time.monotonic() + 10
+            while c._io.held < 2 and time.monotonic() < deadline:  # the first calls may find no peer yet
+                t0 = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    c.infer("t", torch.zeros(1, 4))
+                assert time.monotonic() - t0 < 0.5 + 3.0
+            assert c._io.held >= 2 and not c._waiting
+            assert router.poll(1000)  # the requests did reach the peer
+    finally:
+        router.close(0)
+        ctx.term()
