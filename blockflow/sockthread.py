@@ -60,9 +60,10 @@ class QueueFull(RuntimeError):
 
 
 class SocketThread:
-    """Owns ``sock`` from ``start()`` on; ``on_message`` runs on the owner thread for every
-    message received, ``on_tick(now)`` after every poll (at least every ``poll_ms``), once the
-    messages whose deadline is before ``now`` (time.monotonic()) have left the queue."""
+    """Looks after ``sock`` from ``start()`` on; ``on_message`` runs where the socket is held
+    (the owner thread, or a caller in ``call``) for every message received, ``on_tick(now)`` on
+    the owner thread after every poll (at least every ``poll_ms``), once the messages whose
+    deadline is before ``now`` (time.monotonic()) have left the queue."""
 
     def __init__(self, sock: zmq.Socket, name: str, on_message: Callable[[list], None],
                  on_tick: Callable[[float], None] | None = None, max_queued: int = 1000, poll_ms: int = 20,
@@ -126,6 +127,7 @@ class SocketThread:
             if self._closed or self._holder is not None or self._queue or self._deferred:
                 return False
             self._holder = CALLER
+        poller, blocked = self._caller_poller, False  # one caller at a time: theirs to share
         try:
             copy = len(frames) < 2 or len(memoryview(frames[-1]).cast("B")) < self.copy_threshold
             try:
@@ -137,8 +139,6 @@ class SocketThread:
             if on_sent is not None:
                 on_sent()
             self.held += 1
-            poller = self._caller_poller  # one caller at a time: theirs to share
-            blocked = False
             while not done() and not self._closed:
                 events = dict(poller.poll(self.poll_ms))
                 if self._caller_r in events:
@@ -151,6 +151,8 @@ class SocketThread:
                     poller.modify(self.sock, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
             return True
         finally:
+            if blocked:  # the next caller waits for its answer, not for room to send
+                poller.modify(self.sock, zmq.POLLIN)
             with self._lock:
                 self._holder = None
                 if self._queue or self._deferred or self._busy():
