@@ -60,6 +60,13 @@ flag: the control thread (1) sends the command into the mailbox, (2) sets ``mail
 process knows, which ends a wait at once. The inference thread clears the flag before it
 reads the mailbox dry, so a command sent while it reads is seen by the next round. An empty
 message on the data socket is that wake-up and nothing else: it is never answered.
+
+A TensorMQ block also has a datagram socket beside its data socket (Note [A datagram beside
+the socket] in tensormq/datagram.py), where every header from a process on this host comes
+while its queue has room; it then waits in one poll over both. The poll's cost (~15-30 us a
+hop on this VM, measured against a blocking receive on the datagram socket alone) is far less
+than what the datagram saves: a request's hop between two identity blocks fell from about
+0.34 to 0.23 ms in an interleaved run of the twenty-second session.
 """
 from __future__ import annotations
 
@@ -82,6 +89,7 @@ from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.core.curve import ClusterKeys, authenticator, make_server
 from blockflow.tensormq.transport import RESULT_KEYS, Transport, receive_limit, recv_message
 from blockflow.tensormq.bundle import first
+from blockflow.tensormq.datagram import Receiver
 from blockflow.tensormq.wire import DataHeader, WireError, block_error, check_path, dumps, loads_data_header
 
 from .batching import DelayController, plan_batches, run_batch
@@ -234,6 +242,10 @@ class Block(ChildProcess):
                 self.endpoint = f"tcp://127.0.0.1:{port}"
         except zmq.ZMQError as exc:
             raise BootError(f"block {self.name}: cannot bind its data socket ({exc})") from None
+        #: headers from processes on this host come by datagram (Note [A datagram beside the socket]
+        #: in tensormq/datagram.py); a block that starts with bytes for tensors (zeromq) waits on ZeroMQ alone
+        self.datagrams = (Receiver.beside(self.endpoint, f"block {self.name}")
+                          if spec.transport == "tensormq" else None)
         # the mailbox: the inference thread's end and the control thread's end
         self.mail_in = self.ctx.socket(zmq.PAIR)
         self.mail_in.linger = 0
@@ -397,6 +409,8 @@ class Block(ChildProcess):
         return {**super().cmd_ping(args), "queue": len(self.backlog), "served": self.kpi.count,
                 "in_flight": self.transport.in_flight(), "outputs_made_in_slot": self.transport.made_in_slot,
                 "received": dict(self.transport.received),
+                "datagrams": {**(self.datagrams.stats() if self.datagrams is not None else {}),
+                              **self.transport.datagrams.stats()},
                 "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat,
                 "torch_threads": torch.get_num_threads(), "runner": self.runner.stats(),
                 **({"cache": self.cache_stats()} if self.cache_entry is not None else {})}
@@ -496,8 +510,13 @@ class Block(ChildProcess):
         poller = zmq.Poller()  # the batcher's wait only (fill_batch)
         poller.register(self.pull, zmq.POLLIN)
         poller.register(self.mail_in, zmq.POLLIN)
-        pull, backlog, admit = self.pull, self.backlog, self.admit
+        pull, backlog, admit, datagrams = self.pull, self.backlog, self.admit, self.datagrams
         pull.rcvtimeo = int(BEAT_INTERVAL * 1e3)
+        if datagrams is not None:
+            poller.register(datagrams.fileno(), zmq.POLLIN)
+            waiter = zmq.Poller()  # Note [One wait per hop]: the datagram socket and the data socket
+            waiter.register(pull, zmq.POLLIN)
+            waiter.register(datagrams.fileno(), zmq.POLLIN)
         next_sweep = time.monotonic() + SWEEP_INTERVAL
         while not self.stopping.is_set():
             self.beat = time.monotonic()
@@ -509,17 +528,31 @@ class Block(ChildProcess):
             drain = DRAIN_LIMIT
             if not backlog:
                 t_wait = time.perf_counter()
-                try:  # Note [One wait per hop]
-                    frames = recv_message(pull)
-                except zmq.Again:
-                    continue  # idle: the loop still goes around, so beat_age_s stays below BEAT_INTERVAL
-                if time.perf_counter() - t_wait > WOKEN_AFTER_S and self.batching is None:
-                    # woken by this message: nothing else waited a moment ago, and asking the
-                    # socket for more would cost a round of socket events (~35 us in a block on
-                    # this VM) to find none. A burst behind it is taken next round, one inference
-                    # later at most (a batcher's block always asks: it waits for more anyway).
-                    drain = 0
-                admit(frames)
+                if datagrams is not None:
+                    ready = waiter.poll(BEAT_INTERVAL * 1e3)
+                    if not ready:
+                        continue  # idle: the loop still goes around, so beat_age_s stays below BEAT_INTERVAL
+                    came = datagrams.drain(DRAIN_LIMIT)
+                    for data in came:
+                        admit([data])
+                    if came and len(ready) == 1 and time.perf_counter() - t_wait > WOKEN_AFTER_S \
+                            and self.batching is None:
+                        drain = 0  # woken by a datagram alone: as below
+                else:
+                    try:  # Note [One wait per hop]
+                        frames = recv_message(pull)
+                    except zmq.Again:
+                        continue  # idle: the loop still goes around, so beat_age_s stays below BEAT_INTERVAL
+                    if time.perf_counter() - t_wait > WOKEN_AFTER_S and self.batching is None:
+                        # woken by this message: nothing else waited a moment ago, and asking the
+                        # socket for more would cost a round of socket events (~35 us in a block on
+                        # this VM) to find none. A burst behind it is taken next round, one inference
+                        # later at most (a batcher's block always asks: it waits for more anyway).
+                        drain = 0
+                    admit(frames)
+            elif datagrams is not None:
+                for data in datagrams.drain(DRAIN_LIMIT):
+                    admit([data])
             for _ in range(drain):  # bounded: a flood must not keep the model from running
                 # asked, not tried: a zmq.Again raised per request costs more than the question
                 if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -592,8 +625,11 @@ class Block(ChildProcess):
             events = dict(poller.poll(max(left * 1e3, 0.05)))
             if self.mail_in in events:
                 break  # the loop reads the mailbox right after this batch
-            if self.pull not in events:
+            if self.pull not in events and (self.datagrams is None or self.datagrams.fileno() not in events):
                 break
+            if self.datagrams is not None:
+                for data in self.datagrams.drain(self.batching.max_batch - len(self.backlog)):
+                    self.admit([data])
             while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN and len(self.backlog) < self.batching.max_batch:
                 self.admit(recv_message(self.pull, zmq.NOBLOCK))
         return t_start, time.perf_counter()
@@ -988,6 +1024,10 @@ class Block(ChildProcess):
         and its slot released."""
         if self.inbox is not None:  # first: a neighbour's hand-over from now on fails at once (HopGone)
             self.backlog.extend((0.0, 0.0, header, handed) for header, handed in self.inbox.close())
+        if self.datagrams is not None:  # unlinked first: a sender then goes the ZeroMQ way, read below
+            self.datagrams.unlink()
+            for data in self.datagrams.drain(1 << 30):
+                self.admit([data])
         while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self.admit(recv_message(self.pull, zmq.NOBLOCK))
         while self.backlog:
@@ -1005,13 +1045,17 @@ class Block(ChildProcess):
     def close_sockets(self) -> None:
         for sock in (self.pull, self.mail_in):  # the control thread closed ctrl and mail_out
             sock.close(linger=0)
+        if getattr(self, "datagrams", None) is not None:
+            self.datagrams.close()
         if getattr(self, "auth", None) is not None:
             self.auth.stop()
 
     def files_to_remove(self) -> list[str]:
         if self.cache_entry is not None:  # its park file (CPU) goes with it
             self.cache.remove(self.name)
-        return [self.endpoint[len("ipc://"):]] if self.endpoint and self.endpoint.startswith("ipc://") else []
+        files = [self.endpoint[len("ipc://"):]] if self.endpoint and self.endpoint.startswith("ipc://") else []
+        datagrams = getattr(self, "datagrams", None)
+        return files + ([datagrams.path] if datagrams is not None else [])
 
 
 def _rows(y) -> int:

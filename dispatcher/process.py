@@ -49,6 +49,7 @@ from blockflow.core.protocol import (DISPATCHER, PROTOCOL_VERSION, RETURN_HOP, E
 from blockflow.dispatcher.lending import LEASE_IDLE_S, Lender
 from blockflow.dispatcher.requestlog import RequestLog
 from blockflow.dispatcher.spec import DispatcherSpec
+from blockflow.tensormq.datagram import Receiver
 from blockflow.tensormq.shm import ShmExhausted, ShmLease
 from blockflow.tensormq.transport import (RESULT_KEYS, Transport, bytes_fields, read_bytes_value, read_result_keys,
                                           receive_limit)
@@ -143,6 +144,8 @@ class Dispatcher(ChildProcess):
             self.results.bind(self.result_ipc)
         except zmq.ZMQError as exc:
             raise BootError(f"dispatcher cannot bind its result socket {self.result_ipc}: {exc}") from None
+        # results from blocks on this host come by datagram (Note [A datagram beside the socket])
+        self.result_datagrams = Receiver.beside(self.result_ipc, "dispatcher") if spec.transport == "tensormq" else None
         # TCP results only through CURVE, from the client key the blocks read in the 0700 dir
         cluster = ClusterKeys.from_json(spec.curve)
         keys = ResultKeys(cluster)
@@ -181,9 +184,18 @@ class Dispatcher(ChildProcess):
         for sock in (self.front, self.results, self.results_tcp, self.ctrl):
             if sock is not None:
                 poller.register(sock, zmq.POLLIN)
+        datagrams = self.result_datagrams
+        if datagrams is not None:
+            poller.register(datagrams.fileno(), zmq.POLLIN)
         next_sweep = next_flush = time.monotonic()
         while not self.stopping.is_set():
             events = dict(poller.poll(1 if self.pending else 50))
+            if datagrams is not None and datagrams.fileno() in events:
+                for data in datagrams.drain(64):
+                    try:
+                        self.handle_result([data])
+                    except Exception:  # a forged result must not take the dispatcher down
+                        self.junk_log.exception("dispatcher: dropped a result that could not be handled")
             if self.results in events:
                 self.receive_results(self.results)
             if self.results_tcp in events:
@@ -620,12 +632,16 @@ class Dispatcher(ChildProcess):
         for sock in (self.front, self.results, self.results_tcp, self.ctrl):
             if sock is not None:
                 sock.close(linger=0)
+        if getattr(self, "result_datagrams", None) is not None:
+            self.result_datagrams.close()
         self.auth.stop()
         if self.lender is not None:  # after the last reply: the lent slots' files go
             self.lender.close()
 
     def files_to_remove(self) -> list[str]:
         files = [self.result_ipc[len("ipc://"):]]
+        if getattr(self, "result_datagrams", None) is not None:
+            files.append(self.result_datagrams.path)
         keys = os.path.join(self.spec.sock_dir, RESULT_KEYS)
         if (read_result_keys(keys) or {}).get("endpoint") == self.result_tcp:  # not a successor's
             files.append(keys)

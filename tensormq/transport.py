@@ -7,6 +7,9 @@
              slots for GPU tensors towards GPU hops (tensormq/cuda_ipc.py; its Note [CUDA
              IPC slots] has the table of hops). A hop that leaves the host carries bytes.
 
+Either way a one-frame message (a handle's header, an error) to a process on this host goes
+by a Unix datagram first, ZeroMQ taking whatever it refuses (tensormq/datagram.py).
+
 The receiving side does not need to know the sender's mode: the descriptor's ``loc`` says
 how to rebuild the tensor. ``Transport`` is owned by one thread (ZeroMQ sockets are not
 thread-safe): in a block, the inference thread.
@@ -24,6 +27,7 @@ import zmq
 
 from .shm import DEFAULT_WINDOW, HopGone, SlotMapper, SlotPool
 from .bundle import assemble, flatten
+from .datagram import Sender
 from blockflow.core.curve import client_of
 from blockflow.core.protocol import canonical_device
 from .wire import (DTYPES, MAX_HEADER_BYTES, MAX_TENSOR_BYTES, TensorDesc, WireError, contiguous_stride, dumps, is_local,
@@ -220,6 +224,8 @@ class Transport:
         self.curve = None
         #: tensors received, by how they came (``bytes``, ``shm``, ``cuda``): GET /blocks/NAME/ping
         self.received: dict[str, int] = {}
+        #: one-frame messages to processes on this host go by datagram first (tensormq/datagram.py)
+        self.datagrams = Sender()
 
     # -- receiving ---------------------------------------------------------------------------
     def decode(self, x, frames: list):
@@ -425,19 +431,23 @@ class Transport:
     def send(self, address: str, header: dict, payload=None, timeout: float | None = None) -> None:
         """Send one message; raises TimeoutError instead of blocking forever on a dead peer.
         ``payload``: None, one buffer, or a list of buffers (a bundle's bytes members)."""
-        sock = self.socket(address)
         if type(payload) is list:  # a bundle's bytes members, or none
             payloads = payload
         else:
             payloads = [] if payload is None else [payload]
-        if not payloads:  # a handle or an error: one frame, and a socket with room takes it at once
+        if not payloads:  # a handle or an error: one frame, a datagram on this host or a socket with room
             data = dumps(header)
+            # Ray mode sends a hop on this node to the endpoint it has there (``near``)
+            if self.datagrams.send(self.near.get(address, address) if self.near else address, data):
+                return
+            sock = self.socket(address)
             try:
                 sock.send(data, zmq.NOBLOCK)
                 return
             except zmq.Again:
                 frames, copy = [data], True
         else:
+            sock = self.socket(address)
             frames = [dumps(header), *payloads]
             # zero-copy unless every payload is small (a small one is cheaper copied than tracked)
             copy = max(len(memoryview(p).cast("B")) for p in payloads) < ZERO_COPY_THRESHOLD
@@ -503,6 +513,7 @@ class Transport:
         sock = self.pushers.pop(address, None)
         if sock is not None:
             sock.close(linger=0)
+        self.datagrams.forget(address)
         for pool in self.pools():
             pool.reclaim(address)
 
@@ -554,6 +565,7 @@ class Transport:
         for sock in self.pushers.values():
             sock.close(linger=0)
         self.pushers.clear()
+        self.datagrams.close()
         for part in (*self.pools(), self.mapper, self._cuda_mapper):
             if part is not None:
                 part.close()

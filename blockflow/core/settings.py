@@ -146,6 +146,11 @@ OUTPUT_IN_SLOT: bool = _read("BLOCKFLOW_OUTPUT_IN_SLOT", True, _flag,
                              "a CPU block's model allocates its output in a TensorMQ slot of the next hop instead of "
                              "copying it there (Note [Outputs made in a slot]; needs the extension that `make install` "
                              "builds); 0 copies", "1")
+DATAGRAMS: bool = _read("BLOCKFLOW_DATAGRAMS", True, _flag,
+                        "a one-frame message to a process on this host (a TensorMQ header) goes by a Unix datagram "
+                        "socket beside its ipc:// ZeroMQ socket, and by ZeroMQ whenever the datagram is refused "
+                        "(Note [A datagram beside the socket] in tensormq/datagram.py); 0 sends everything by ZeroMQ",
+                        "1")
 CUDA_HANDOVER: str = _read("BLOCKFLOW_CUDA_HANDOVER", "event", _hand_over,
                            "how a GPU-to-GPU hop is ordered (Note [GPU hand-over order] in blocks/runner.py): "
                            "`event`, the producer records the slot's inter-process CUDA event and sends at once, the "

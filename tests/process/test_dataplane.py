@@ -315,6 +315,28 @@ def test_the_dispatcher_copies_on_one_thread(pipeline):
     assert pipeline.command(DISPATCHER, "ping")["torch_threads"] == 1
 
 
+def test_headers_between_processes_go_by_datagram_where_handles_travel(pipeline):
+    """Note [A datagram beside the socket]: with TensorMQ every hop of a request on this host
+    (dispatcher to first block, block to block, last block to dispatcher) is one datagram; the
+    zeromq transport's blocks bind none and their messages, bytes and all, go by ZeroMQ."""
+    if pipeline.mode[1] != "cpu":
+        pytest.skip("the same code on a GPU; the CPU pipelines show it")
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(6))
+    before = {n: pipeline.command(n, "ping")["datagrams"] for n in TASKS["classify"]}
+    with Client(pipeline.address, timeout=60) as c:
+        for _ in range(3):
+            c.infer("classify", x)
+    after = {n: pipeline.command(n, "ping")["datagrams"] for n in TASKS["classify"]}
+    if pipeline.mode[0] == "tensormq":
+        for n in TASKS["classify"]:
+            assert after[n]["received"] - before[n]["received"] >= 3, (n, before[n], after[n])
+            assert after[n]["sent"] - before[n]["sent"] >= 3, (n, before[n], after[n])  # the last one's to the dispatcher
+    else:
+        for n in TASKS["classify"]:
+            assert "received" not in after[n]  # no datagram socket bound
+            assert after[n]["sent"] == before[n]["sent"]  # bytes travel in frames: ZeroMQ's
+
+
 def test_the_output_allocator_loads_once_when_the_blocks_of_a_group_start_together():
     """A shared process's members start on their own threads and each loads the output-in-slot
     extension (tensormq/outalloc.py): eight threads at once in a fresh interpreter all get the
