@@ -557,7 +557,11 @@ class Block(ChildProcess):
                 # asked, not tried: a zmq.Again raised per request costs more than the question
                 if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     break
-                admit(recv_message(pull, zmq.NOBLOCK))
+                try:
+                    frames = recv_message(pull, zmq.NOBLOCK)
+                except zmq.Again:  # POLLIN, yet no message: seen in Ray mode (the socket also bound to CURVE TCP)
+                    break
+                admit(frames)
             if self.mail_waiting:
                 continue  # a topology update goes before the next request
             if backlog and self.batching is not None:
@@ -631,7 +635,11 @@ class Block(ChildProcess):
                 for data in self.datagrams.drain(self.batching.max_batch - len(self.backlog)):
                     self.admit([data])
             while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN and len(self.backlog) < self.batching.max_batch:
-                self.admit(recv_message(self.pull, zmq.NOBLOCK))
+                try:
+                    frames = recv_message(self.pull, zmq.NOBLOCK)
+                except zmq.Again:  # as in inference_loop
+                    break
+                self.admit(frames)
         return t_start, time.perf_counter()
 
     def read_mailbox(self) -> None:
@@ -1029,7 +1037,11 @@ class Block(ChildProcess):
             for data in self.datagrams.drain(1 << 30):
                 self.admit([data])
         while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self.admit(recv_message(self.pull, zmq.NOBLOCK))
+            try:
+                frames = recv_message(self.pull, zmq.NOBLOCK)
+            except zmq.Again:  # as in inference_loop
+                break
+            self.admit(frames)
         while self.backlog:
             _, _, header, frames = self.backlog.popleft()
             if type(frames) is Handed:
