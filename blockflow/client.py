@@ -17,7 +17,9 @@ of shared-memory slots on its first tensor request, then writes each request's t
 free one and sends only a header; results come back as a slot handle it copies the tensor
 out of (Note [Lent slots] in dispatcher/lending.py). Until the slots come, for a bundle, for
 a tensor larger than a slot, when every slot is in flight, or with ``shared_memory=False``,
-the bytes travel in the message as they do from another host.
+the bytes travel in the message as they do from another host. Such a client also has a
+datagram inbox: a request in a slot goes to the dispatcher by Unix datagram, and replies of
+one frame come back the same way (Note [Datagrams to a local client] there).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import itertools
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -37,6 +40,7 @@ import zmq
 from blockflow.core.protocol import PROTOCOL_VERSION, ErrorCode
 from blockflow.sockthread import QueueFull, SocketThread
 from blockflow.tensormq import bundle
+from blockflow.tensormq.datagram import Receiver, Sender
 from blockflow.tensormq.shm import W_GENERATION, W_RELEASED, SlotMapper
 from blockflow.tensormq.transport import bytes_fields, read_bytes_value
 from blockflow.tensormq.wire import (ClientOp, ClientRequest, TensorDesc, WireError, contiguous_stride, decode_reply,
@@ -93,7 +97,9 @@ class LentSlots:
     and the path releases it when done. A request that ended without a reply (deadline,
     disconnect) keeps its slot until the header shows a later generation released."""
 
-    def __init__(self, shm_dir: str, names: list, idle_s: float):
+    def __init__(self, shm_dir: str, names: list, idle_s: float, inbox: str | None = None):
+        #: the dispatcher's datagram inbox (Note [Datagrams to a local client]); None: ZeroMQ only
+        self.inbox = inbox
         self.mapper = SlotMapper(shm_dir)  # the lent slots, never evicted: the window is small
         self.mapped = {name: self.mapper.map(name) for name in names}  # WireError: not this host's slots
         self.results = SlotMapper(shm_dir)  # the slots results come in (the last blocks')
@@ -186,16 +192,30 @@ class Client:
         self._answered: OrderedDict[int, None] = OrderedDict()
         #: replies the server sent twice (must stay 0) or after this client gave up on a request;
         #: requests written into a lent slot and results read from a slot (Note [Lent slots])
-        self.stats = {"duplicates": 0, "late": 0, "in_slot": 0, "out_slot": 0}
+        self.stats = {"duplicates": 0, "late": 0, "in_slot": 0, "out_slot": 0,
+                      # requests sent and replies taken by datagram, and datagrams dropped for a
+                      # key not ours (Note [Datagrams to a local client] in dispatcher/lending.py)
+                      "datagrams_out": 0, "datagrams_in": 0, "foreign_datagrams": 0}
         #: slots lent by a dispatcher on this host, once it has answered; None: the bytes travel
         self.lent: LentSlots | None = None
         self._lend_at = 0.0 if shared_memory and is_local(address) else math.inf  # when to ask next
         self._slot_of: dict[int, str] = {}  # request id -> the lent slot it was written in
+        # a datagram inbox and the key our datagrams carry, for a dispatcher that lends slots
+        self._inbox = self._sender = self._key = None
+        if self._lend_at == 0.0 and settings.DATAGRAMS:
+            try:
+                self._inbox = Receiver.unnamed("blockflow-client")
+            except OSError as exc:
+                log.info("client for %s: no datagram inbox (%s); replies come by ZeroMQ", address, exc)
+            else:
+                self._sender, self._key = Sender(), secrets.token_hex(16)
         # one I/O thread owns the socket; requests that cannot be sent before their deadline
         # (no dispatcher listening) are dropped from its queue, and a full queue refuses at once
         self._io = SocketThread(sock, "blockflow-client", self._on_reply, on_tick=self._expire, max_queued=max_queued,
                                 busy=lambda: bool(self._waiting))
         self._io.watch(self._monitor, self._on_disconnect)
+        if self._inbox is not None:
+            self._io.inbox(self._inbox.fileno(), self._on_datagrams)
         self._io.start()
 
     # -- public ------------------------------------------------------------------------------
@@ -241,6 +261,8 @@ class Client:
             fields, payloads = bytes_fields(tensor)  # a bad member: TypeError/ValueError naming it
         msg = ClientRequest(PROTOCOL_VERSION, rid, ClientOp.INFER, task=task, out="shm" if self.lent is not None else None,
                             timeout=timeout if 0 < timeout < math.inf else None, traceparent=traceparent, **fields)
+        if placed is not None and self._key is not None:
+            msg.key = self._key  # one frame: it may go by datagram (``_by_datagram``)
         return self._request(msg, payloads, timeout, details, wait=_wait)
 
     def _ask_for_slots(self, tensor: torch.Tensor) -> None:
@@ -248,8 +270,10 @@ class Client:
         comes (and if none does) requests carry their bytes. Asked again when the lease may have
         ended (``LentSlots.stale``, a disconnect), at most every 10 s."""
         nbytes = max(tensor.numel() * tensor.element_size(), 1)
+        inbox = self._inbox.path if self._inbox is not None else None
         fut = self._request(ClientRequest(PROTOCOL_VERSION, next(self._ids), ClientOp.LEND, nbytes=nbytes,
-                                          pid=os.getpid()), [], self.timeout, False, keep=True)
+                                          pid=os.getpid(), dg=inbox, key=self._key if inbox else None),
+                            [], self.timeout, False, keep=True)
         fut.add_done_callback(self._lent)
 
     def _lent(self, fut: Future) -> None:
@@ -261,7 +285,7 @@ class Client:
                 self._lend_at = math.inf  # a dispatcher that does not lend: never ask again
             return
         try:
-            lent = LentSlots(header.shm, header.slots, header.idle_s)
+            lent = LentSlots(header.shm, header.slots, header.idle_s, header.dg if self._inbox is not None else None)
         except Exception as exc:  # not this host's files after all (a forwarded port): give them back
             log.info("client for %s: cannot map the lent slots (%s); tensors travel as bytes", self.address, exc)
             self._lend_at = math.inf
@@ -297,10 +321,11 @@ class Client:
         with self._lock:
             self._waiting[rid] = (fut, deadline)
         frames, on_sent = [encode_client(msg), *payload], lambda: self._sent.add(rid)
-        if wait and self._io.call(frames, deadline, on_sent, fut.done):
+        other = self._by_datagram if msg.key is not None and msg.op is ClientOp.INFER else None
+        if wait and self._io.call(frames, deadline, on_sent, fut.done, other):
             return fut
         try:
-            self._io.send(frames, deadline, on_sent=on_sent)
+            self._io.send(frames, deadline, on_sent=on_sent, other=other)
         except QueueFull as exc:
             with self._lock:
                 self._waiting.pop(rid, None)
@@ -337,6 +362,9 @@ class Client:
                 fut.set_exception(RuntimeError("client closed before the reply arrived"))
         if self.lent is not None:
             self.lent.close()
+        for dg in (self._inbox, self._sender):
+            if dg is not None:
+                dg.close()
         self._ctx.term()
 
     def __enter__(self):
@@ -364,12 +392,37 @@ class Client:
                 f"the connection to the dispatcher at {self.address} dropped while request {rid} was in flight; "
                 "it may or may not have run, retry it", ErrorCode.DISCONNECTED.value))
 
-    def _on_reply(self, frames: list) -> None:
-        try:
-            header = decode_reply(frames[0])
-        except WireError as exc:
-            log.warning("client: dropped an unreadable reply (%s)", exc)
-            return
+    def _by_datagram(self, frames: list) -> bool:
+        """Send a one-frame request to the dispatcher's datagram inbox; False: it goes by
+        ZeroMQ (no inbox, or the datagram refused). Where the socket is held."""
+        lent = self.lent
+        if lent is None or lent.inbox is None or len(frames) != 1 or not self._sender.send_to(lent.inbox, frames[0]):
+            return False
+        self.stats["datagrams_out"] += 1
+        return True
+
+    def _on_datagrams(self) -> None:
+        """Replies that came by datagram: those with our key, as from the socket (where it is held)."""
+        for data in self._inbox.drain(64):
+            try:
+                header = decode_reply(data)
+            except WireError as exc:
+                log.warning("client: dropped an unreadable datagram (%s)", exc)
+                continue
+            if header.key is None or not secrets.compare_digest(header.key, self._key):
+                self.stats["foreign_datagrams"] += 1  # not from our dispatcher on our behalf
+                continue
+            self.stats["datagrams_in"] += 1
+            self._on_reply([data], header)
+
+    def _on_reply(self, frames: list, header=None) -> None:
+        """One reply (``header``: already decoded, a datagram's)."""
+        if header is None:
+            try:
+                header = decode_reply(frames[0])
+            except WireError as exc:
+                log.warning("client: dropped an unreadable reply (%s)", exc)
+                return
         rid = header.id
         with self._lock:
             entry = self._waiting.pop(rid, None)

@@ -36,6 +36,12 @@ time (the lock below is the full memory barrier ZeroMQ asks for when a socket ch
 so a caller that finds it held -- by the owner or by another caller -- queues its message as
 before. Work that needs the socket from the owner thread's watched sockets (``with_socket``)
 runs where the socket is held, on the caller's thread if it holds it.
+
+A message may also go another way than the socket (``send(..., other=fn)``: ``fn(frames)``
+sends it and says whether it did, tried by the holder first), and answers may come another
+way (``inbox(fd, handler)``: a file descriptor polled, and ``handler()`` run, wherever the
+socket is held): a local client's datagrams (Note [Datagrams to a local client] in
+dispatcher/lending.py).
 """
 from __future__ import annotations
 
@@ -74,7 +80,7 @@ class SocketThread:
         self.on_message, self.on_tick = on_message, on_tick
         self.max_queued, self.poll_ms, self.copy_threshold = max_queued, poll_ms, copy_threshold
         self._busy = busy or (lambda: True)
-        self._queue: deque = deque()  # (frames, deadline, on_sent); appended by any thread, popped by the holder
+        self._queue: deque = deque()  # (frames, deadline, on_sent, other); appended by any thread, popped by the holder
         self._lock = threading.Lock()
         self._let_go = threading.Condition(self._lock)
         #: who holds the socket (Note [A caller that waits holds the socket]): None, IO or CALLER
@@ -86,6 +92,7 @@ class SocketThread:
         self._caller_poller = zmq.Poller()
         self._caller_poller.register(sock, zmq.POLLIN)
         self._caller_poller.register(self._caller_r, zmq.POLLIN)
+        self._inbox: tuple[int, Callable[[], None]] | None = None
         self.held = 0  # messages a caller sent holding the socket itself
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -94,21 +101,29 @@ class SocketThread:
         """Poll another socket the owner thread also owns (e.g. a monitor socket); before start()."""
         self._watched.append((sock, handler))
 
+    def inbox(self, fd: int, handler: Callable[[], None]) -> None:
+        """Poll ``fd`` too wherever the socket is held, and run ``handler()`` there when it is
+        readable (answers that come another way than the socket); before start()."""
+        self._inbox = (fd, handler)
+        self._caller_poller.register(fd, zmq.POLLIN)
+
     def start(self) -> None:
         self._thread.start()
 
     def queued(self) -> int:
         return len(self._queue)
 
-    def send(self, frames: list, deadline: float | None = None, on_sent: Callable[[], None] | None = None) -> None:
-        """Queue ``frames`` for the owner thread to send before ``deadline`` (time.monotonic())."""
+    def send(self, frames: list, deadline: float | None = None, on_sent: Callable[[], None] | None = None,
+             other: Callable[[list], bool] | None = None) -> None:
+        """Queue ``frames`` for the owner thread to send before ``deadline`` (time.monotonic());
+        ``other(frames)`` is tried first and says whether it sent them another way."""
         if self._closed:
             raise RuntimeError(f"{self.name} is closed")
         with self._lock:
             if len(self._queue) >= self.max_queued:
                 raise QueueFull(f"{self.name}: {self.max_queued} messages are already waiting to be sent; "
                                 "the peer is not taking them (is it running?); retry later")
-            self._queue.append((frames, deadline, on_sent))
+            self._queue.append((frames, deadline, on_sent, other))
             self._wake_holder()
 
     def _wake_holder(self) -> None:
@@ -116,7 +131,7 @@ class SocketThread:
         os.write(self._caller_w if self._holder == CALLER else self._wake_w, b"x")
 
     def call(self, frames: list, deadline: float | None, on_sent: Callable[[], None] | None,
-             done: Callable[[], bool]) -> bool:
+             done: Callable[[], bool], other: Callable[[list], bool] | None = None) -> bool:
         """Send ``frames`` and handle what arrives on this thread until ``done()`` (Note [A
         caller that waits holds the socket]); False, having done nothing, when the socket is
         held or work is queued: then ``send()`` instead. True once ``done()``, once the thread
@@ -128,14 +143,16 @@ class SocketThread:
                 return False
             self._holder = CALLER
         poller, blocked = self._caller_poller, False  # one caller at a time: theirs to share
+        inbox = self._inbox
         try:
-            copy = len(frames) < 2 or len(memoryview(frames[-1]).cast("B")) < self.copy_threshold
-            try:
-                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
-            except zmq.Again:  # no peer yet, or the high-water mark: the owner thread waits for POLLOUT
-                with self._lock:
-                    self._queue.appendleft((frames, deadline, on_sent))
-                return True
+            if other is None or not other(frames):
+                copy = len(frames) < 2 or len(memoryview(frames[-1]).cast("B")) < self.copy_threshold
+                try:
+                    self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+                except zmq.Again:  # no peer yet, or the high-water mark: the owner thread waits for POLLOUT
+                    with self._lock:
+                        self._queue.appendleft((frames, deadline, on_sent, None))
+                    return True
             if on_sent is not None:
                 on_sent()
             self.held += 1
@@ -146,6 +163,8 @@ class SocketThread:
                 if events.get(self.sock, 0) & zmq.POLLIN:
                     # one message, then the question: another recv would mostly raise zmq.Again
                     self._receive(1)
+                if inbox is not None and inbox[0] in events:
+                    self._run(inbox[1])
                 if self._queue or self._deferred or blocked:
                     blocked = self._work(events, blocked)
                     poller.modify(self.sock, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
@@ -194,8 +213,12 @@ class SocketThread:
                     mine = self._holder == IO
                 if mine:
                     poller.register(self.sock, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
+                    if self._inbox is not None and not polled:
+                        poller.register(self._inbox[0], zmq.POLLIN)
                 elif polled:
                     poller.unregister(self.sock)
+                    if self._inbox is not None:
+                        poller.unregister(self._inbox[0])
                 polled = mine
                 # work taken on just now (the wake-up that brought it was read last round) is done at once
                 events = dict(poller.poll(0 if mine and (self._queue or self._deferred) else self.poll_ms))
@@ -204,6 +227,8 @@ class SocketThread:
                 if mine:
                     if events.get(self.sock, 0) & zmq.POLLIN:
                         self._receive()
+                    if self._inbox is not None and self._inbox[0] in events:
+                        self._run(self._inbox[1])
                     blocked = self._work(events, blocked)
                 for sock, handler in self._watched:
                     if sock in events:
@@ -246,19 +271,26 @@ class SocketThread:
     def _flush(self) -> bool:
         """Send what is queued; True when the socket refused a message (it stays first in line)."""
         while self._queue:
-            frames, deadline, on_sent = self._queue[0]
+            frames, deadline, on_sent, other = self._queue[0]
             if deadline is not None and deadline < time.monotonic():
                 self._queue.popleft()
                 continue
-            copy = len(frames) < 2 or len(memoryview(frames[-1]).cast("B")) < self.copy_threshold
-            try:
-                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
-            except zmq.Again:
-                return True
+            if other is None or not other(frames):
+                copy = len(frames) < 2 or len(memoryview(frames[-1]).cast("B")) < self.copy_threshold
+                try:
+                    self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+                except zmq.Again:
+                    return True
             self._queue.popleft()
             if on_sent is not None:
                 on_sent()
         return False
+
+    def _run(self, handler: Callable[[], None]) -> None:
+        try:
+            handler()
+        except Exception:  # as _receive: the thread serves every other message too
+            log.exception("%s: what came in could not be handled", self.name)
 
     def _receive(self, most: int = 1000) -> None:
         for _ in range(most):  # then give the send queue a turn

@@ -28,6 +28,31 @@ that a request's bytes cross on the way in (client, dispatcher) and the two on t
   unlinked) and the results it still held are released. A client that dies mid-request
   therefore leaks neither the dispatcher's slots nor the blocks'.
 
+Note [Datagrams to a local client]
+----------------------------------
+A request in a lent slot is one small frame each way, yet through ZeroMQ it still crosses
+four threads each way (the caller, the client's I/O thread, the dispatcher's I/O thread, the
+dispatcher's loop), and each crossing is a wake-up: on the 2-core VM ~0.7 ms from the client's
+call to the dispatcher's loop, and as much back, where a Unix datagram wakes the receiving
+thread itself (Note [A datagram beside the socket] in tensormq/datagram.py). So:
+
+- A client that asks for a lease binds a datagram inbox under an abstract name (no file: it
+  goes with the client, killed or not) and sends it as ``dg``; only names of BlockFlow clients
+  are taken (``CLIENT_INBOX_RE``), so no client can make the dispatcher write to another
+  program's socket, with a random ``key`` the client draws once and every datagram of its
+  lease carries. The answer gives the dispatcher's own inbox (``dg``, in its 0700 socket
+  directory). The key is the client's, not the lease's, so a reply to a request made under an
+  earlier lease still reaches it; a key another client's lease holds is refused.
+- The client sends a request whose tensors are all in lent slots (one frame) to the
+  dispatcher's inbox with the key; the dispatcher takes it as a request from the client that
+  holds the lease with that key (a datagram with an unknown key is dropped and counted: it
+  cannot be answered). Every check of a request over ZeroMQ applies, the token's included.
+- A reply of one frame to a client with an inbox goes to it by datagram, with the key; the
+  client drops a datagram whose key is not its lease's (so a client that named another
+  client's inbox cannot answer in its name).
+- Whatever a datagram refuses (a full inbox, none bound, too large) goes by ZeroMQ as before,
+  and the client polls both: a reply is taken once, whichever way it came.
+
 The check is by ownership, not by trust: a handle to a slot of another client, of a block, or
 of an earlier generation is refused with ``bad_request`` before anything is read, and a
 client can never make the dispatcher release or read a slot it was not lent. (A process of
@@ -59,10 +84,12 @@ RESULT_GRACE_S = 10.0
 class LocalClient:
     """One client's lease: its slots by name, the result slots it holds, when it last used them."""
 
-    __slots__ = ("edge", "pid", "slots", "results", "last_used")
+    __slots__ = ("edge", "pid", "slots", "results", "last_used", "inbox", "key")
 
-    def __init__(self, edge: str, pid: int | None, slots: dict):
+    def __init__(self, edge: str, pid: int | None, slots: dict, inbox: str | None = None, key: str | None = None):
         self.edge, self.pid, self.slots = edge, pid, slots
+        #: the client's datagram inbox, and the key its datagrams carry (Note [Datagrams to a local client])
+        self.inbox, self.key = (inbox, key) if inbox is not None and key is not None else (None, None)
         self.results: list[tuple[object, float]] = []  # (lease of a result slot, release deadline)
         self.last_used = time.monotonic()
 
@@ -86,22 +113,37 @@ class Lender:
         self.shm_dir, self.window, self.max_clients = shm_dir, window, max_clients
         self.pool = SlotPool(shm_dir, owner, window)
         self.clients: dict[bytes, LocalClient] = {}
+        self.keys: dict[str, bytes] = {}  # a lease's key -> its client
 
-    def lend(self, client: bytes, nbytes, pid) -> list[str]:
-        """A fresh window of slots of at least ``nbytes`` for ``client`` (an earlier lease of it
-        ends); WireError names what is refused."""
+    def lend(self, client: bytes, nbytes, pid, inbox: str | None = None, key: str | None = None) -> LocalClient:
+        """A fresh lease of slots of at least ``nbytes`` for ``client`` (an earlier lease of it
+        ends), with its datagram ``inbox`` and ``key`` if it has them; WireError names what is
+        refused."""
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 < nbytes:
             raise WireError("nbytes must be a positive integer")
         if pid is not None and (not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0):
             raise WireError("pid must be a positive integer")
+        if inbox is not None and (key is None or self.keys.get(key, client) != client):
+            raise WireError("dg needs a key of 32 hex digits that no other client's lease holds")
         self.end(client)
         if len(self.clients) >= self.max_clients:
             raise WireError(f"{self.max_clients} clients on this host hold slots already; send bytes")
         edge = f"client-{client.hex()}"
         self.pool.prepare(edge, nbytes)  # ShmExhausted when the filesystem is full
         slots = {s.name: s for s in self.pool.edges.get(edge, ())}
-        self.clients[client] = LocalClient(edge, pid, slots)
-        return list(slots)
+        local = self.clients[client] = LocalClient(edge, pid, slots, inbox, key)
+        if local.key is not None:
+            self.keys[local.key] = client
+        return local
+
+    def client_of(self, key) -> bytes | None:
+        """The client whose lease has the key ``key`` (a request that came by datagram)."""
+        return self.keys.get(key) if isinstance(key, str) else None
+
+    def inbox_of(self, client: bytes) -> tuple[str, str] | None:
+        """(inbox, key) of a client that has a datagram inbox, else None."""
+        local = self.clients.get(client)
+        return (local.inbox, local.key) if local is not None and local.inbox is not None else None
 
     def take(self, client: bytes, x, max_bytes: int, check: Callable[[TensorDesc], None]):
         """A request's handle to a lent slot, checked (``check`` sees the descriptor before the
@@ -180,6 +222,8 @@ class Lender:
         local = self.clients.pop(client, None)
         if local is None:
             return
+        if local.key is not None:
+            self.keys.pop(local.key, None)
         self.pool.reclaim(local.edge)
         for lease, _ in local.results:
             lease.release()

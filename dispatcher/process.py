@@ -49,7 +49,7 @@ from blockflow.core.protocol import (DISPATCHER, PROTOCOL_VERSION, RETURN_HOP, E
 from blockflow.dispatcher.lending import LEASE_IDLE_S, Lender
 from blockflow.dispatcher.requestlog import RequestLog
 from blockflow.dispatcher.spec import DispatcherSpec
-from blockflow.tensormq.datagram import Receiver
+from blockflow.tensormq.datagram import Receiver, Sender
 from blockflow.tensormq.shm import ShmExhausted, ShmLease
 from blockflow.tensormq.transport import (RESULT_KEYS, Transport, bytes_fields, read_bytes_value, read_result_keys,
                                           receive_limit)
@@ -109,6 +109,8 @@ class Dispatcher(ChildProcess):
         # what junk on the result sockets may log: a few lines, then a count
         self.junk_log = RateLimitedLog(log)
         self.stats = {"requests": 0, "ok": 0, "errors": 0, "late": 0}
+        #: client requests and replies that went by datagram; datagrams dropped for an unknown key
+        self.client_datagrams = {"requests": 0, "replies": 0, "unknown_key": 0}
 
     def init_process(self) -> None:
         spec = self.spec
@@ -168,6 +170,12 @@ class Dispatcher(ChildProcess):
         self.tracer = tracer_for("blockflow")  # None when tracing is off (blockflow/core/tracing.py)
         # slots for clients on this host (Note [Lent slots] in dispatcher/lending.py)
         self.lender = Lender(spec.shm_dir, f"dispatcher-{spec.incarnation}-lent", spec.window) if spec.shm_dir else None
+        # their requests and replies by datagram (Note [Datagrams to a local client] there)
+        self.client_inbox = self.client_sender = None
+        if self.lender is not None and spec.transport == "tensormq":
+            inbox = f"ipc://{os.path.join(spec.sock_dir, f'dispatcher-{spec.incarnation}-clients')}"
+            self.client_inbox = Receiver.beside(inbox, "dispatcher")
+            self.client_sender = Sender() if self.client_inbox is not None else None
         self.open_control()  # last: see ChildProcess.open_control
 
     def ready_info(self) -> dict:
@@ -184,9 +192,10 @@ class Dispatcher(ChildProcess):
         for sock in (self.front, self.results, self.results_tcp, self.ctrl):
             if sock is not None:
                 poller.register(sock, zmq.POLLIN)
-        datagrams = self.result_datagrams
-        if datagrams is not None:
-            poller.register(datagrams.fileno(), zmq.POLLIN)
+        datagrams, inbox = self.result_datagrams, self.client_inbox
+        for dg in (datagrams, inbox):
+            if dg is not None:
+                poller.register(dg.fileno(), zmq.POLLIN)
         next_sweep = next_flush = time.monotonic()
         while not self.stopping.is_set():
             events = dict(poller.poll(1 if self.pending else 50))
@@ -202,6 +211,9 @@ class Dispatcher(ChildProcess):
                 self.receive_results(self.results_tcp)
             if self.front in events:
                 self.receive_requests()
+            if inbox is not None and inbox.fileno() in events:
+                for data in inbox.drain(64):
+                    self.receive_datagram_request(data)
             if self.ctrl is not None and self.ctrl in events:
                 self.receive_control()
             if self.pending:
@@ -233,26 +245,36 @@ class Dispatcher(ChildProcess):
               since: float | None = None, handle: dict | None = None, lent: tuple | None = None,
               counted: bool = True) -> None:
         """``handle``: the result's slot, which the client reads itself (Note [Lent slots]);
-        ``lent``: the answer to ``lend`` (folder, slot names, idle limit). ``counted``: False
-        for the answers to ``lend``/``unlend``, which are no requests of a task (``stats`` and
-        the request log count those)."""
+        ``lent``: the answer to ``lend`` (folder, slot names, idle limit, our datagram inbox and
+        the lease's key). ``counted``: False for the answers to ``lend``/``unlend``, which are
+        no requests of a task (``stats`` and the request log count those) and always go by
+        ZeroMQ; another reply of one frame goes by datagram to a client with an inbox (Note
+        [Datagrams to a local client])."""
         header = ClientReply(PROTOCOL_VERSION, cid, status, hops=hops, x=handle)
         if error is not None:
             header.error, header.code = error, (code or ErrorCode.ERROR).value
         if started is not None:
             header.ms = (time.monotonic() - started) * 1e3
         if lent is not None:
-            header.shm, header.slots, header.idle_s = lent
+            header.shm, header.slots, header.idle_s, header.dg = lent
         payloads = ()
         if tensor is not None:  # a tensor or a bundle (tensormq/bundle.py), as bytes
             fields, payloads = bytes_fields(tensor)
             header.x, header.xs, header.keys = fields.get("x"), fields.get("xs"), fields.get("keys")
-        frames = [client, encode_client(header), *payloads]
-        try:
-            # copy=True: the result may live in a slot that is released right after this call
-            self.front.send_multipart(frames, copy=True)
-        except zmq.ZMQError as exc:
-            log.warning("dispatcher: could not answer request %r: %s", cid, exc)
+        inbox = self.lender.inbox_of(client) if counted and not payloads and self.client_sender is not None else None
+        if inbox is not None:
+            header.key = inbox[1]
+            sent = self.client_sender.send_to(inbox[0], encode_client(header))
+            if sent:
+                self.client_datagrams["replies"] += 1
+            else:
+                header.key = None
+        if inbox is None or not sent:
+            try:
+                # copy=True: the result may live in a slot that is released right after this call
+                self.front.send_multipart([client, encode_client(header), *payloads], copy=True)
+            except zmq.ZMQError as exc:
+                log.warning("dispatcher: could not answer request %r: %s", cid, exc)
         if counted:
             self.stats["ok" if status == "ok" else "errors"] += 1
         if self.kpi is not None and task is not None:
@@ -272,17 +294,41 @@ class Dispatcher(ChildProcess):
                 self.reply(client, salvage_id(frames[1]) if len(frames) > 1 else None, "error",
                            code=ErrorCode.BAD_REQUEST, error=f"bad request: {type(exc).__name__}")
 
-    def handle_request(self, client: bytes, frames: list) -> None:
+    def receive_datagram_request(self, data: bytes) -> None:
+        """A request a local client sent by datagram (Note [Datagrams to a local client]): from
+        the client whose lease has its key, as if it had come over ZeroMQ; dropped (and counted)
+        when no lease has that key, since nobody could be answered."""
+        try:
+            header = decode_request(data)
+        except WireError as exc:
+            self.junk_log.warning("dispatcher: dropped an unreadable datagram request (%s)", exc)
+            return
+        client = self.lender.client_of(header.key)
+        if client is None:
+            self.client_datagrams["unknown_key"] += 1
+            self.junk_log.warning("dispatcher: dropped a datagram request whose key names no lease (the lease "
+                                  "ended, or the sender never had one)")
+            return
+        self.client_datagrams["requests"] += 1
+        try:
+            self.handle_request(client, [data], header)
+        except Exception as exc:  # as receive_requests: one hostile message must not end the dispatcher
+            log.exception("dispatcher: request from client %r failed unexpectedly", client[:16])
+            self.reply(client, header.id, "error", code=ErrorCode.BAD_REQUEST, error=f"bad request: {type(exc).__name__}")
+
+    def handle_request(self, client: bytes, frames: list, header: ClientRequest | None = None) -> None:
+        """One request of ``client`` (its ROUTER identity); ``header``: already decoded (a datagram)."""
         self.stats["requests"] += 1
         cid, task = None, RequestLog.UNKNOWN_TASK
         try:
             if not frames:
                 raise WireError("empty message; send [header, tensor bytes]")
-            try:
-                header = decode_request(frames[0])
-            except WireError:
-                cid = salvage_id(frames[0])
-                raise
+            if header is None:
+                try:
+                    header = decode_request(frames[0])
+                except WireError:
+                    cid = salvage_id(frames[0])
+                    raise
             cid = header.id
             # compared as bytes: compare_digest raises TypeError on non-ASCII str
             if self.spec.token and not hmac.compare_digest((header.token or "").encode(), self.spec.token.encode()):
@@ -367,11 +413,13 @@ class Dispatcher(ChildProcess):
                        error=f"transport {self.transport.mode}: requests carry their bytes, no slots are lent")
             return
         try:
-            slots = self.lender.lend(client, header.nbytes, header.pid)
+            local = self.lender.lend(client, header.nbytes, header.pid, *(
+                (header.dg, header.key) if self.client_inbox is not None else ()))
         except ShmExhausted as exc:
             self.reply(client, cid, "error", code=ErrorCode.NO_SHARED_MEMORY, error=str(exc), counted=False)
             return
-        self.reply(client, cid, "ok", lent=(self.spec.shm_dir, slots, LEASE_IDLE_S), counted=False)
+        inbox = self.client_inbox.path if local.inbox is not None else None
+        self.reply(client, cid, "ok", lent=(self.spec.shm_dir, list(local.slots), LEASE_IDLE_S, inbox), counted=False)
 
     def input_check(self, task: str, entry: dict):
         """``check(descs, keys)``: refuses (ValueError) what the task's first block does not take."""
@@ -581,7 +629,8 @@ class Dispatcher(ChildProcess):
         return {**super().cmd_ping(args), "outstanding": len(self.outstanding), "pending": len(self.pending),
                 "torch_threads": torch.get_num_threads(), **self.stats,
                 "local_clients": len(self.lender.clients) if self.lender is not None else 0,
-                "lent_slots": self.lender.lent_slots() if self.lender is not None else 0}
+                "lent_slots": self.lender.lent_slots() if self.lender is not None else 0,
+                "client_datagrams": dict(self.client_datagrams)}
 
     def cmd_tasks(self, args: Tasks) -> dict:
         self.tasks = args.tasks  # replaced atomically: one thread reads it
@@ -614,6 +663,18 @@ class Dispatcher(ChildProcess):
     # -- shutdown: ChildProcess.shutdown() runs these steps in its order ------------------------
     def answer_held(self) -> None:
         """Everyone still waiting is answered; nothing is dropped silently."""
+        inbox = getattr(self, "client_inbox", None)
+        if inbox is not None:  # requests that came by datagram and were not read yet
+            inbox.unlink()  # from now on a client's datagram is refused: it goes by ZeroMQ
+            for data in inbox.drain(1 << 16):
+                try:
+                    header = decode_request(data)
+                except WireError:
+                    continue
+                client = self.lender.client_of(header.key)
+                if client is not None:
+                    self.reply(client, header.id, "error", code=ErrorCode.SHUTDOWN,
+                               error="the dispatcher is shutting down")
         for rid, req in list(self.pending):
             self.drop_lent(req)
             self.answer(req, "error", code=ErrorCode.SHUTDOWN, error="the dispatcher is shutting down")
@@ -632,16 +693,19 @@ class Dispatcher(ChildProcess):
         for sock in (self.front, self.results, self.results_tcp, self.ctrl):
             if sock is not None:
                 sock.close(linger=0)
-        if getattr(self, "result_datagrams", None) is not None:
-            self.result_datagrams.close()
+        for dg in (getattr(self, "result_datagrams", None), getattr(self, "client_inbox", None),
+                   getattr(self, "client_sender", None)):
+            if dg is not None:
+                dg.close()
         self.auth.stop()
         if self.lender is not None:  # after the last reply: the lent slots' files go
             self.lender.close()
 
     def files_to_remove(self) -> list[str]:
         files = [self.result_ipc[len("ipc://"):]]
-        if getattr(self, "result_datagrams", None) is not None:
-            files.append(self.result_datagrams.path)
+        for dg in (getattr(self, "result_datagrams", None), getattr(self, "client_inbox", None)):
+            if dg is not None:
+                files.append(dg.path)
         keys = os.path.join(self.spec.sock_dir, RESULT_KEYS)
         if (read_result_keys(keys) or {}).get("endpoint") == self.result_tcp:  # not a successor's
             files.append(keys)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import socket
 import time
 
@@ -73,7 +74,7 @@ class Receiver:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
-            if os.path.lexists(path):
+            if not path.startswith("\0") and os.path.lexists(path):
                 os.unlink(path)  # left over by a killed predecessor with the same incarnation
             self.sock.bind(path)
         except OSError:
@@ -97,6 +98,14 @@ class Receiver:
         except OSError as exc:
             log.warning("%s: no datagram socket beside %s (%s): every message comes by ZeroMQ", owner, address, exc)
             return None
+
+    @classmethod
+    def unnamed(cls, prefix: str) -> "Receiver":
+        """An inbox in Linux's abstract socket namespace (a name no file carries, gone with the
+        socket even when its process is killed): for a process that has no directory of its
+        own to bind in (a client). Anyone on the host may send to it, so what comes in must be
+        checked for who sent it (blockflow/client.py checks a key only its dispatcher knows)."""
+        return cls(f"\0{prefix}-{os.getpid()}-{secrets.token_hex(8)}")
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -125,6 +134,8 @@ class Receiver:
     def unlink(self) -> None:
         """Remove the socket's file: from now on senders go the ZeroMQ way, while what already
         came can still be drained (a ``sendto`` that found the file has queued its datagram)."""
+        if self.path.startswith("\0"):
+            return  # an abstract name: no file
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -156,12 +167,19 @@ class Sender:
             if len(self._paths) >= MAX_ADDRESSES:  # addresses come from messages: forged ones must not pile up
                 self._paths.clear()
             path = self._paths[address] = path_of(address)
-        if path is None or len(data) > MAX_DATAGRAM:
+        if path is None:
             return False
-        if self._missing and address in self._missing:
-            if time.monotonic() < self._missing[address]:
+        return self.send_to(path, data)
+
+    def send_to(self, path: str, data: bytes) -> bool:
+        """Send one frame to the datagram socket at ``path`` (a file, or an abstract name
+        starting with NUL); False where it must go another way."""
+        if len(data) > MAX_DATAGRAM:
+            return False
+        if self._missing and path in self._missing:
+            if time.monotonic() < self._missing[path]:
                 return False
-            del self._missing[address]
+            del self._missing[path]
         try:
             self.sock.sendto(data, path)
         except (BlockingIOError, InterruptedError):
@@ -170,11 +188,11 @@ class Sender:
         except OSError as exc:
             self.refused += 1
             if exc.errno not in _MISSING and exc.errno != errno.EMSGSIZE:
-                log.warning("datagram to %s failed (%s); it goes by ZeroMQ", address, exc)
+                log.warning("datagram to %r failed (%s); it goes by ZeroMQ", path, exc)
             if exc.errno != errno.EMSGSIZE:  # not bound yet, or gone: ZeroMQ queues for it
                 if len(self._missing) >= MAX_ADDRESSES:
                     self._missing.clear()
-                self._missing[address] = time.monotonic() + RETRY_S
+                self._missing[path] = time.monotonic() + RETRY_S
             return False
         self.sent += 1
         return True
@@ -183,8 +201,9 @@ class Sender:
         return {"sent": self.sent, "refused": self.refused}
 
     def forget(self, address: str) -> None:
-        self._paths.pop(address, None)
-        self._missing.pop(address, None)
+        path = self._paths.pop(address, None)
+        if path is not None:
+            self._missing.pop(path, None)
 
     def close(self) -> None:
         self.sock.close()

@@ -311,6 +311,11 @@ def loads_data_header(frame, limit: int = MAX_HEADER_BYTES) -> DataHeader:
 # as long as ``v`` is the same; a different ``v`` is refused, naming both versions.
 
 
+#: What a client's datagram inbox may be called: an abstract name (a leading NUL) of BlockFlow's
+#: clients only, so that no client can make the dispatcher write to another program's socket.
+CLIENT_INBOX_RE = r"^\x00blockflow-client-[0-9]{1,10}-[0-9a-f]{16}$"
+
+
 class ClientOp(str, enum.Enum):
     """What a client asks the dispatcher (``op`` of a ``ClientRequest``)."""
 
@@ -347,6 +352,11 @@ class ClientRequest(msgspec.Struct, omit_defaults=True):
     #: ``lend``: the size of the tensors the client will send, and its process id
     nbytes: int | None = None
     pid: int | None = None
+    #: ``lend``: the client's datagram inbox, an abstract Unix socket name (Note [Datagrams to a
+    #: local client] in dispatcher/lending.py)
+    dg: Annotated[str, msgspec.Meta(pattern=CLIENT_INBOX_RE, max_length=100)] | None = None
+    #: ``lend`` with ``dg``, and every request sent by datagram: the client's key, which names it
+    key: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")] | None = None
 
 
 class ClientReply(msgspec.Struct, omit_defaults=True):
@@ -370,6 +380,10 @@ class ClientReply(msgspec.Struct, omit_defaults=True):
     shm: str | None = None
     slots: list[str] | None = None
     idle_s: float | None = None
+    #: the answer to ``lend`` with ``dg``: the dispatcher's datagram inbox; a reply sent by
+    #: datagram carries the client's ``key`` (Note [Datagrams to a local client])
+    dg: str | None = None
+    key: str | None = None
 
 
 _CLIENT_ENCODER = msgspec.json.Encoder()

@@ -222,3 +222,79 @@ def test_a_client_that_dies_mid_request_leaks_no_slot(pipeline):
     with Client(pipeline.address, timeout=30) as c:
         x = torch.randn(1, 256)
         assert torch.equal(c.infer("dbl", x), x * 2)
+
+
+# -- Note [Datagrams to a local client] ------------------------------------------------------
+def test_a_local_client_sends_and_is_answered_by_datagram_and_loses_nothing(pipeline):
+    with Client(pipeline.address, timeout=30) as c:
+        c.infer("id", torch.randn(2, 256))
+        _until(lambda: c.lent is not None, what="the lent slots")
+        assert c.lent.inbox is not None  # the dispatcher told us its inbox
+        for i in range(2 * WINDOW):  # one at a time (the caller holds the socket) ...
+            x = torch.randn(2, 256, generator=torch.Generator().manual_seed(i))
+            assert torch.equal(c.infer("dbl", x), x * 2)
+        futures = [c.submit("dbl", torch.full((2, 256), float(i))) for i in range(3 * WINDOW)]  # ... and from the I/O thread
+        for i, f in enumerate(futures):
+            assert torch.equal(f.result(), torch.full((2, 256), 2.0 * i))
+        # requests in a slot went by datagram, and one-frame replies came back by datagram;
+        # a datagram refused (a full queue) went by ZeroMQ: each request answered once
+        assert c.stats["datagrams_out"] >= 2 * WINDOW and c.stats["datagrams_in"] >= 2 * WINDOW, c.stats
+        assert c.stats["duplicates"] == 0 and c.stats["late"] == 0 and c.stats["foreign_datagrams"] == 0, c.stats
+        seen = _ping(pipeline)["client_datagrams"]
+        assert seen["requests"] == c.stats["datagrams_out"] and seen["replies"] == c.stats["datagrams_in"], seen
+        assert seen["unknown_key"] == 0
+    assert pipeline.command("d", "ping")["in_flight"] == 0
+
+
+def test_datagrams_without_the_key_are_dropped_both_ways(pipeline):
+    """A request whose key names no lease is dropped by the dispatcher (nobody to answer) and a
+    reply without the client's key is dropped by the client, which still gets its own answer."""
+    from blockflow.tensormq.datagram import Sender
+    with Client(pipeline.address, timeout=30) as c:
+        c.infer("id", torch.randn(1, 256))
+        _until(lambda: c.lent is not None, what="the lent slots")
+        inbox = c.lent.inbox
+        mallory = Sender()
+        try:
+            forged = {"v": 1, "id": 7, "op": "infer", "task": "id", "key": "0" * 32,
+                      "x": _handle(next(iter(c.lent.mapped)))}
+            assert mallory.send_to(inbox, json.dumps(forged).encode())
+            _until(lambda: _ping(pipeline)["client_datagrams"]["unknown_key"] == 1, what="the forged request dropped")
+            want = c.infer("slow", torch.ones(1, 256))
+            f = c.submit("slow", torch.ones(1, 256))  # in flight while the forged reply comes
+            rid = max(c._waiting)
+            fake = {"v": 1, "id": rid, "status": "ok", "key": "f" * 32}
+            assert mallory.send_to(c._inbox.path, json.dumps(fake).encode())
+            fake.pop("key")
+            assert mallory.send_to(c._inbox.path, json.dumps(fake).encode())
+            assert torch.equal(f.result(), want)  # its own answer, not the forged None
+            assert c.stats["foreign_datagrams"] == 2, c.stats
+        finally:
+            mallory.close()
+        # and a lease asked for with another program's socket as inbox is refused
+        ctx = zmq.Context()
+        try:
+            raw = Raw(ctx, pipeline.address)
+            for dg in ("\0/org/freedesktop/systemd1/notify", "/dev/log"):
+                reply, _ = raw.call({"op": "lend", "nbytes": 1024, "pid": os.getpid(), "dg": dg, "key": "a" * 32})
+                assert reply["code"] == "bad_request" and "dg" in reply["error"], reply
+            reply, _ = raw.call({"op": "lend", "nbytes": 1024, "pid": os.getpid(), "key": c._key,
+                                 "dg": f"\0blockflow-client-1-{'0' * 16}"})
+            assert reply["code"] == "bad_request" and "no other client" in reply["error"], reply  # c's key
+        finally:
+            ctx.destroy(linger=0)
+        x = torch.randn(1, 256)
+        assert torch.equal(c.infer("dbl", x), x * 2)
+
+
+def test_without_the_dispatchers_inbox_requests_go_by_zeromq(pipeline):
+    with Client(pipeline.address, timeout=30) as c:
+        c.infer("id", torch.randn(1, 256))
+        _until(lambda: c.lent is not None, what="the lent slots")
+        os.unlink(c.lent.inbox)  # as when the dispatcher is stopping: sendto finds no socket
+        before = dict(c.stats)
+        for i in range(5):
+            x = torch.randn(1, 256)
+            assert torch.equal(c.infer("dbl", x), x * 2)
+        assert c.stats["datagrams_out"] == before["datagrams_out"], c.stats
+        assert c.stats["in_slot"] - before["in_slot"] == 5 and c.stats["datagrams_in"] - before["datagrams_in"] == 5

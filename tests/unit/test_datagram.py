@@ -64,7 +64,7 @@ def test_no_receiver_means_zeromq_until_it_is_tried_again(sock_dir, monkeypatch)
     receiver = Receiver.beside(address, "test")
     try:
         monkeypatch.setattr(datagram, "RETRY_S", 0.0)
-        sender._missing[address] = time.monotonic()  # the retry time has come
+        sender._missing[receiver.path] = time.monotonic()  # the retry time has come
         assert sender.send(address, b"{}")
         assert drain_all(receiver, 1) == [b"{}"]
     finally:
