@@ -15,9 +15,9 @@ or the one given per call, and ends by it whatever the server does (even when no
 A client whose dispatcher is on its host (an ipc:// or loopback address) asks it for a window
 of shared-memory slots on its first tensor request, then writes each request's tensor into a
 free one and sends only a header; results come back as a slot handle it copies the tensor
-out of (Note [Lent slots] in dispatcher/lending.py). Until the slots come, for a bundle, for
-a tensor larger than a slot, when every slot is in flight, or with ``shared_memory=False``,
-the bytes travel in the message as they do from another host. Such a client also has a
+out of (Note [Lent slots] in dispatcher/lending.py); a bundle takes a slot per member. Until
+the slots come, for a tensor larger than a slot, when too few slots are free, or with
+``shared_memory=False``, the bytes travel in the message as they do from another host. Such a client also has a
 datagram inbox: a request in a slot goes to the dispatcher by Unix datagram, and replies of
 one frame come back the same way (Note [Datagrams to a local client] there).
 """
@@ -44,7 +44,7 @@ from blockflow.tensormq.datagram import Receiver, Sender
 from blockflow.tensormq.shm import W_GENERATION, W_RELEASED, SlotMapper
 from blockflow.tensormq.transport import bytes_fields, read_bytes_value
 from blockflow.tensormq.wire import (ClientOp, ClientRequest, TensorDesc, WireError, contiguous_stride, decode_reply,
-                                    dtype_name, encode_client, is_local)
+                                    dtype_name, encode_client, is_local, member_descs)
 from blockflow.core import settings
 
 log = logging.getLogger(__name__)
@@ -139,12 +139,46 @@ class LentSlots:
                               "nbytes": nbytes}
         return None
 
+    def fill_all(self, value) -> tuple[list[str], dict] | None:
+        """``fill`` for a tensor or every member of a bundle, each in a slot of its own: (slot
+        names, the request's header fields); None, with no slot kept, when they do not all fit."""
+        if isinstance(value, torch.Tensor):
+            placed = self.fill(value)
+            return None if placed is None else ([placed[0]], {"x": placed[1]})
+        members, keys = bundle.flatten(value)
+        names, descs = [], []
+        for t in members:
+            placed = self.fill(t)
+            if placed is None:
+                for name in names:  # never sent: free again
+                    self.busy.pop(name, None)
+                return None
+            names.append(placed[0])
+            descs.append(placed[1])
+        return names, ({"xs": descs, "keys": keys} if keys is not None else {"xs": descs})
+
     def done(self, name: str, answered: bool) -> None:
         """The request that filled ``name`` ended: with a reply, or without (keep it until it is seen free)."""
         if answered:
             self.busy.pop(name, None)
         elif name in self.busy:
             self.busy[name] = (self.busy[name][0], True)
+
+    def read_all(self, header) -> torch.Tensor | tuple | dict:
+        """``read`` for a reply's result: its tensor (``x``) or every member of its bundle
+        (``xs``, ``keys``); a member that cannot be read still has the others released."""
+        if header.xs is None:
+            return self.read(header.x)
+        xs, keys = member_descs(header.xs, header.keys, header.x is not None)
+        out, error = [], None
+        for x in xs:
+            try:
+                out.append(self.read(x))
+            except WireError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return bundle.assemble(out, keys)
 
     def read(self, x) -> torch.Tensor:
         """A copy of the result the handle ``x`` names, then the slot released (WireError: refused
@@ -199,7 +233,7 @@ class Client:
         #: slots lent by a dispatcher on this host, once it has answered; None: the bytes travel
         self.lent: LentSlots | None = None
         self._lend_at = 0.0 if shared_memory and is_local(address) else math.inf  # when to ask next
-        self._slot_of: dict[int, str] = {}  # request id -> the lent slot it was written in
+        self._slot_of: dict[int, list[str]] = {}  # request id -> the lent slots it was written in
         # a datagram inbox and the key our datagrams carry, for a dispatcher that lends slots
         self._inbox = self._sender = self._key = None
         if self._lend_at == 0.0 and settings.DATAGRAMS:
@@ -238,25 +272,24 @@ class Client:
         if not isinstance(tensor, torch.Tensor) and not bundle.is_bundle(tensor):
             raise TypeError(f"tensor must be a torch.Tensor, or a tuple or dict of them, got {type(tensor).__name__}")
         timeout = self.timeout if timeout is None else timeout
-        placed, ask = None, False
-        if isinstance(tensor, torch.Tensor):
-            with self._lock:
-                if self.lent is not None and self.lent.stale():
-                    self._drop_lease()
-                ask = self._lend_at <= time.monotonic()
-                if ask:
-                    self._lend_at = time.monotonic() + 10.0  # one question at a time, at most every 10 s
+        placed = None
+        with self._lock:  # a tensor or a bundle: either may travel in lent slots
+            if self.lent is not None and self.lent.stale():
+                self._drop_lease()
+            ask = self._lend_at <= time.monotonic()
+            if ask:
+                self._lend_at = time.monotonic() + 10.0  # one question at a time, at most every 10 s
         if ask:
             self._ask_for_slots(tensor)
         rid = next(self._ids)
-        if self.lent is not None and isinstance(tensor, torch.Tensor):
+        if self.lent is not None:
             with self._lock:
-                placed = self.lent.fill(tensor) if self.lent is not None else None
+                placed = self.lent.fill_all(tensor) if self.lent is not None else None
                 if placed is not None:
                     self._slot_of[rid] = placed[0]
                     self.stats["in_slot"] += 1
         if placed is not None:
-            fields, payloads = {"x": placed[1]}, []
+            fields, payloads = placed[1], []
         else:
             fields, payloads = bytes_fields(tensor)  # a bad member: TypeError/ValueError naming it
         msg = ClientRequest(PROTOCOL_VERSION, rid, ClientOp.INFER, task=task, out="shm" if self.lent is not None else None,
@@ -265,11 +298,16 @@ class Client:
             msg.key = self._key  # one frame: it may go by datagram (``_by_datagram``)
         return self._request(msg, payloads, timeout, details, wait=_wait)
 
-    def _ask_for_slots(self, tensor: torch.Tensor) -> None:
-        """Ask the dispatcher for a window of slots for tensors like ``tensor``; until the answer
-        comes (and if none does) requests carry their bytes. Asked again when the lease may have
-        ended (``LentSlots.stale``, a disconnect), at most every 10 s."""
-        nbytes = max(tensor.numel() * tensor.element_size(), 1)
+    def _ask_for_slots(self, tensor) -> None:
+        """Ask the dispatcher for a window of slots for tensors like ``tensor`` (a bundle's
+        largest member); until the answer comes (and if none does) requests carry their bytes.
+        Asked again when the lease may have ended (``LentSlots.stale``, a disconnect), at most
+        every 10 s."""
+        try:
+            members = [tensor] if isinstance(tensor, torch.Tensor) else bundle.flatten(tensor)[0]
+        except (TypeError, ValueError):
+            return  # the request itself says what is wrong with it
+        nbytes = max(max(t.numel() * t.element_size() for t in members), 1)
         inbox = self._inbox.path if self._inbox is not None else None
         fut = self._request(ClientRequest(PROTOCOL_VERSION, next(self._ids), ClientOp.LEND, nbytes=nbytes,
                                           pid=os.getpid(), dg=inbox, key=self._key if inbox else None),
@@ -451,12 +489,12 @@ class Client:
             return
         try:
             x = header.x
-            if x is not None and x.get("loc") == "shm" and len(frames) == 1:
+            if len(frames) == 1 and (x is not None and x.get("loc") == "shm" or header.xs is not None):
                 with self._lock:
                     lent = self.lent
                 if lent is None:
                     raise WireError("the result came in a slot but this client maps none")
-                tensor = lent.read(x)
+                tensor = lent.read_all(header)
                 self.stats["out_slot"] += 1
             else:
                 tensor = read_bytes_value(header, frames)
@@ -466,10 +504,11 @@ class Client:
         fut.set_result(Result(tensor, header.hops, header.ms) if fut.details else tensor)
 
     def _end_slot(self, rid, answered: bool) -> None:
-        """The request ``rid`` ended; its lent slot, if any, may be filled again (under the lock)."""
-        name = self._slot_of.pop(rid, None)
-        if name is not None and self.lent is not None:
-            self.lent.done(name, answered)
+        """The request ``rid`` ended; its lent slots, if any, may be filled again (under the lock)."""
+        names = self._slot_of.pop(rid, ())
+        if self.lent is not None:
+            for name in names:
+                self.lent.done(name, answered)
 
     def _expire(self, now: float) -> None:
         """Fail the calls whose deadline is before ``now`` (their messages have left the send queue)."""

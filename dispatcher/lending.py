@@ -68,7 +68,8 @@ from typing import Callable
 
 import torch
 
-from blockflow.tensormq.shm import FREE, W_GENERATION, W_RELEASED, SlotPool
+from blockflow.tensormq.bundle import assemble
+from blockflow.tensormq.shm import FREE, W_GENERATION, W_RELEASED, ShmLease, SlotPool
 from blockflow.tensormq.wire import TensorDesc, WireError, contiguous_stride
 
 log = logging.getLogger("blockflow.dispatcher")
@@ -151,6 +152,24 @@ class Lender:
         is made over the slot: a first block on this host takes the handle as it is, and the
         three views a tensor costs are paid cold in the dispatcher (Note [One copy, no views] in
         tensormq/shm.py); ``tensor_of`` makes one where the bytes must travel."""
+        slot, desc = self._claim(client, x, max_bytes)
+        check(desc)
+        return self._in_flight(client, slot, x, desc)
+
+    def take_all(self, client: bytes, xs, max_bytes: int, check: Callable[[list], None]) -> list[dict]:
+        """``take`` for a bundle's members, each in its own lent slot: every one is checked
+        (``check`` sees all the descriptors) before any slot is taken."""
+        if not isinstance(xs, list) or not xs:
+            raise WireError("xs must be a list of descriptors")
+        claimed = [self._claim(client, x, max_bytes, f"xs[{i}]") for i, x in enumerate(xs)]
+        if len({slot.name for slot, _ in claimed}) != len(claimed):
+            raise WireError("each member of a bundle in lent slots needs a slot of its own")
+        check([desc for _, desc in claimed])
+        return [self._in_flight(client, slot, x, desc) for (slot, desc), x in zip(claimed, xs)]
+
+    def _claim(self, client: bytes, x, max_bytes: int, what: str = "x"):
+        """(slot, descriptor) of a handle to a slot lent to ``client`` that is FREE and holds the
+        tensor it describes; WireError names what is wrong."""
         local = self.clients.get(client)
         if local is None:
             raise WireError("x.loc is shm but this client holds no lent slots (ask with op 'lend'; a lease "
@@ -158,20 +177,34 @@ class Lender:
         seg = x.get("seg") if isinstance(x, dict) else None
         slot = local.slots.get(seg) if isinstance(seg, str) else None
         if slot is None:
-            raise WireError(f"x.seg {str(seg)!r:.60} is not a slot lent to this client")
+            raise WireError(f"{what}.seg {str(seg)!r:.60} is not a slot lent to this client")
         desc = TensorDesc.parse(x, max_bytes)
         nbytes = desc.numel * desc.itemsize
         if desc.loc != "shm" or x.get("off") != 0 or tuple(desc.stride) != contiguous_stride(desc.shape):
-            raise WireError("a tensor in a lent slot must be C-contiguous at offset 0 (x.off 0, loc shm)")
+            raise WireError(f"a tensor in a lent slot must be C-contiguous at offset 0 ({what}.off 0, loc shm)")
         if nbytes > slot.capacity:
-            raise WireError(f"x.shape needs {nbytes} bytes but slot {seg} holds {slot.capacity}")
+            raise WireError(f"{what}.shape needs {nbytes} bytes but slot {seg} holds {slot.capacity}")
         if slot.state != FREE:
-            raise WireError(f"x.seg {seg} is still in flight with an earlier request; wait for its reply")
-        check(desc)
+            raise WireError(f"{what}.seg {seg} is still in flight with an earlier request; wait for its reply")
+        return slot, desc
+
+    def _in_flight(self, client: bytes, slot, x: dict, desc: TensorDesc) -> dict:
         gen = slot.mark_in_flight()
-        local.last_used = time.monotonic()
+        self.clients[client].last_used = time.monotonic()
         return {"dtype": x["dtype"], "shape": list(desc.shape), "stride": list(desc.stride), "loc": "shm",
-                "seg": seg, "gen": gen, "off": 0, "nbytes": nbytes}
+                "seg": slot.name, "gen": gen, "off": 0, "nbytes": desc.numel * desc.itemsize}
+
+    def value_of(self, fields: dict):
+        """The tensor, or the bundle, over the lent slots a request's ``fields`` name (``{"x":
+        handle}`` or ``{"xs": handles, "keys": ...}`` from ``take``/``take_all``)."""
+        if "x" in fields:
+            return self.tensor_of(fields["x"])
+        return assemble([self.tensor_of(h) for h in fields["xs"]], fields.get("keys"))
+
+    def give_back_all(self, fields: dict) -> None:
+        """``give_back`` for every slot a request's ``fields`` name."""
+        for handle in ([fields["x"]] if "x" in fields else fields["xs"]):
+            self.give_back(handle)
 
     def tensor_of(self, handle: dict) -> torch.Tensor:
         """The tensor over the lent slot a handle from ``take`` names (still in flight)."""
@@ -188,13 +221,18 @@ class Lender:
     def holds(self, client: bytes) -> bool:
         return client in self.clients
 
-    def hand_out(self, client: bytes, lease) -> bool:
-        """Answer ``client`` with the handle of ``lease`` (a result's host slot) instead of its
-        bytes: the dispatcher keeps the lease to release it if the client does not."""
+    def hand_out(self, client: bytes, lease, xs: list | None = None) -> bool:
+        """Whether ``client`` is answered with the handles of a result's host slots instead of
+        its bytes: ``lease`` is the slot's (``ShmLease``), or a bundle's (``LeaseSet``, one per
+        member of ``xs``: none came as bytes). The dispatcher keeps the leases to release them
+        if the client does not."""
         local = self.clients.get(client)
-        if local is None:
+        leases = [lease] if type(lease) is ShmLease else getattr(lease, "leases", None)
+        if local is None or not leases or not all(type(le) is ShmLease for le in leases) \
+                or (xs is not None and len(leases) != len(xs)):
             return False
-        local.results.append((lease, time.monotonic() + RESULT_GRACE_S))
+        deadline = time.monotonic() + RESULT_GRACE_S
+        local.results.extend((le, deadline) for le in leases)
         return True
 
     def sweep(self, now: float) -> None:

@@ -49,12 +49,14 @@ from blockflow.core.protocol import (DISPATCHER, PROTOCOL_VERSION, RETURN_HOP, E
 from blockflow.dispatcher.lending import LEASE_IDLE_S, Lender
 from blockflow.dispatcher.requestlog import RequestLog
 from blockflow.dispatcher.spec import DispatcherSpec
+from blockflow.tensormq.bundle import apply as bundle_apply
 from blockflow.tensormq.datagram import Receiver, Sender
-from blockflow.tensormq.shm import ShmExhausted, ShmLease
+from blockflow.tensormq.shm import ShmExhausted
 from blockflow.tensormq.transport import (RESULT_KEYS, Transport, bytes_fields, read_bytes_value, read_result_keys,
                                           receive_limit)
 from blockflow.tensormq.wire import (DTYPES, ClientOp, ClientReply, ClientRequest, DataHeader, TensorDesc, WireError,
-                                    decode_request, encode_client, loads_header, read_block_error, salvage_id)
+                                    decode_request, encode_client, loads_header, member_descs, read_block_error,
+                                    salvage_id)
 
 log = logging.getLogger("blockflow.dispatcher")
 
@@ -92,7 +94,9 @@ class Request:
     deadline: float
     tensor: object = None  # kept only while the request waits for a slot
     frames: list | None = None
-    lent: dict | None = None  # the handle of the lent slot the client wrote the tensor in (Note [Lent slots])
+    #: the lent slots the client wrote its tensor (or bundle) in, as the header names them
+    #: (``{"x": handle}`` or ``{"xs": handles, "keys": ...}``; Note [Lent slots])
+    lent: dict | None = None
     out_shm: bool = False  # the client reads a result in a host slot itself
     span: object = None    # a traced request's root span, and its traceparent for the blocks
     trace: str | None = None
@@ -244,13 +248,14 @@ class Dispatcher(ChildProcess):
               tensor=None, hops=None, started: float | None = None, task: str | None = None,
               since: float | None = None, handle: dict | None = None, lent: tuple | None = None,
               counted: bool = True) -> None:
-        """``handle``: the result's slot, which the client reads itself (Note [Lent slots]);
+        """``handle``: the header fields that name the result's slots (``x``, or ``xs`` and
+        ``keys``), which the client reads itself (Note [Lent slots]);
         ``lent``: the answer to ``lend`` (folder, slot names, idle limit, our datagram inbox and
         the lease's key). ``counted``: False for the answers to ``lend``/``unlend``, which are
         no requests of a task (``stats`` and the request log count those) and always go by
         ZeroMQ; another reply of one frame goes by datagram to a client with an inbox (Note
         [Datagrams to a local client])."""
-        header = ClientReply(PROTOCOL_VERSION, cid, status, hops=hops, x=handle)
+        header = ClientReply(PROTOCOL_VERSION, cid, status, hops=hops, **(handle or {}))
         if error is not None:
             header.error, header.code = error, (code or ErrorCode.ERROR).value
         if started is not None:
@@ -356,8 +361,8 @@ class Dispatcher(ChildProcess):
                 return
             lent = None
             x = header.x
-            if x is not None and x.get("loc") == "shm" and len(frames) == 1:
-                tensor, lent = self.read_lent(client, task, entry, x)
+            if len(frames) == 1 and (x is not None and x.get("loc") == "shm" or header.xs is not None and x is None):
+                tensor, lent = self.read_lent(client, task, entry, header)
             else:
                 tensor = self.read_input(task, entry, header, frames)
         except WireError as exc:
@@ -369,7 +374,7 @@ class Dispatcher(ChildProcess):
             return
         if len(self.pending) >= self.spec.max_pending:
             if lent is not None:
-                self.lender.give_back(lent)
+                self.lender.give_back_all(lent)
             self.reply(client, cid, "error", code=ErrorCode.OVERLOADED, task=task,
                        error=f"dispatcher is overloaded: {self.spec.max_pending} requests are waiting; retry later")
             return
@@ -390,14 +395,22 @@ class Dispatcher(ChildProcess):
         bytes and checked against what the task's first block takes before it is read."""
         return read_bytes_value(header, frames, self.spec.max_tensor_bytes, self.input_check(task, entry))
 
-    def read_lent(self, client: bytes, task: str, entry: dict, x: dict):
-        """A client's tensor in a slot the dispatcher lent it (Note [Lent slots]), checked as
-        ``read_input`` checks bytes: (None, the handle that travels on); ``forward`` makes the
-        tensor over the slot only where its bytes must travel (``Lender.tensor_of``)."""
+    def read_lent(self, client: bytes, task: str, entry: dict, header: ClientRequest):
+        """A client's tensor, or every member of its bundle, in slots the dispatcher lent it
+        (Note [Lent slots]), checked as ``read_input`` checks bytes: (None, the header fields
+        that travel on); ``forward`` makes the tensors over the slots only where their bytes
+        must travel (``Lender.value_of``)."""
         if self.lender is None:
             raise WireError("x.loc is shm but this dispatcher has no shared-memory directory; send bytes")
         check = self.input_check(task, entry)
-        return None, self.lender.take(client, x, self.spec.max_tensor_bytes, lambda desc: check(desc, None))
+        if header.xs is None:
+            return None, {"x": self.lender.take(client, header.x, self.spec.max_tensor_bytes,
+                                                lambda desc: check(desc, None))}
+        xs, keys = member_descs(header.xs, header.keys, False)
+        fields = {"xs": self.lender.take_all(client, xs, self.spec.max_tensor_bytes, lambda descs: check(descs, keys))}
+        if keys is not None:
+            fields["keys"] = keys
+        return None, fields
 
     def lend(self, client: bytes, cid, op: ClientOp, header: ClientRequest) -> None:
         """``lend``: a window of slots for a client on this host; ``unlend``: it gives them back."""
@@ -497,9 +510,9 @@ class Dispatcher(ChildProcess):
         # the last block reaches us the way it is reached itself
         ret = self.result_tcp if path[-1][1].startswith("tcp://") else self.result_ipc
         if req.lent is not None and self.transport.mode == "tensormq" and self.transport.handles_to(first):
-            fields, payload = {"x": req.lent}, []  # the client's slot goes on by handle, uncopied
-        elif req.lent is not None:  # bytes (or our own slot) towards this hop: the lent slot is free at once
-            req.tensor = self.lender.tensor_of(req.lent).clone()
+            fields, payload = req.lent, []  # the client's slots go on by handle, uncopied
+        elif req.lent is not None:  # bytes (or our own slots) towards this hop: the lent slots are free at once
+            req.tensor = bundle_apply(torch.Tensor.clone, self.lender.value_of(req.lent))
             self.drop_lent(req)
         if req.lent is None:
             try:
@@ -531,7 +544,7 @@ class Dispatcher(ChildProcess):
     def drop_lent(self, req: Request) -> None:
         """Give back the lent slot of a request that will not be forwarded with it."""
         if req.lent is not None:
-            self.lender.give_back(req.lent)
+            self.lender.give_back_all(req.lent)
             req.lent = None
 
     def flush_pending(self) -> None:
@@ -594,10 +607,11 @@ class Dispatcher(ChildProcess):
         lease = None
         try:
             tensor, lease = self.transport.decode_value(header.get("x"), header.get("xs"), header.get("keys"), frames)
-            if req.out_shm and type(lease) is ShmLease and self.lender.hand_out(req.client, lease):
-                # the client copies the result out of the slot and releases it (Note [Lent slots])
-                lease, handle = None, header.get("x")
-                self.answer(req, "ok", handle=handle, hops=header.get("hops"), started=req.started)
+            if req.out_shm and self.lender.hand_out(req.client, lease, header.get("xs")):
+                # the client copies the result out of its slots and releases them (Note [Lent slots])
+                lease = None
+                self.answer(req, "ok", handle={k: header[k] for k in ("x", "xs", "keys") if header.get(k) is not None},
+                            hops=header.get("hops"), started=req.started)
                 return
             self.answer(req, "ok", tensor=tensor, hops=header.get("hops"), started=req.started)
         except Exception as exc:  # the request is ours to answer now: never drop it silently

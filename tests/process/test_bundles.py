@@ -228,3 +228,37 @@ def test_open_inference_protocol_takes_several_inputs_and_returns_several_output
     res = c.infer("pair_in", inputs, outputs=outputs)
     np.testing.assert_allclose(res.as_numpy("sum"), np.tanh(a) + b, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(res.as_numpy("diff"), np.tanh(a) - b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_local_client_sends_and_reads_bundles_in_lent_slots(bundle_repo):
+    """Each member of a client's bundle goes in a lent slot of its own, and each member of a
+    bundle result is read from its slot (Note [Lent slots] in dispatcher/lending.py): exact
+    results, through a block that passes a member on untouched (its handle is the client's
+    slot) and one that makes a dict, and every slot comes back."""
+    import time
+    from blockflow.client import Client
+    from blockflow.core.protocol import DISPATCHER
+    from blockflow.standalone import StandalonePipeline
+    with StandalonePipeline(bundle_repo, {"c": "toy/carry.pt", "j": "toy/join.pt"},
+                            {"carry": ["c"], "cj": ["c", "j"]}, shm_prefix="bftest-bundle-lent") as p:
+        with Client(p.address, timeout=30) as c:
+            c.infer("cj", (torch.randn(2, 8), torch.randn(2, 8)))
+            deadline = time.monotonic() + 20
+            while c.lent is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert c.lent is not None
+            before = dict(c.stats)
+            for i in range(12):  # more requests than slots: every slot comes back free
+                g = torch.Generator().manual_seed(i)
+                a, b = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+                got = c.infer("cj", (a, b))
+                want = Join()(*Carry()(a, b))
+                assert list(got) == ["sum", "diff"] and all(torch.equal(got[k], want[k]) for k in want), i
+                got = c.infer("carry", (a, b))
+                assert isinstance(got, tuple) and torch.equal(got[0], torch.tanh(a)) and torch.equal(got[1], b)
+            assert c.stats["in_slot"] - before["in_slot"] == 24 and c.stats["out_slot"] - before["out_slot"] == 24, c.stats
+            assert c.stats["duplicates"] == 0
+        assert p.command(DISPATCHER, "ping")["lent_slots"] == 0
+        assert p.command("c", "ping")["in_flight"] == 0 and p.command("j", "ping")["in_flight"] == 0
+        left = p.stop()
+        assert left["left"] == {"slots": [], "sockets": []}, left

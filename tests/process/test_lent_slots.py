@@ -298,3 +298,4 @@ def test_without_the_dispatchers_inbox_requests_go_by_zeromq(pipeline):
             assert torch.equal(c.infer("dbl", x), x * 2)
         assert c.stats["datagrams_out"] == before["datagrams_out"], c.stats
         assert c.stats["in_slot"] - before["in_slot"] == 5 and c.stats["datagrams_in"] - before["datagrams_in"] == 5
+
