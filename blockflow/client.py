@@ -123,15 +123,16 @@ class LentSlots:
         """Copy ``tensor`` into a free slot: (slot name, descriptor); None when none is free and
         large enough (the bytes travel)."""
         now = time.monotonic()
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         for name, m in self.mapped.items():
             if m.cap >= nbytes and self._free(name):
                 self.busy[name] = (int(m.hdr[W_GENERATION]), False)
                 self.last_used = now
                 shape = tuple(tensor.shape)
-                if nbytes and tensor.device.type == "cpu" and tensor.is_contiguous():
+                # as few torch calls as may be: each is slow in a process whose caches went cold
+                if nbytes and tensor.is_cpu and tensor.is_contiguous():
                     # one memmove, no views of the slot (Note [One copy, no views] in tensormq/shm.py)
-                    ctypes.memmove(m.data.data_ptr(), tensor.data_ptr(), nbytes)
+                    ctypes.memmove(m.base, tensor.data_ptr(), nbytes)
                 elif nbytes:
                     _copy(m.data[:nbytes].view(tensor.dtype).view(shape), tensor.detach())
                 return name, {"dtype": dtype_name(tensor.dtype), "shape": list(shape),
@@ -187,8 +188,8 @@ class LentSlots:
         m, off, lease = self.results.locate(desc)
         try:
             out = torch.empty(desc.shape, dtype=desc.dtype)
-            if tuple(desc.stride) == out.stride():  # C-contiguous: one memmove, no tensor over the slot
-                ctypes.memmove(out.data_ptr(), m.data.data_ptr() + off, desc.numel * desc.dtype.itemsize)
+            if desc.stride == contiguous_stride(desc.shape):  # one memmove, no tensor over the slot
+                ctypes.memmove(out.data_ptr(), m.base + off, desc.numel * desc.dtype.itemsize)
             else:
                 _copy(out, self.results.view(m, off, desc, lease.seg))
             hdr = lease.mapped.hdr

@@ -606,13 +606,17 @@ class Dispatcher(ChildProcess):
             return
         lease = None
         try:
-            tensor, lease = self.transport.decode_value(header.get("x"), header.get("xs"), header.get("keys"), frames)
-            if req.out_shm and self.lender.hand_out(req.client, lease, header.get("xs")):
-                # the client copies the result out of its slots and releases them (Note [Lent slots])
-                lease = None
-                self.answer(req, "ok", handle={k: header[k] for k in ("x", "xs", "keys") if header.get(k) is not None},
-                            hops=header.get("hops"), started=req.started)
-                return
+            fields = header.get("x"), header.get("xs"), header.get("keys")
+            if req.out_shm and self.lender.holds(req.client):  # no tensors made: the client reads the slots
+                lease = self.transport.leases_of(*fields, frames)
+                if lease is not None and self.lender.hand_out(req.client, lease, header.get("xs")):
+                    # the client copies the result out of its slots and releases them (Note [Lent slots])
+                    lease = None
+                    self.answer(req, "ok", hops=header.get("hops"), started=req.started,
+                                handle={k: header[k] for k in ("x", "xs", "keys") if header.get(k) is not None})
+                    return
+                lease = None  # not handed out: read below (one release, by the lease decode_value makes)
+            tensor, lease = self.transport.decode_value(*fields, frames)
             self.answer(req, "ok", tensor=tensor, hops=header.get("hops"), started=req.started)
         except Exception as exc:  # the request is ours to answer now: never drop it silently
             self.answer(req, "error", code=ErrorCode.BAD_RESULT,

@@ -445,10 +445,10 @@ class SlotPool:
     def put(self, edge: str, tensor: torch.Tensor, timeout: float, give_up=None) -> TensorDesc:
         """Copy ``tensor`` into a slot on ``edge`` and return the handle that travels."""
         dtype_name(tensor.dtype)  # refuse what cannot travel before a slot is taken
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         slot = self.acquire(edge, nbytes, timeout, give_up)
         gen = slot.generation
-        if slot.kind == KIND_HOST and tensor.device.type == "cpu" and tensor.is_contiguous():
+        if slot.kind == KIND_HOST and tensor.is_cpu and tensor.is_contiguous():
             # Note [One copy, no views]: the bytes as they lie, described by the tensor itself
             ctypes.memmove(slot.ptr, tensor.data_ptr(), nbytes)
             return TensorDesc.of(tensor, slot.loc, seg=slot.name, gen=gen, off=0, nbytes=nbytes)
@@ -495,13 +495,14 @@ class Mapped:
     words and its data area (as uint8 and per dtype). Made once per slot, not per message.
     ``drop()`` lets go of the views before it closes the mapping (a view would keep it open)."""
 
-    __slots__ = ("mm", "hdr", "data", "cap", "typed")
+    __slots__ = ("mm", "hdr", "data", "cap", "base", "typed")
 
     def __init__(self, mm: mmap.mmap, data: torch.Tensor):
         self.mm = mm
         self.hdr = _header(mm)
         self.data = data  # uint8 over the data area
         self.cap = data.numel()  # its bytes
+        self.base = data.data_ptr()  # its address, asked of torch once (Note [One copy, no views])
         self.typed: dict[torch.dtype, torch.Tensor] = {}
 
     def as_dtype(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -667,23 +668,24 @@ class ShmLease:
         self.released = False
 
     def contains(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lives inside this slot (so it can be forwarded without a copy)."""
-        data = self.mapped.data
-        if data is None or tensor.device.type != "cpu":
+        """Whether ``tensor`` lives inside this slot (so it can be forwarded without a copy).
+        Two torch calls for the usual answer: each costs tens of microseconds in a process
+        whose caches a model's run has just emptied (Note [One copy, no views])."""
+        m = self.mapped
+        if m.data is None or not tensor.is_cpu:
             return False
-        base = data.data_ptr()
-        ptr = tensor.data_ptr()
-        if not base <= ptr < base + data.numel():
+        base, ptr = m.base, tensor.data_ptr()
+        if not base <= ptr < base + m.cap:
             return False  # the usual answer (a new output tensor), found without a descriptor
         span = TensorDesc.of(tensor, "shm").span_bytes()
-        return base <= ptr and ptr + span <= base + data.numel()
+        return ptr + span <= base + m.cap
 
     def forward_desc(self, tensor: torch.Tensor) -> TensorDesc:
         """Handle for a view of this slot; the release duty moves to whoever receives it."""
-        off = tensor.data_ptr() - self.mapped.data.data_ptr()
+        desc = TensorDesc.of(tensor, "shm", seg=self.seg, gen=self.gen, off=tensor.data_ptr() - self.mapped.base)
+        desc.fields["nbytes"] = desc.span_bytes()
         self.released = True  # no longer ours to release
-        return TensorDesc.of(tensor, "shm", seg=self.seg, gen=self.gen, off=off,
-                             nbytes=TensorDesc.of(tensor, "shm").span_bytes())
+        return desc
 
     def release(self) -> None:
         if self.released:

@@ -276,6 +276,27 @@ class Transport:
             raise
         return assemble(members, keys), (leases if leases.leases else None)
 
+    def leases_of(self, x, xs, keys, frames: list):
+        """The lease of a message's tensor, or the ``LeaseSet`` of its bundle, when every member
+        is a host slot's handle, checked as ``decode_value`` checks them but with no tensor made
+        over the slots (each view is a torch call: Note [One copy, no views] in shm.py); None
+        when a member is not (then ``decode_value``)."""
+        if len(frames) != 1 or self.mapper is None:
+            return None
+        descs = [x] if xs is None else member_descs(xs, keys, x is not None)[0]
+        parsed = [TensorDesc.parse(d, self.max_tensor_bytes) for d in descs]
+        if any(desc.loc != "shm" for desc in parsed):
+            return None
+        leases = LeaseSet()
+        try:
+            for desc in parsed:
+                leases.add(self.mapper.locate(desc)[2])
+        except BaseException:
+            leases.release()
+            raise
+        self.received["shm"] = self.received.get("shm", 0) + len(parsed)
+        return leases.leases[0] if xs is None else leases
+
     def cuda_mapper(self):
         if self._cuda_mapper is None:
             if not self.cuda_handles:
@@ -325,7 +346,7 @@ class Transport:
                 return desc.to_json(), None
         timeout = self.send_timeout if timeout is None else timeout
         give_up = lambda: self.abandoned(address)  # noqa: E731
-        if tensor.device.type == "cuda" and target.startswith("cuda"):
+        if tensor.is_cuda and target.startswith("cuda"):
             return self.cuda_pool(target).put(address, tensor.detach(), timeout, give_up).to_json(), None
         # a CPU tensor to any hop (a GPU consumer moves it), or a GPU tensor to a CPU hop (copied to the host)
         return self.pool.put(address, tensor.detach(), timeout, give_up).to_json(), None
