@@ -147,7 +147,8 @@ OUTPUT_IN_SLOT: bool = _read("BLOCKFLOW_OUTPUT_IN_SLOT", True, _flag,
                              "copying it there (Note [Outputs made in a slot]; needs the extension that `make install` "
                              "builds); 0 copies", "1")
 DATAGRAMS: bool = _read("BLOCKFLOW_DATAGRAMS", True, _flag,
-                        "a one-frame message to a process on this host (a TensorMQ header) goes by a Unix datagram "
+                        "a one-frame message to a process on this host (a TensorMQ header, a local client's request "
+                        "in lent slots and its reply) goes by a Unix datagram "
                         "socket beside its ipc:// ZeroMQ socket, and by ZeroMQ whenever the datagram is refused "
                         "(Note [A datagram beside the socket] in tensormq/datagram.py); 0 sends everything by ZeroMQ",
                         "1")
