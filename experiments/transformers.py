@@ -17,7 +17,11 @@ Two measurements, one JSON (``transformers.json``):
            blocks also run as one shared process (``process: g``, README "Shared processes":
            the members hand over by reference, no sockets between them), task ``bert_group``;
            its round trips take turns with the three processes' in every round
-           (``latency_group``, against the same whole-model runs). Each row also has the p50 of
+           (``latency_group``, against the same whole-model runs). A third copy of the three
+           blocks, each pinned to CPU 0 (``cpus: [0]``, task ``bert_one_core``), takes its turn in
+           every round too (``latency_one_core``): each block then starts on the core the block
+           before it has just used, where the others may start on a core that sat idle (README
+           "Bring your own model": where a block's model loses time). Each row also has the p50 of
            every block's stages from its KPI log (``blocks_ms_p50``: wait, deser, dev, inf,
            share, fwd, total), what the round trip's ``rest`` is made of inside the blocks.
   sharing  the three tasks of ``configs/bert_shared.json`` (configs/bert_tasks.py: one encoder,
@@ -47,6 +51,8 @@ GOAL = 1.3
 TASK = "bert"
 #: The same blocks in one shared process (``process: g``).
 GROUP_TASK = "bert_group"
+#: The same blocks, each a process of its own pinned to CPU 0 (``cpus: [0]``).
+ONE_CORE_TASK = "bert_one_core"
 #: A block's stages, as its KPI log records them (blocks/kpilog.py): ``blocks_ms_p50`` per block.
 BLOCK_STAGES = ("wait", "deser", "dev", "inf", "share", "fwd", "total")
 
@@ -123,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                               "interleaved with the round trips",
                 "group": f"task {GROUP_TASK}: the same blocks in one shared process (process: g); each round is "
                          "a request of each task (their order turning every round), then the whole model",
+                "one_core": f"task {ONE_CORE_TASK}: the same blocks, a process each, every one pinned to CPU 0 "
+                            "(cpus: [0]), in the same rounds",
                 "sharing_config": "configs/bert_shared.json", "sharing_repo": args.repo}
     env = common.env_info(settings)
     repo = tempfile.mkdtemp(prefix="bftf-")
@@ -146,31 +154,33 @@ def main(argv: list[str] | None = None) -> int:
             want = whole(*x)
         blocks = [{"name": f"b{i}", "model": f"{TASK}/block{i}.pt", "threads": 1} for i in (1, 2, 3)]
         grouped = [{**b, "name": f"g{b['name']}", "process": "g"} for b in blocks]
-        update = {"transport": "tensormq", "protocol": "ipc", "blocks": blocks + grouped,
-                  "tasks": [{"id": TASK, "path": [b["name"] for b in blocks]},
-                            {"id": GROUP_TASK, "path": [b["name"] for b in grouped]}]}
+        pinned = [{**b, "name": f"c{b['name']}", "cpus": [0]} for b in blocks]
+        series = {TASK: blocks, GROUP_TASK: grouped, ONE_CORE_TASK: pinned}
+        update = {"transport": "tensormq", "protocol": "ipc", "blocks": blocks + grouped + pinned,
+                  "tasks": [{"id": t, "path": [b["name"] for b in bs]} for t, bs in series.items()]}
         with common.blockflow_server(repo) as server:
             server.update(update)
             from blockflow.client import Client
             with Client(server.dispatcher, timeout=120) as c:
-                got = {t: c.infer(t, x) for t in (TASK, GROUP_TASK)}
-            diff = max((got[TASK][k] - want[k]).abs().max().item() for k in want)
-            diff_group = max((got[GROUP_TASK][k] - want[k]).abs().max().item() for k in want)
-            rows = measure(server, lambda x: whole(*x), x, n, args.quick, tasks=(TASK, GROUP_TASK))
-            row, group_row = rows[TASK], rows[GROUP_TASK]
+                got = {t: c.infer(t, x) for t in series}
+            diffs = {t: max((got[t][k] - want[k]).abs().max().item() for k in want) for t in series}
+            rows = measure(server, lambda x: whole(*x), x, n, args.quick, tasks=tuple(series))
+            row, group_row, one_core_row = rows[TASK], rows[GROUP_TASK], rows[ONE_CORE_TASK]
             # where each block's time went: the p50 of its KPI log's stages (warm-up included)
-            for r, names in ((row, [b["name"] for b in blocks]), (group_row, [b["name"] for b in grouped])):
+            for t, bs in series.items():
+                r = rows[t]
                 r["blocks_ms_p50"] = {}
-                for name in names:
+                for name in (b["name"] for b in bs):
                     kpi = server.call("POST", f"/blocks/{name}/kpi")["latency_ms"]
                     r["blocks_ms_p50"][name] = {k: kpi[k]["p50"] for k in BLOCK_STAGES}
     finally:
         shutil.rmtree(repo, ignore_errors=True)
-    row["max_abs_diff_to_whole_model"] = diff
-    group_row["max_abs_diff_to_whole_model"] = diff_group
-    row["goal_ratio_p50"] = group_row["goal_ratio_p50"] = GOAL
+    for t, r in rows.items():
+        r["max_abs_diff_to_whole_model"] = diffs[t]
+        r["goal_ratio_p50"] = GOAL
+    diff, diff_group = diffs[TASK], diffs[GROUP_TASK]
     result = {"experiment": NAME, "env": env, "settings": settings, "latency": row, "latency_group": group_row,
-              "sharing": shared}
+              "latency_one_core": one_core_row, "sharing": shared}
     common.write_json(args.out, NAME, result)
     print(f"BERT (hidden {CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers), 1 x {args.seq} tokens, "
           f"3 blocks over tensormq: p50 {row['rtt_ms']['p50']:.2f} ms, whole model "
@@ -178,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
           f"max |diff| {diff:.1e}")
     print(f"the same 3 blocks in one shared process: p50 {group_row['rtt_ms']['p50']:.2f} ms: "
           f"RATIO {group_row['ratio_p50']:.2f}x (goal <= {GOAL}x); max |diff| {diff_group:.1e}")
+    print(f"the same 3 blocks as 3 processes pinned to CPU 0: p50 {one_core_row['rtt_ms']['p50']:.2f} ms: "
+          f"RATIO {one_core_row['ratio_p50']:.2f}x (inference {one_core_row['inference_ratio_p50']:.3f}x against "
+          f"{row['inference_ratio_p50']:.3f}x unpinned); max |diff| {diffs[ONE_CORE_TASK]:.1e}")
     print(f"configs/bert_shared.json: {shared['served_bytes'] / 1e6:.2f} MB of parameters served, "
           f"{shared['whole_models_bytes'] / 1e6:.2f} MB in three whole models: {shared['saving_pct']:.1f} % less "
           f"({shared['processes']} processes against {shared['whole_model_processes']})")
