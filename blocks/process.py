@@ -67,6 +67,29 @@ while its queue has room; it then waits in one poll over both. The poll's cost (
 hop on this VM, measured against a blocking receive on the datagram socket alone) is far less
 than what the datagram saves: a request's hop between two identity blocks fell from about
 0.34 to 0.23 ms in an interleaved run of the twenty-second session.
+
+Note [A direct answer]
+~~~~~~~~~~~~~~~~~~~~~~
+A local client that reads its results in slots (``out`` "shm", Note [Lent slots] in
+dispatcher/lending.py) waited for two wake-ups after its last block: the dispatcher's, which
+turned the result's header into a reply, then its own. So the dispatcher names the client's
+datagram inbox, key and request id in the header it sends down the path (``reply``), and the
+last block, whose result lies in host slots, sends the client its ``ClientReply`` by datagram
+itself (``answer_client``, ``by: "block"``), then the result's header to the dispatcher as
+before, marked ``answered``. The dispatcher stays the authority: it chose the path, admitted
+the request and named the client; for an answered result it does what a reply would have done
+but the send (the request leaves ``outstanding``, the slots are kept under the client's lease
+until it releases them, the counts, the KPI record, the span). Only the bytes of one reply
+skip it.
+
+Whatever the datagram refuses (no inbox, a full one, a reply too large, a result that is not
+all in host slots: bytes, CUDA slots, another node) goes the dispatcher's way, unmarked. A
+client takes one answer per request: one that comes after a direct answer (the dispatcher's
+error when the block died between its two sends, or its timeout racing the block) or a direct
+answer after the dispatcher's is counted as ``late``, not as a duplicate. The key travels only
+between the server's processes, in their 0700 socket directory, and the inbox must be named as
+a BlockFlow client's (``DirectReply``), so a forged header cannot make a block write to any
+other program's socket.
 """
 from __future__ import annotations
 
@@ -90,7 +113,8 @@ from blockflow.core.curve import ClusterKeys, authenticator, make_server
 from blockflow.tensormq.transport import RESULT_KEYS, Transport, receive_limit, recv_message
 from blockflow.tensormq.bundle import first
 from blockflow.tensormq.datagram import Receiver
-from blockflow.tensormq.wire import DataHeader, WireError, block_error, check_path, dumps, loads_data_header
+from blockflow.tensormq.wire import (PROTOCOL_VERSION, ClientReply, DataHeader, WireError, block_error, check_path,
+                                     direct_reply, dumps, encode_client, loads_data_header)
 
 from .batching import DelayController, plan_batches, run_batch
 from .handover import INBOXES, Handed, Inbox
@@ -182,6 +206,9 @@ class Block(ChildProcess):
         self.cache_entry = None
         #: milliseconds the request (or batch) being run waited for its weights to swap in
         self.swap_ms = 0.0
+        #: results this block, last on their path, answered their local client with itself
+        #: (Note [A direct answer])
+        self.answered = 0
 
     # -- start-up ----------------------------------------------------------------------------
     def init_process(self) -> None:
@@ -408,7 +435,7 @@ class Block(ChildProcess):
         now, busy_since = time.monotonic(), self.busy_since
         return {**super().cmd_ping(args), "queue": len(self.backlog), "served": self.kpi.count,
                 "in_flight": self.transport.in_flight(), "outputs_made_in_slot": self.transport.made_in_slot,
-                "received": dict(self.transport.received),
+                "received": dict(self.transport.received), "answered_clients": self.answered,
                 "datagrams": {**(self.datagrams.stats() if self.datagrams is not None else {}),
                               **self.transport.datagrams.stats()},
                 "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat,
@@ -934,6 +961,9 @@ class Block(ChildProcess):
             else:
                 if single:
                     header.x = x_desc
+                if header.reply is not None and next_name == RETURN_HOP:  # Note [A direct answer]
+                    header.answered = not payload and self.answer_client(header)
+                    header.reply = None
                 self.transport.send(next_addr, header, payload)
                 x_desc = None
             t5 = time.perf_counter()
@@ -966,6 +996,22 @@ class Block(ChildProcess):
         self.kpi.add("latency", rec)
         if header.trace is not None and self.tracer is not None:
             self.trace(header.trace, rec)
+
+    def answer_client(self, header: DataHeader) -> bool:
+        """Send a local client its result's reply by datagram (Note [A direct answer]): True
+        when it went, False when the dispatcher must answer (a member not in a host slot, the
+        datagram refused)."""
+        members = header.xs if header.xs is not None else [header.x]
+        reply = direct_reply(header.reply)
+        if reply is None or not all(type(m) is dict and m.get("loc") == "shm" for m in members):
+            return False
+        inbox, key, cid, started = reply
+        answer = ClientReply(PROTOCOL_VERSION, cid, "ok", hops=header.hops, ms=(time.monotonic() - started) * 1e3,
+                             x=header.x, xs=header.xs, keys=header.keys, key=key, by="block")
+        if not self.transport.datagrams.send_to(inbox, encode_client(answer)):
+            return False
+        self.answered += 1
+        return True
 
     def finish_ordered(self, req: "_Request", header: DataHeader, hop: dict, t4: float, t5: float, y) -> None:
         """After the send of a stream-ordered request: wait for the GPU, give the input back,

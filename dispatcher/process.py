@@ -112,7 +112,7 @@ class Dispatcher(ChildProcess):
         self.pending: deque[tuple[int, Request]] = deque()
         # what junk on the result sockets may log: a few lines, then a count
         self.junk_log = RateLimitedLog(log)
-        self.stats = {"requests": 0, "ok": 0, "errors": 0, "late": 0}
+        self.stats = {"requests": 0, "ok": 0, "errors": 0, "late": 0, "answered_by_blocks": 0}
         #: client requests and replies that went by datagram; datagrams dropped for an unknown key
         self.client_datagrams = {"requests": 0, "replies": 0, "unknown_key": 0}
 
@@ -530,7 +530,7 @@ class Dispatcher(ChildProcess):
                                   "restart `blockflow serve`")
                 return True
         header = DataHeader(PROTOCOL_VERSION, "data", rid, [*map(tuple, path[1:]), (RETURN_HOP, ret)], req.task,
-                            trace=req.trace, **fields)
+                            trace=req.trace, reply=self.direct_reply(req, path), **fields)
         try:
             self.transport.send(first, header, payload, timeout=1.0)
         except TimeoutError as exc:
@@ -540,6 +540,16 @@ class Dispatcher(ChildProcess):
         req.tensor = req.frames = req.lent = None  # a lent slot's release duty went with the handle
         self.outstanding[rid] = req
         return True
+
+    def direct_reply(self, req: Request, path: list) -> list | None:
+        """Where the last block of ``path`` may answer ``req``'s client itself (Note [A direct
+        answer] in blocks/process.py): a client on this host with a datagram inbox that reads
+        its result in slots, a last block on this host too; None otherwise."""
+        if not req.out_shm or self.client_sender is None or self.transport.mode != "tensormq" \
+                or not path[-1][1].startswith("ipc://"):
+            return None
+        inbox = self.lender.inbox_of(req.client)
+        return None if inbox is None else [inbox[0], inbox[1], req.cid, req.started]
 
     def drop_lent(self, req: Request) -> None:
         """Give back the lent slot of a request that will not be forwarded with it."""
@@ -605,6 +615,9 @@ class Dispatcher(ChildProcess):
             self.answer(req, "error", error=err.err[:2000], code=ErrorCode.of(err.code), started=req.started)
             return
         lease = None
+        if header.get("answered") is True and kind == "result":
+            self.answered_directly(req, header, frames)
+            return
         try:
             fields = header.get("x"), header.get("xs"), header.get("keys")
             if req.out_shm and self.lender.holds(req.client):  # no tensors made: the client reads the slots
@@ -624,6 +637,27 @@ class Dispatcher(ChildProcess):
         finally:
             if lease is not None:
                 lease.release()
+
+    def answered_directly(self, req: Request, header: dict, frames: list) -> None:
+        """A result the last block answered ``req``'s client with itself (Note [A direct answer]
+        in blocks/process.py): everything a reply does but the send. Its slots stay under the
+        client's lease until it releases them (``hand_out``, whether it has already or not);
+        with no lease left to keep them under they are released now (a copy under way then
+        fails its generation check, never reads torn bytes)."""
+        fields = header.get("x"), header.get("xs"), header.get("keys")
+        try:
+            lease = self.transport.leases_of(*fields, frames)
+        except WireError as exc:  # mostly: the client read and released them before this came
+            log.debug("dispatcher: no slots to keep for the answered result of request %s: %s", req.cid, exc)
+            lease = None
+        if lease is not None and not self.lender.hand_out(req.client, lease, header.get("xs")):
+            lease.release()
+        self.stats["ok"] += 1
+        self.stats["answered_by_blocks"] += 1
+        if self.kpi is not None:
+            self.kpi.record(req.task, "ok", req.started, header.get("hops"))
+        if req.span is not None:
+            self.tracer.end_request(req.span, "ok", None, None)
 
     def expire(self, now: float) -> None:
         late = [rid for rid, r in self.outstanding.items() if r.deadline < now]

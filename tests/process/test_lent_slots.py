@@ -240,10 +240,51 @@ def test_a_local_client_sends_and_is_answered_by_datagram_and_loses_nothing(pipe
         # a datagram refused (a full queue) went by ZeroMQ: each request answered once
         assert c.stats["datagrams_out"] >= 2 * WINDOW and c.stats["datagrams_in"] >= 2 * WINDOW, c.stats
         assert c.stats["duplicates"] == 0 and c.stats["late"] == 0 and c.stats["foreign_datagrams"] == 0, c.stats
-        seen = _ping(pipeline)["client_datagrams"]
-        assert seen["requests"] == c.stats["datagrams_out"] and seen["replies"] == c.stats["datagrams_in"], seen
+        # each reply came from the dispatcher or, for a result in the last block's slots, from
+        # that block itself (Note [A direct answer] in blocks/process.py)
+        got = c.stats["datagrams_in"]  # the dispatcher's account of an answered result may come after it
+        ping = _until(lambda: (p := _ping(pipeline))["client_datagrams"]["replies"] + p["answered_by_blocks"] >= got and p,
+                      what="every reply by datagram accounted for")
+        seen, by_blocks = ping["client_datagrams"], ping["answered_by_blocks"]
+        assert by_blocks >= 2 * WINDOW and pipeline.command("d", "ping")["answered_clients"] == by_blocks, ping
+        assert seen["requests"] == c.stats["datagrams_out"], seen
+        assert seen["replies"] + by_blocks == c.stats["datagrams_in"], (seen, by_blocks, c.stats)
         assert seen["unknown_key"] == 0
-    assert pipeline.command("d", "ping")["in_flight"] == 0
+    _until(lambda: pipeline.command("d", "ping")["in_flight"] == 0, what="the last block's slots released")
+
+
+def test_the_last_block_answers_a_local_client_itself(pipeline):
+    """Note [A direct answer] (blocks/process.py): a result in the last block's slots reaches a
+    local client from that block by datagram; the dispatcher accounts for it as for a reply it
+    sent, and a second answer for the same request (here the dispatcher's, forged with the
+    client's key) is taken as late, never as a duplicate or a second result."""
+    from blockflow.tensormq.datagram import Sender
+    with Client(pipeline.address, timeout=30) as c:
+        c.infer("id", torch.randn(2, 256))
+        _until(lambda: c.lent is not None, what="the lent slots")
+        before, answered = _ping(pipeline), pipeline.command("d", "ping")["answered_clients"]
+        for i in range(5):
+            x = torch.randn(2, 256, generator=torch.Generator().manual_seed(i))
+            r = c.infer_details("dbl", x)
+            assert torch.equal(r.tensor, x * 2)
+            assert [h["b"] for h in r.hops] == ["a", "d"] and r.server_ms is not None and r.server_ms > 0
+        after = _until(lambda: (p := _ping(pipeline))["answered_by_blocks"] - before["answered_by_blocks"] == 5 and p,
+                       what="the dispatcher's account of the 5 answered results")
+        assert after["ok"] - before["ok"] == 5 and after["errors"] == before["errors"], after
+        assert after["client_datagrams"]["replies"] == before["client_datagrams"]["replies"], after
+        assert pipeline.command("d", "ping")["answered_clients"] - answered == 5
+        assert c.stats["late"] == 0 and c.stats["duplicates"] == 0, c.stats
+        rid = next(reversed(c._answered))
+        mallory = Sender()
+        try:
+            late = {"v": 1, "id": rid, "status": "error", "error": "the dispatcher's own answer", "key": c._key}
+            assert mallory.send_to(c._inbox.path, json.dumps(late).encode())
+            y = torch.ones(2, 256)
+            _until(lambda: torch.equal(c.infer("dbl", y), y * 2) and c.stats["late"] == 1, what="the second answer taken as late")
+        finally:
+            mallory.close()
+        assert c.stats["duplicates"] == 0, c.stats
+    _until(lambda: pipeline.command("d", "ping")["in_flight"] == 0, what="the last block's slots released")
 
 
 def test_datagrams_without_the_key_are_dropped_both_ways(pipeline):
