@@ -56,13 +56,14 @@ demo: export
 # directories, tests/conftest.py); then the `exclusive` ones (load, rates, deadlines, Ray) with
 # nothing else running, a file per worker (the Ray cluster's beside chaos); then the `alone` ones
 # (soak measures the machine's capacity) by themselves. Every phase runs; the target fails when
-# any did. JOBS=1 runs the phases serially.
+# any did. JOBS=1 runs the phases serially. The parallel phase ends with its 25 slowest tests
+# (--durations): where the suite's time goes.
 # `make test-unit` (seconds), `test-process`, `test-cluster` and `test-cuda` run one tier alone.
 JOBS ?= 2
 # $(call phases,PATHS): a phase that selects no test (pytest's exit code 5) is no failure.
 define phases
 	@status=0; \
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "not exclusive" $(1) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --durations=25 -m "not exclusive" $(1) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
 	echo "==> the exclusive tests, a file per worker, nothing else running"; \
 	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "exclusive and not alone" $(1) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
 	echo "==> the tests that measure the machine's capacity, alone"; \
@@ -115,9 +116,11 @@ gpu-check:
 	bash experiments/gpu_check.sh $(STEPS)
 
 # On a machine with network, before carrying the checkout (and .whl/) to the GPU machine.
+# transformers (and its tokenizers, safetensors, ...): the transformers step (issue 43's GPU goal).
 # (.gitignore already ignores .whl/; the script's own .git/info/exclude edit fails in a worktree.)
 gpu-wheels:
-	sed '/info\/exclude/d' $(SHARED)/gpu/wheelhouse.sh | bash -s -- pytest matplotlib msgspec prometheus_client tqdm
+	sed '/info\/exclude/d' $(SHARED)/gpu/wheelhouse.sh | bash -s -- pytest matplotlib msgspec prometheus_client tqdm \
+		transformers
 
 # After a green `make test`: pin what was installed (blockflow itself left out).
 constraints: $(STAMP)

@@ -6,7 +6,7 @@
 # carry the clean checkout and set BLOCKFLOW_SOURCE_COMMIT=<its commit>, which every result records.
 #
 # Before, on a machine with network:  make gpu-wheels   (fills .whl/: pyzmq, CherryPy, pytest,
-# matplotlib), then carry .whl/ along. See /work/shared/gpu/README.md.
+# matplotlib, transformers), then carry .whl/ along. See /work/shared/gpu/README.md.
 #
 # Every step runs under its own time limit (STEP_LIMIT, 570 s: below the 10 minutes a command may
 # take on a lent machine), so one long step cannot eat the others' time; run a few steps per
@@ -31,7 +31,7 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 STEP_LIMIT=${STEP_LIMIT:-570}
 SITE=${GPU_SITE:-/tmp/blockflow-site}
-ALL_STEPS="tests-fastpath tests-ipc tests-manager tests-pipeline tests-groups tests-cache block_cache pipeline_latency hop_overhead hop_budget groups batching vram throughput energy memory_model batch_scaling utilization multi_gpu report"
+ALL_STEPS="tests-fastpath tests-ipc tests-manager tests-pipeline tests-groups tests-cache block_cache pipeline_latency hop_overhead hop_budget groups transformers batching vram throughput energy memory_model batch_scaling utilization multi_gpu report"
 STEPS=${*:-$ALL_STEPS}
 
 die() { echo "gpu-check: $*" >&2; exit 2; }
@@ -151,6 +151,9 @@ for step in $STEPS; do
         --batches "${HOP_BATCHES:-1,32}" "${OUTARG[@]}" ;;
     groups)  # issue 40 item 4: ResNet50's 5 blocks in one process vs 5 processes vs full.pt as one CUDA graph (goal <= 1.3x)
       run_step "$step" "$PY" -m experiments.fused --series "one group" --device cuda --n 300 "${OUTARG[@]}" ;;
+    transformers)  # issue 43: BERT in 3 blocks, a CUDA graph per bucket, vs the whole model eager (goal <= 1.2x);
+      # needs transformers in .whl/ (make gpu-wheels), else its result says skipped
+      run_step "$step" "$PY" -m experiments.transformers --device cuda --n 300 "${OUTARG[@]}" ;;
     hop_budget)  # issue 40 item 1: the per-hop budget on the GPU (add --profile DIR where py-spy is installed);
       # its shapes (the path's crossings as bare pyzmq processes, on all cores and on one) run on the
       # host's CPUs: 100 turns a round keep them to about 15 s of the lease
