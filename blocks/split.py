@@ -422,7 +422,9 @@ def _describe(node: fx.Node) -> str:
         return f"output of {node.target}"
     if node.op == "placeholder":
         return f"the input {node.name}"
-    stack = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
+    # (torch.export's stack starts at the model itself, whose path is "": an operation in the
+    # model's own forward is named alone, as torch.fx's are)
+    stack = [path for path, _ in node.meta.get("nn_module_stack", {}).values() if path]
     return f"{node.name} in {stack[-1]}" if stack else node.name
 
 

@@ -159,6 +159,41 @@ def test_served_bert_blocks_equal_the_model_at_two_sequence_lengths(server_facto
             c.infer("bert", (ids, mask))
         assert info.value.code == ErrorCode.BAD_INPUT and "\n" not in str(info.value), info.value
         assert "dimension S between 2 and 64" in str(info.value) and "S=2..65" in str(info.value), info.value
+    open_inference_answers_as_the_model(srv, direct(hf_models, "bert"))
+
+
+def open_inference_answers_as_the_model(srv, net) -> None:
+    """The same blocks through the Open Inference Protocol, as a KServe/Triton client sends to
+    them (tritonclient, binary tensors): the inputs by the names GET /v2/models/bert lists,
+    INT64, and the two outputs by the model's own names, each within 1e-5 of the model run
+    directly; a float input_ids is refused naming the dtype to send."""
+    th = pytest.importorskip("tritonclient.http")
+    from tritonclient.utils import InferenceServerException
+    c = th.InferenceServerClient(srv.url.removeprefix("http://"), network_timeout=120)
+    try:
+        def request(ids, mask, datatype="INT64"):
+            ins = []
+            for name, t in (("input_ids", ids), ("attention_mask", mask)):
+                inp = th.InferInput(name, list(t.shape), datatype if name == "input_ids" else "INT64")
+                inp.set_data_from_numpy(t.numpy(), binary_data=True)
+                ins.append(inp)
+            return c.infer("bert", ins)
+
+        for batch, seq in ((1, 7), (2, 24)):  # two lengths through the same blocks, as above
+            ids, mask = token_inputs(batch, seq, seed=100 + seq)
+            res = request(ids, mask)
+            with torch.no_grad():
+                want = net(input_ids=ids, attention_mask=mask)
+            for key in ("last_hidden_state", "pooler_output"):
+                got = torch.from_numpy(res.as_numpy(key))
+                assert got.shape == want[key].shape, key
+                assert (got - want[key]).abs().max().item() <= TOL, (key, batch, seq)
+        with pytest.raises(InferenceServerException) as info:
+            ids, mask = token_inputs(1, 8, seed=1)
+            request(ids.float(), mask, "FP32")
+        assert "takes int64 tensors, got float32 (input_ids)" in str(info.value), info.value
+    finally:
+        c.close()
 
 
 def test_declared_bounds_give_warm_up_buckets_that_the_served_blocks_run(bert_repo, hf_models):
@@ -206,6 +241,47 @@ def test_a_model_fx_cannot_trace_is_split_on_torch_export_with_a_dynamic_batch()
     x = torch.randn(3, 8)
     with torch.no_grad():
         assert torch.allclose(split.chain(blocks, x)[-1], net(x), atol=TOL, rtol=0)
+
+
+class ManySkips(torch.nn.Module):
+    """Token ids in, 17 tensors made from the embedding before ``mid`` and used after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.mid, self.out = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        skips = [h * (i + 1) for i in range(17)]
+        y = self.out(self.mid(h))
+        for s in skips:
+            y = y + s
+        return y
+
+
+def test_a_cut_of_the_exported_graph_names_what_crosses_it_and_the_valid_cuts_near_it():
+    """Issue 43 item 1: the graph torch.export made (ids declared int64) is cut as torch.fx's is:
+    a cut that more tensors cross than one hop carries is refused in one line naming them and
+    the valid cuts around it; the valid one splits the model exactly."""
+    from blockflow.blocks import split
+    torch.manual_seed(0)
+    net = ManySkips().eval()
+    decls = split.InputDecl.bind([split.InputDecl.parse("ids:int64:N,8")])
+    gm, example = split._graph(net, decls, [], seed=0)
+    assert example.dtype == torch.int64 and int(example.max()) < 10  # token ids within the embedding
+    with pytest.raises(split.CutError) as info:
+        split.resolve_cuts(gm, ["mid"], "ManySkips")
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("cut 'mid': 18 tensors cross it (mul, mul_1, "), msg
+    assert "linear in mid)" in msg and " in ," not in msg, msg  # what the model's own forward made: by name
+    assert f"more than the {split.MAX_HOP_TENSORS} one hop carries" in msg, msg
+    assert msg.endswith("nearby valid cuts: emb"), msg
+    assert split.valid_cuts(gm).keys() == {"emb"}
+    blocks = split.split(gm, split.resolve_cuts(gm, ["emb"], "ManySkips"))
+    ids = torch.randint(0, 10, (3, 8))
+    with torch.no_grad():
+        assert torch.allclose(split.chain(blocks, ids)[-1], net(ids), atol=TOL, rtol=0)
 
 
 def test_cli_refuses_a_bert_cut_that_is_no_layer_naming_nearby_layers(tmp_path, hf_models):
@@ -262,3 +338,26 @@ def test_a_model_export_cannot_follow_is_refused_naming_its_line(tmp_path, hf_mo
 def test_cli_refuses_a_wrong_input_declaration_in_one_line(tmp_path, decl, words):
     res = blockflow("export", "--model", "nowhere:bert", "--cut", "x", "--input", decl, "--out", str(tmp_path))
     one_line_error(res, Exit.BAD_INPUT, decl, *words)
+
+
+def test_the_readme_brings_the_bert_the_transformers_experiment_measures():
+    """README "Bring your own model": the hfmodels.py it shows and its `blockflow export` line
+    are the model, cuts and inputs that experiments/transformers.py exports and times (the figures
+    the README quotes), so the example a user copies is the one measured."""
+    import re
+
+    from transformers import BertConfig
+
+    from experiments import transformers as measured
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")) as f:
+        text = f.read()
+    shown = text.split("# hfmodels.py:", 1)[1].split("```", 1)[0]
+    code = "\n".join(line.lstrip("#") for line in shown.splitlines())
+    config = re.search(r"BertConfig\((.*?)\)\)", code, re.S)
+    assert config, shown
+    kwargs = eval(f"dict({config.group(1)})", {})  # noqa: S307 - the README's own literal keywords
+    assert BertConfig(**kwargs).to_dict() == BertConfig(**measured.CONFIG).to_dict(), kwargs
+    command = re.search(r"blockflow export (.*?) --out model_repo", code.replace("\\\n", " "), re.S)
+    assert command, shown
+    assert command.group(1).split() == ["--model", "hfmodels:bert", *[a for c in measured.CUTS for a in ("--cut", c)],
+                                        *[a for i in measured.INPUTS for a in ("--input", i)]]
