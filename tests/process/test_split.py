@@ -110,6 +110,30 @@ def tinyvit():
                              mlp_dim=32).eval()
 
 
+def _relu_if_positive(t):
+    return t.relu() if bool(t.sum() > 0) else t  # control flow on a value: torch.export cannot follow it
+
+
+torch.fx.wrap("_relu_if_positive")  # torch.fx keeps the call whole (one node)
+
+
+class Gated(nn.Module):
+    """An int of the input's shape crosses the cut after ``a``; torch.fx traces the model,
+    torch.export cannot."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        n = x.shape[1]
+        return self.b(_relu_if_positive(self.a(x))) * n
+
+
+def gated():
+    return Gated().eval()
+
+
 def not_a_module():
     return {"weights": 42}
 '''
@@ -453,9 +477,23 @@ def test_a_cut_crossed_by_a_non_tensor_is_refused_naming_it(tmp_path, user_model
     with pytest.raises(split.CutError, match=r"self_attention \(a tuple\) crosses it"):
         split.resolve_cuts(gm, ["encoder.layers.encoder_layer_0.self_attention"], "tinyvit")
     assert "conv_proj" not in split.valid_cuts(gm) and "encoder.layers.encoder_layer_0" in split.valid_cuts(gm)
-    res = blockflow("export", "--model", "usermodels:tinyvit", "--cut", "conv_proj", "--input-shape", "1,3,32,32",
+    # the CLI splits such a model on torch.export's graph, where n, c, h, w are sizes each block
+    # recomputes and a tuple is taken apart (Note [Which tracer] in blocks/split.py)
+    cuts = ("conv_proj", "encoder.layers.encoder_layer_0.self_attention")
+    res = blockflow("export", "--model", "usermodels:tinyvit", *[a for c in cuts for a in ("--cut", c)],
+                    "--input-shape", "1,3,32,32", "--out", str(tmp_path), cwd=models_dir)
+    assert res.returncode == 0, res.stderr
+    assert f"cut after {', '.join(cuts)}" in res.stdout, res.stdout
+    entry = load_manifest(str(tmp_path), "tinyvit")["blocks"]["block2.pt"]
+    assert entry["dim_bounds"] == {"N": list(split.DEFAULT_DIM_BOUNDS)}, entry  # export's graph: the batch dynamic
+    x = small_input(3)  # another batch than the export's
+    got = chained([load_block(tmp_path, f"tinyvit/block{i}.pt") for i in (1, 2, 3)], x)
+    with torch.inference_mode():
+        assert max_diff(got, user_model(user_models, "tinyvit")(x)) <= TOL
+    # where torch.export cannot follow the model either, the refusal is fx's, in one line
+    res = blockflow("export", "--model", "usermodels:gated", "--cut", "a", "--input-shape", "1,8",
                     "--out", str(tmp_path), cwd=models_dir)
-    one_line_error(res, Exit.BAD_INPUT, "'conv_proj'", "getitem (an int)", "nearby")
+    one_line_error(res, Exit.BAD_INPUT, "cut 'a'", "(an int)", "a hop carries only tensors")
 
 
 def test_cli_refuses_a_callable_that_returns_no_module(tmp_path, user_models):
