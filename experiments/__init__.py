@@ -40,7 +40,6 @@ EXPERIMENTS = [
     "batching",          # dynamic batching at shared blocks (issue 15)
     "fused",             # fused blocks vs the monolithic model (issue 11)
     "transformers",      # a BERT encoder in 3 blocks vs the whole model; a shared encoder's saving (issue 43)
-    "split_tracers",     # torch.fx or torch.export for a model split without --input (issue 43 item 1)
     "replicas",          # one fused block as 1 and 2 processes (issue 28)
     "block_cache",       # more blocks than memory: Rafiqi's Figs 2-4 with a block cache (issue 44)
     "validation_cost",   # hand-written checks vs pydantic/msgspec (issue 11)
@@ -70,7 +69,6 @@ CPU_SETTINGS = {
     "kserve_cost": [],                                                        # 1
     "fused": [],                                                              # 2.5
     "transformers": [],                                                       # 3 (4 exports, 300 rounds)
-    "split_tracers": [],                                                      # 4 (3 models, both tracers, 3 rounds)
     "replicas": [],                                                           # 2
     "block_cache": [],                                                        # 10 (24 cells x 3 deployments)
     "validation_cost": [],                                                    # 0.5 (the typed header)

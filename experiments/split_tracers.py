@@ -3,6 +3,10 @@
 
     python -m experiments.split_tracers [--quick] [--rounds R] [--n N] [--models a,b] [--out DIR]
 
+(not one of ``blockflow bench all``'s experiments: it measures the export CLI, once per change to
+how a model is traced, not the serving path every bench run measures; tests/process/test_experiments.py
+runs it in quick mode)
+
 ``blockflow export --model M --cut ...`` without ``--input`` traces the model with ``torch.fx``
 (``split.trace``: a symbolic trace, then a run of the example input for every value's shape) and
 falls back to ``torch.export`` only where fx cannot follow the model; with ``--input`` it always

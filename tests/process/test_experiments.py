@@ -386,6 +386,28 @@ def test_hop_overhead_bundle_rows(tmp_path, leak_check):
     assert_png(out, "hop_overhead.png")
 
 
+def test_split_tracers(tmp_path, leak_check):
+    """experiments/split_tracers.py (issue 43 item 1), quick: MobileNetV3-Small's graph by torch.fx
+    and by torch.export, each taken the export's whole way (cuts, chain, TorchScript, timing)."""
+    out = str(tmp_path)
+    printed = run_experiment("split_tracers", out)
+    data = load(out, "split_tracers")
+    check_provenance(data, "split_tracers")
+    assert data["settings"]["quick"] and list(data["settings"]["models"]) == ["mobilenet_v3_small"]
+    rows = {r["tracer"]: r for r in data["rows"]}
+    assert set(rows) == {"fx", "export"}
+    for r in rows.values():
+        assert "error" not in r and "refused" not in r, r
+        assert r["graph_s"] > 0 and len(r["graph_s_rounds"]) == 1 and r["nodes"] > 0 and r["script_s"] > 0
+        assert r["max_diff"] <= 1e-5 and r["compiled_max_diff"] <= 1e-5, r
+        assert_stats(r["chain_ms"], n=3)
+    assert rows["fx"]["valid_cuts"] == rows["export"]["valid_cuts"] > 100  # both graphs cut the same places
+    ratios = data["ratios"]["mobilenet_v3_small"]
+    assert ratios["graph_export_over_fx"] == pytest.approx(rows["export"]["graph_s"] / rows["fx"]["graph_s"])
+    assert ratios["chain_p50_export_over_fx"] == pytest.approx(rows["export"]["chain_ms"]["p50"] / rows["fx"]["chain_ms"]["p50"])
+    assert "mobilenet_v3_small by export: graph" in printed
+
+
 def test_validation_cost_typed_header():
     """The Struct-typed header, the blocks' DataHeader and the dicts with our checks: all read the same headers into the
     same descriptors, write the same header on, refuse what must be refused, and the table of
