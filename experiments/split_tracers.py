@@ -59,8 +59,8 @@ def make_graph(tracer: str, net, example):
         gm = split.trace(net, example)
     else:  # as split._graph's fallback declares a float input (the batch dynamic) and traces it
         # at the batch the declaration gives (2: torch.export specialises a dimension of size 1)
-        decl = split.InputDecl("x", "float32", (("N", *split.DEFAULT_DIM_BOUNDS), *example.shape[1:]))
-        gm = split.export_graph(net, [decl], (decl.example(net, torch.Generator().manual_seed(0)),))
+        decls = split._float_input(list(example.shape))
+        gm = split.export_graph(net, decls, tuple(d.example(net, torch.Generator().manual_seed(0)) for d in decls))
     return gm, time.perf_counter() - t0
 
 
