@@ -31,7 +31,9 @@ What an idle system costs the other is reported as its idle CPU. Rows:
               ``--chain`` (4) long, behind the same entry point as the pipeline (BlockFlow's
               dispatcher; Ray's composing ingress): per hop = (RTT_K - RTT_1) / (K - 1), median
               and p99 over paired samples, at 3.2 MB (block1's output at batch 1) and 103 MB
-              (batch 32; not in --quick);
+              (batch 32; not in --quick); a difference below zero, or one whose thirds of the
+              samples (``HOP_ROUNDS``, in the order taken) spread over more than itself, is
+              reported as not measured (hop_overhead's Note [Not measured]), never as a figure;
   memory      RSS and USS summed over every process of the system (psutil): ``blockflow serve``,
               its manager, blocks and dispatcher; Ray's GCS, raylet, agents, idle workers, Serve
               controller and replicas. This process (the client of both) is left out;
@@ -74,6 +76,10 @@ PAIRS = (("blockflow", "ray_composed"), ("blockflow_fused", "ray_single"), ("blo
 #: ResNet50's block1 output at batch 1 and 32: 3.2 MB and 103 MB of float32.
 HOP_SIZES = {"3.2MB": (1, 256, 56, 56), "103MB": (32, 256, 56, 56)}
 HOP_KINDS = ("identity", "copy")
+#: Consecutive parts of a per-hop series whose medians decide whether the difference is measured
+#: (hop_overhead's Note [Not measured]): at 103 MB a BlockFlow hop is a few ms inside round trips
+#: of 100-200 ms, whose noise made the median of the differences negative in three runs of three.
+HOP_ROUNDS = 3
 FUSED = "f"
 #: where the identity and copying blocks are written, inside the model repository
 TOYS = "_peers"
@@ -193,14 +199,36 @@ def interleaved_hops(calls: dict, kind: str, sizes: dict, n_of: dict, chain: int
                     bar.update()
         for name, ps in pairs.items():
             per_hop = [(lg - s) / (chain - 1) for s, lg in ps]
-            rows.append({"system": name, "block": kind, "size": size, "shape": list(shape),
-                         "mbytes": x.numel() * x.element_size() / 1e6, "n": len(ps), "chain": chain,
-                         "rtt1_median_ms": statistics.median(s for s, _ in ps) if ps else None,
-                         "rttK_median_ms": statistics.median(lg for _, lg in ps) if ps else None,
-                         "per_hop_median_ms": statistics.median(per_hop) if ps else None,
-                         "per_hop_p99_ms": common.pct(per_hop, 0.99)})
-            log.info("%s %s %s: per hop %s ms", name, kind, size, rows[-1]["per_hop_median_ms"])
+            row = {"system": name, "block": kind, "size": size, "shape": list(shape),
+                   "mbytes": x.numel() * x.element_size() / 1e6, "n": len(ps), "chain": chain,
+                   "rtt1_median_ms": statistics.median(s for s, _ in ps) if ps else None,
+                   "rttK_median_ms": statistics.median(lg for _, lg in ps) if ps else None}
+            row.update(per_hop_figure(per_hop))
+            rows.append(row)
+            log.info("%s %s %s: per hop %s ms%s", name, kind, size, row["per_hop_median_ms"],
+                     f" (not measured: {row['not_measured']})" if row.get("not_measured") else "")
     return rows
+
+
+def per_hop_figure(per_hop: list[float]) -> dict:
+    """The median and p99 of per-hop differences taken in this order, or None for both with the
+    reason under ``not_measured`` where they are noise (hop_overhead's Note [Not measured]: below
+    zero, or ``HOP_ROUNDS`` consecutive parts whose medians spread over more than the figure)."""
+    from experiments.hop_overhead import rounds_figure
+    if not per_hop:
+        return {"per_hop_median_ms": None, "per_hop_p99_ms": None, "per_hop_spread_ms": [None, None],
+                "not_measured": "no samples"}
+    k = min(HOP_ROUNDS, len(per_hop))
+    parts = [per_hop[i * len(per_hop) // k:(i + 1) * len(per_hop) // k] for i in range(k)]
+    fig = rounds_figure([statistics.median(p) for p in parts])
+    med = statistics.median(per_hop)
+    why = fig["why"] or (f"below zero ({med:.3f} ms): the noise of what is subtracted is larger than the hop"
+                         if med < 0 else None)
+    out = {"per_hop_median_ms": None if why else med, "per_hop_p99_ms": None if why else common.pct(per_hop, 0.99),
+           "per_hop_spread_ms": [fig["low"], fig["high"]]}
+    if why:
+        out["not_measured"] = why
+    return out
 
 
 # -- what the processes cost ---------------------------------------------------------------
@@ -589,7 +617,8 @@ def table(d: dict) -> str:
             vals = {h["system"]: h for h in d["hops"] if h["block"] == kind and h["size"] == size}
             if vals:
                 line(f"per hop, {kind} block, {size}: median (p99) ms",
-                     [f"{_f(vals[k]['per_hop_median_ms'], 2)} ({_f(vals[k]['per_hop_p99_ms'], 2)})" if k in vals
+                     [("not measured" if vals[k].get("not_measured") else
+                       f"{_f(vals[k]['per_hop_median_ms'], 2)} ({_f(vals[k]['per_hop_p99_ms'], 2)})") if k in vals
                       else "–" for k in cols])
     out = "\n".join(lines)
     behind = [f"{v['row']} ({LABELS[v['blockflow']]} {_f(v['blockflow_value'], 2)} vs {_f(v['ray_value'], 2)})"
@@ -638,10 +667,11 @@ def plot(d: dict, out: str) -> None:
         vals = []
         for kind, size in keys:
             h = next((h for h in d["hops"] if h["system"] == system and h["block"] == kind and h["size"] == size), None)
-            vals.append(max(h["per_hop_median_ms"], 1e-3) if h else 0.0)
-        bars = ax.bar([i + (j - 0.5) * width for i in range(len(keys))], vals, width, label=short[system],
+            vals.append(h["per_hop_median_ms"] if h else None)  # None: absent, or not measured (no bar)
+        bars = ax.bar([i + (j - 0.5) * width for i in range(len(keys))],
+                      [float("nan") if v is None else v for v in vals], width, label=short[system],
                       color=colors[system])
-        ax.bar_label(bars, fmt="%.2g", fontsize=8)
+        ax.bar_label(bars, labels=["not\nmeasured" if v is None else f"{v:.2g}" for v in vals], fontsize=8)
     ax.set_xticks(range(len(keys)), [f"{k}\n{s_}" for k, s_ in keys], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("per hop, median (ms, log)")

@@ -20,7 +20,7 @@ Note [TensorMQ slot ownership] applies unchanged) and, in its data area, the pro
     then the IPC handle (at HANDLE_AT), the ref-counter file name (at RC_AT) and the
     inter-process event's handle (at EVENT_AT; empty when the producer synchronises instead)
 
-``CudaSlotPool`` is ``SlotPool`` (whole window on first use, back-off wait, growth, reclaim)
+``CudaSlotPool`` is ``SlotPool`` (its window on first use up to a budget, back-off wait, growth, reclaim)
 with ``CudaSlot`` as its memory. The consumer takes the handle, the storage size and offset
 from this record, never from the message, and checks the handle's length and kind and the
 ref-counter name before torch sees them: a forged message cannot make torch open arbitrary

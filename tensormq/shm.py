@@ -41,11 +41,12 @@ is one file in the instance's private shared-memory directory (``0700``, under /
 - Back-pressure: at most ``window`` slots per edge are in flight; ``acquire`` waits for a
   free one and raises ``TimeoutError`` after its deadline.
 - An edge's whole window is created on its first use, sized for that tensor (rounded up to
-  a power of two): its memory is committed when the topology starts serving, not at some
-  later burst, so shared memory does not creep up over hours (the 10-minute soak saw +10%
-  with slots made one at a time) and bursts do not pay for file creation and page faults.
-  A larger tensor later replaces free slots one at a time. Cost: ``window`` x slot size per
-  edge, e.g. 8 x 4 MiB after ResNet50's block1 at batch 1.
+  a power of two), where it fits in ``BLOCKFLOW_WINDOW_UPFRONT`` bytes (Note [A window made at
+  once, up to a budget]): its memory is committed when the topology starts serving, not at
+  some later burst, so shared memory does not creep up over hours (the 10-minute soak saw
+  +10% with slots made one at a time) and bursts do not pay for file creation and page
+  faults. A larger tensor later replaces free slots one at a time. Cost: ``window`` x slot
+  size per edge, e.g. 8 x 4 MiB after ResNet50's block1 at batch 1.
 - If the consumer dies, its slots stay IN_FLIGHT. The control plane tells the producer that
   the hop is gone (``reclaim(edge)``): the producer bumps every slot's generation, which
   invalidates any handle still queued towards the dead consumer, and frees the slots.
@@ -304,11 +305,11 @@ class SlotPool:
                     return s
                 if small is None:
                     small = s
-        if len(slots) < self.window:  # the edge's first use: its whole window at once
+        if len(slots) < self.window:  # the edge's first use, or a window not made whole yet
             cap = round_capacity(nbytes)
             fresh = []
             try:
-                for _ in range(self.window - len(slots)):
+                for _ in range(self.slots_to_make(slots, cap)):
                     fresh.append(self._new_slot(cap))
             except ShmExhausted:
                 if not fresh:
@@ -320,6 +321,28 @@ class SlotPool:
         if small is not None:  # every free slot is too small: grow one
             return self._grow(slots, small, nbytes)
         return None
+
+    # Note [A window made at once, up to a budget]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Making an edge's whole window at its first use commits its memory once (see the module
+    # docstring), which for the tensors most edges carry is a few MB. For a large one it is a
+    # lot, and it is slow: ResNet50's block1 output at batch 32 (103 MB, slots of 128 MiB) made
+    # a window of 1 GiB per edge, every page reserved and faulted in, in the thread that needs
+    # the slot. A dispatcher lending a client slots for it and making its own towards the first
+    # block, beside four blocks doing the same on two cores, went more than 3 s without
+    # answering the controller's ping and was killed as hung, three times in 24 requests, each
+    # time with a request lost. So the first use makes as much of the window as fits in
+    # WINDOW_UPFRONT_BYTES (256 MiB: the whole window of 8 for tensors up to 32 MB), at least
+    # one slot; later acquires that find every slot in flight make one more each, up to the
+    # window. Back-pressure is unchanged (never more than ``window`` slots in flight), and an
+    # edge's shared memory still never exceeds its window: it only reaches it later, and only
+    # where traffic needs it.
+    def slots_to_make(self, slots: list[Slot], cap: int) -> int:
+        """How many new slots of ``cap`` bytes an edge with ``slots`` makes now (Note [A window
+        made at once, up to a budget]): the rest of its window where that fits in
+        ``settings.WINDOW_UPFRONT_BYTES`` with the slots it has, else one."""
+        room = settings.WINDOW_UPFRONT_BYTES - sum(s.capacity for s in slots)
+        return max(1, min(self.window - len(slots), room // cap if cap else self.window))
 
     def _grow(self, slots: list[Slot], small: Slot, nbytes: int) -> Slot:
         """Replace the free slot ``small`` of an edge's ``slots`` by one that holds ``nbytes``:
@@ -368,6 +391,16 @@ class SlotPool:
                         s = self._grow(slots, s, nbytes)
                     except ShmExhausted:
                         break  # the send after the model reports it if even one slot is missing
+                s.lent = True
+                lent.append(s)
+            # a window not made whole yet (Note [A window made at once, up to a budget]): the
+            # model needs this many slots to make its output in one, so this edge's traffic does
+            while len(lent) < count and len(slots) < self.window:
+                try:
+                    s = self._new_slot(round_capacity(nbytes))
+                except ShmExhausted:
+                    break
+                slots.append(s)
                 s.lent = True
                 lent.append(s)
         return lent

@@ -85,6 +85,11 @@ MAX_HEADER_BYTES: int = _read("BLOCKFLOW_MAX_HEADER_BYTES", 64 * 1024, _non_nega
                               "largest message header, in bytes", "64 KiB")
 WINDOW: int = _read("BLOCKFLOW_WINDOW", 8, _non_negative_int,
                     "TensorMQ slots in flight per edge (back-pressure); also `serve --window`")
+# Note [A window made at once, up to a budget] in tensormq/shm.py
+WINDOW_UPFRONT_BYTES: int = _read("BLOCKFLOW_WINDOW_UPFRONT", 256 << 20, _non_negative_int,
+                                  "bytes of slots an edge makes at its first use: its whole window where it "
+                                  "fits (at least one slot); the rest one slot at a time, when every slot is in "
+                                  "flight", "256 MiB")
 SHM_DIR: str = _read("BLOCKFLOW_SHM_DIR", "/dev/shm", str,
                      "tmpfs directory that holds the TensorMQ slots (a private subdirectory per server); "
                      "point it at a larger tmpfs when /dev/shm is small")

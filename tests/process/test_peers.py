@@ -34,3 +34,18 @@ def test_without_ray_it_records_skipped_with_the_reason_and_exits_0(tmp_path):
 
     from experiments.report import section
     assert section(str(out), "peers").endswith("Not run here: " + data["reason"])
+
+
+def test_a_per_hop_difference_that_is_noise_is_not_a_figure():
+    """hop_overhead's Note [Not measured] in peers' per-hop rows: three runs of three gave a
+    negative BlockFlow hop at 103 MB (a few ms inside round trips of 100-200 ms)."""
+    import pytest
+    from experiments.peers import per_hop_figure
+    ok = per_hop_figure([0.2, 0.21, 0.19, 0.25, 0.2, 0.22])
+    assert ok["per_hop_median_ms"] == pytest.approx(0.205) and ok["per_hop_p99_ms"] > 0 and "not_measured" not in ok
+    below = per_hop_figure([-7.0, 3.0, -10.0, 2.0, -9.0, 1.0])
+    assert below["per_hop_median_ms"] is None and below["per_hop_p99_ms"] is None
+    assert below["not_measured"].startswith("below zero")
+    wide = per_hop_figure([5.0, 80.0, -20.0, 10.0, 7.0, 30.0])  # thirds' medians 42.5, -5, 18.5
+    assert wide["per_hop_median_ms"] is None and "spread over" in wide["not_measured"]
+    assert per_hop_figure([])["not_measured"] == "no samples"
