@@ -324,29 +324,6 @@ def test_window_setting_reaches_the_blocks(server_factory, identity_repo, how):
     assert len(slot_files_of(srv.call("GET", "/system")["dispatcher"]["pid"])) == window
 
 
-def test_a_path_of_large_tensors_keeps_its_dispatcher(server_factory, identity_repo):
-    """Note [A window made at once, up to a budget] in tensormq/shm.py: 103 MB tensors (ResNet50's
-    block1 output at batch 32) through one and four identity blocks. When every edge made its
-    whole window at its first use (8 slots of 128 MiB), the dispatcher, making a client's window
-    of lent slots, went more than 3 s without answering its pings on the 2-core VM and was killed
-    as hung, a request lost each time (three times in 24 requests). Now the same dispatcher
-    answers every request, and the slots it made are the budget's, not a whole window."""
-    srv = server_factory(identity_repo)
-    names = [f"i{k}" for k in range(4)]
-    srv.call("POST", "/system/update", {
-        "transport": "tensormq", "blocks": [{"name": n, "model": "toy/identity.pt"} for n in names],
-        "tasks": [{"id": "one", "path": names[:1]}, {"id": "four", "path": names}]}, timeout=60)
-    x = torch.randn(32, 256, 56, 56)
-    with Client(srv.dispatcher, timeout=60) as c:
-        for _ in range(4):
-            for task in ("one", "four"):
-                assert torch.equal(c.infer(task, x), x)
-    dispatcher = srv.call("GET", "/system")["dispatcher"]
-    assert dispatcher["restarts"] == 0 and dispatcher["last_exit"] is None, dispatcher
-    made = sum(os.path.getsize(f) for f in slot_files_of(dispatcher["pid"]))
-    assert 0 < made <= (256 << 20) + (1 << 20) * 8, made  # 2 of 128 MiB (+ the warm-up's small window)
-
-
 def test_update_transport_reaches_the_dispatcher(server_factory, identity_repo):
     """With "transport": "zeromq" every hop carries bytes, the dispatcher's first hop too:
     no process makes a slot. Back to tensormq, the dispatcher does again."""
