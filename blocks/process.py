@@ -55,7 +55,7 @@ the way the bare pyzmq relay of experiments/hop_overhead.py does, not in a poll 
 socket and the mailbox: on this 2-core VM a block's caches are cold when a request wakes it,
 and every call on the way (building the poll set, asking each socket for its events) cost
 tens of microseconds there. The mailbox is still checked between any two requests, through a
-flag: the control thread (1) sends the command into the mailbox, (2) sets ``mail_waiting``,
+flag: the control thread (1) sends the command into the mailbox, (2) sets the mailbox's ``waiting``,
 (3) sends an empty message into the data socket through an inproc endpoint that only this
 process knows, which ends a wait at once. The inference thread clears the flag before it
 reads the mailbox dry, so a command sent while it reads is seen by the next round. An empty
@@ -106,7 +106,7 @@ import torch
 import zmq
 
 from blockflow.core import settings
-from blockflow.core.childproc import BootError, ChildProcess, Later, exit_with, serve, spec_from_argv
+from blockflow.core.childproc import BootError, ChildProcess, Later, Mailbox, exit_with, serve, spec_from_argv
 from blockflow.core.protocol import RETURN_HOP, ErrorCode, Monitor, NoArgs, Ready, Topology
 from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.core.curve import ClusterKeys, authenticator, make_server
@@ -114,7 +114,7 @@ from blockflow.tensormq.transport import RESULT_KEYS, Transport, receive_limit, 
 from blockflow.tensormq.bundle import first
 from blockflow.tensormq.datagram import Receiver
 from blockflow.tensormq.wire import (PROTOCOL_VERSION, ClientReply, DataHeader, WireError, block_error, check_path,
-                                     direct_reply, dumps, encode_client, loads_data_header)
+                                     direct_reply, encode_client, loads_data_header)
 
 from .batching import DelayController, plan_batches, run_batch
 from .handover import INBOXES, Handed, Inbox
@@ -176,12 +176,6 @@ class Block(ChildProcess):
         # one assignment each is atomic under the GIL). busy_since is 0.0 while idle.
         self.busy_since = 0.0
         self.beat = time.monotonic()
-        self._mail_seq = 0
-        #: commands the inference thread has not answered yet: seq -> (Later, deadline); the
-        #: control thread owns it and answers each when the mailbox does, or at its deadline
-        self.mail_due: dict[int, tuple[Later, float, str]] = {}
-        #: set by the control thread after it posts to the mailbox (Note [One wait per hop])
-        self.mail_waiting = False
         #: dynamic batching across tasks (blocks/batching.py); None: one request at a time
         self.batching = spec.batching
         self.batcher = DelayController(self.batching, spec.max_inference_s / 4) if self.batching else None
@@ -273,13 +267,7 @@ class Block(ChildProcess):
         #: in tensormq/datagram.py); a block that starts with bytes for tensors (zeromq) waits on ZeroMQ alone
         self.datagrams = (Receiver.beside(self.endpoint, f"block {self.name}")
                           if spec.transport == "tensormq" else None)
-        # the mailbox: the inference thread's end and the control thread's end
-        self.mail_in = self.ctx.socket(zmq.PAIR)
-        self.mail_in.linger = 0
-        self.mail_in.bind(f"inproc://mailbox-{id(self)}")
-        self.mail_out = self.ctx.socket(zmq.PAIR)
-        self.mail_out.linger = 0
-        self.mail_out.connect(f"inproc://mailbox-{id(self)}")
+        self.mailbox = Mailbox(self.ctx, self.label, "inference thread")
         # the wake-up: the data socket also listens in-process, for the control thread only
         self.pull.bind(f"inproc://wake-{id(self)}")
         self.waker = self.ctx.socket(zmq.PUSH)
@@ -293,7 +281,7 @@ class Block(ChildProcess):
         self.transport.result_keys = os.path.join(spec.sock_dir, RESULT_KEYS)  # results over TCP: CURVE
         if spec.transport == "zeromq":
             self.warm_receive(max((k[0].itemsize * math.prod(k[1]) for k in self.runner.outputs), default=0))
-        self.threads = [threading.Thread(target=self.control_loop, name=f"{self.name}-control", daemon=True),
+        self.threads = [self.control_thread(),
                         threading.Thread(target=self.monitor_loop, name=f"{self.name}-monitor", daemon=True)]
         if spec.hosted:  # its neighbours hand over by reference from now on (blocks/handover.py)
             self.inbox = Inbox(self.name, self.wake)
@@ -402,33 +390,10 @@ class Block(ChildProcess):
                  self.spec.device, self.spec.transport)
         return msg
 
-    # -- the control thread ------------------------------------------------------------------
-    def control_loop(self) -> None:
-        """Answer the controller and watch the manager; owns ``ctrl`` and ``mail_out``. Ends
-        once the block stops. It never waits on the inference thread: a command for it is
-        answered when the mailbox answers (``Later``), and pings go on meanwhile."""
-        poller = zmq.Poller()
-        poller.register(self.mail_out, zmq.POLLIN)
-        if self.ctrl is not None:
-            poller.register(self.ctrl, zmq.POLLIN)
-        try:
-            while not self.stopping.is_set():
-                events = dict(poller.poll(100))
-                if self.mail_out in events:
-                    self.collect_answers()
-                if self.ctrl is not None and self.ctrl in events:
-                    self.receive_control()
-                if self.mail_due:
-                    self.expire_answers()
-                self.watch_parent()
-        except zmq.ContextTerminated:
-            pass
-        finally:
-            if self.ctrl is not None:
-                self.ctrl.close(linger=0)
-            self.mail_out.close(linger=0)
-            with self.wake_lock:
-                self.waker.close(linger=0)
+    # -- the control thread (ChildProcess.control_loop) ---------------------------------------
+    def control_ended(self) -> None:
+        with self.wake_lock:
+            self.waker.close(linger=0)
 
     # commands the control thread answers itself (ChildProcess answers "ping" and "stop" too)
     def cmd_ping(self, args: NoArgs) -> dict:
@@ -460,7 +425,7 @@ class Block(ChildProcess):
         self.transport.mark_live(args.live)
         if args.tasks is not None and self.cache is not None:
             self.cache.set_tasks(self.name, args.tasks)  # the policy's sharing weight
-        return self.post_to_inference("topology", args, timeout=UPDATE_TIMEOUT)
+        return self.on_main_thread("topology", self.apply_topology, args, timeout=UPDATE_TIMEOUT)
 
     def cmd_stop(self, args: NoArgs) -> dict:
         answer = super().cmd_stop(args)
@@ -468,6 +433,9 @@ class Block(ChildProcess):
         # wake-up makes that at once
         self.wake()
         return answer
+
+    def wake_main(self) -> None:
+        self.wake()
 
     def wake(self) -> None:
         """End the inference thread's wait on its data socket now (control thread, and in a
@@ -479,43 +447,6 @@ class Block(ChildProcess):
                 self.waker.send(b"", zmq.NOBLOCK)
             except zmq.Again:
                 pass  # wake-ups already pending: the inference thread is about to go around anyway
-
-    def post_to_inference(self, kind: str, args: Topology, timeout: float) -> Later:
-        """Post a command to the inference thread's mailbox; the reply goes when it answers, or
-        as an error after ``timeout`` (control thread)."""
-        self._mail_seq += 1
-        seq = self._mail_seq
-        self.mail_out.send(dumps({"seq": seq, "kind": kind, "args": args}))
-        self.mail_waiting = True  # after the send: see Note [One wait per hop]
-        self.wake()
-        later = Later()
-        self.mail_due[seq] = (later, time.monotonic() + timeout, kind)
-        return later
-
-    def collect_answers(self) -> None:
-        """Reply to the commands the inference thread answered (control thread)."""
-        while True:
-            try:
-                answer = json.loads(self.mail_out.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            due = self.mail_due.pop(answer.get("seq"), None)
-            if due is None:  # an answer to a command that timed out is dropped
-                continue
-            if "error" in answer:
-                later, _deadline, kind = due
-                self.answer_command(later.rid, error=f"block {self.name} could not apply the {kind}: {answer['error']}")
-            else:
-                self.answer_command(due[0].rid, answer["result"])
-
-    def expire_answers(self) -> None:
-        now = time.monotonic()
-        for seq, (later, deadline, kind) in list(self.mail_due.items()):
-            if now > deadline:
-                del self.mail_due[seq]
-                self.answer_command(later.rid, error=f"TimeoutError: the inference thread of block {self.name} did "
-                                                     f"not apply the {kind} in time; it is busy (busy_s in ping says "
-                                                     f"for how long)")
 
     def monitor_loop(self) -> None:
         while not self.stopping.wait(self.spec.monitor_interval):
@@ -536,7 +467,7 @@ class Block(ChildProcess):
     def inference_loop(self) -> None:
         poller = zmq.Poller()  # the batcher's wait only (fill_batch)
         poller.register(self.pull, zmq.POLLIN)
-        poller.register(self.mail_in, zmq.POLLIN)
+        poller.register(self.mailbox.loop_end, zmq.POLLIN)
         pull, backlog, admit, datagrams = self.pull, self.backlog, self.admit, self.datagrams
         pull.rcvtimeo = int(BEAT_INTERVAL * 1e3)
         if datagrams is not None:
@@ -550,8 +481,8 @@ class Block(ChildProcess):
             if self.beat >= next_sweep:  # busy or idle: a loaded block never times out its receive
                 next_sweep = self.beat + SWEEP_INTERVAL
                 self.transport.forget_unlinked()
-            if self.mail_waiting:
-                self.read_mailbox()
+            if self.mailbox.waiting:
+                self.mailbox.serve()
             drain = DRAIN_LIMIT
             if not backlog:
                 t_wait = time.perf_counter()
@@ -589,7 +520,7 @@ class Block(ChildProcess):
                 except zmq.Again:  # POLLIN, yet no message: seen in Ray mode (the socket also bound to CURVE TCP)
                     break
                 admit(frames)
-            if self.mail_waiting:
+            if self.mailbox.waiting:
                 continue  # a topology update goes before the next request
             if backlog and self.batching is not None:
                 waited = self.fill_batch(poller)
@@ -654,7 +585,7 @@ class Block(ChildProcess):
             if left <= 0:
                 break
             events = dict(poller.poll(max(left * 1e3, 0.05)))
-            if self.mail_in in events:
+            if self.mailbox.loop_end in events:
                 break  # the loop reads the mailbox right after this batch
             if self.pull not in events and (self.datagrams is None or self.datagrams.fileno() not in events):
                 break
@@ -669,25 +600,12 @@ class Block(ChildProcess):
                 self.admit(frames)
         return t_start, time.perf_counter()
 
-    def read_mailbox(self) -> None:
-        """Apply every command waiting in the mailbox (inference thread)."""
-        self.mail_waiting = False  # before reading: a command posted meanwhile sets it again
-        while True:
-            try:
-                msg = json.loads(self.mail_in.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            if msg["kind"] == "topology":
-                args = msg["args"]
-                try:
-                    answer = {"result": {"dropped": self.transport.set_topology(args.get("live", []),
-                                                                                 args.get("devices"),
-                                                                                 args.get("near"))}}
-                    if args.get("prepare"):
-                        answer["result"]["prepared"] = self.prepare_hops(args["prepare"])
-                except Exception as exc:  # a bad update is the controller's error, not the end of the block
-                    answer = {"error": f"{type(exc).__name__}: {exc}"}
-                self.mail_in.send(dumps({"seq": msg["seq"], **answer}))
+    def apply_topology(self, args: Topology) -> dict:
+        """A topology update, between two requests (inference thread, from the mailbox)."""
+        answer = {"dropped": self.transport.set_topology(args.live, args.devices, args.near)}
+        if args.prepare:
+            answer["prepared"] = self.prepare_hops(args.prepare)
+        return answer
 
     def prepare_hops(self, hops: dict) -> list[str]:
         """Open the sockets and slots towards the next hops an update is about to send this
@@ -1101,7 +1019,7 @@ class Block(ChildProcess):
             self.tracer.flush()
 
     def close_sockets(self) -> None:
-        for sock in (self.pull, self.mail_in):  # the control thread closed ctrl and mail_out
+        for sock in (self.pull, self.mailbox.loop_end):  # the control thread closed ctrl and its end
             sock.close(linger=0)
         if getattr(self, "datagrams", None) is not None:
             self.datagrams.close()

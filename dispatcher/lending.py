@@ -267,7 +267,7 @@ class Lender:
             lease.release()
 
     def lent_slots(self) -> int:
-        return sum(len(c.slots) for c in self.clients.values())
+        return sum(len(c.slots) for c in list(self.clients.values()))  # list(): the ping's thread reads it too
 
     def close(self) -> None:
         for client in list(self.clients):

@@ -21,10 +21,17 @@ admits only the client key written (``0600``) into that directory (``RESULT_KEYS
 the blocks read. Request ids inside the pipeline are 63-bit random numbers, so a message that
 does get in cannot name a request in flight. Log lines that such junk causes are rate-limited.
 
-Unlike a block, the dispatcher does no inference, so one thread owns all its sockets and
-handles control messages between data messages; nothing here ever blocks on a full window
-(requests wait in a bounded pending queue instead), so results keep draining and the pipeline
-cannot deadlock on its own back-pressure.
+The main thread owns every data socket and all the dispatcher's state: it moves requests and
+results, and applies the commands that change its state (task table, topology, a block's
+failure) between two of them, from the mailbox (Note [Commands for the main loop] in
+blockflow/core/childproc.py). A control thread owns the control socket and answers pings
+itself, with the main loop's heartbeat (``beat_age_s``): copying a 100 MB tensor into a slot,
+or making a window of slots for it, can take the main thread seconds on a loaded machine, and
+a dispatcher whose only thread answered its pings was killed as hung then, with the requests it
+held (three times in 24 requests of 103 MB beside four blocks on two cores). The manager kills a
+dispatcher whose loop has not gone around for ``BLOCKFLOW_LOOP_STALL``. Nothing here ever blocks
+on a full window (requests wait in a bounded pending queue instead), so results keep draining
+and the pipeline cannot deadlock on its own back-pressure.
 """
 from __future__ import annotations
 
@@ -43,7 +50,7 @@ import zmq
 from blockflow.core.curve import ClusterKeys, authenticator, make_server
 
 from blockflow.core.ratelog import RateLimitedLog
-from blockflow.core.childproc import BootError, ChildProcess, exit_with, serve, spec_from_argv
+from blockflow.core.childproc import BootError, ChildProcess, Later, Mailbox, exit_with, serve, spec_from_argv
 from blockflow.core.protocol import (DISPATCHER, PROTOCOL_VERSION, RETURN_HOP, ErrorCode, Fail, NoArgs, Outstanding, Ready,
                                 Tasks, Topology)
 from blockflow.dispatcher.lending import LEASE_IDLE_S, Lender
@@ -102,6 +109,11 @@ class Request:
     trace: str | None = None
 
 
+#: Seconds the main loop has to apply a command (it goes around every 50 ms when idle) before
+#: the manager is told that the command failed, as a block's UPDATE_TIMEOUT.
+COMMAND_TIMEOUT = 10.0
+
+
 class Dispatcher(ChildProcess):
     def __init__(self, spec: DispatcherSpec):
         super().__init__(spec, DISPATCHER, "dispatcher", "dispatcher")
@@ -113,6 +125,8 @@ class Dispatcher(ChildProcess):
         # what junk on the result sockets may log: a few lines, then a count
         self.junk_log = RateLimitedLog(log)
         self.stats = {"requests": 0, "ok": 0, "errors": 0, "late": 0, "answered_by_blocks": 0}
+        #: when the main loop last went around (monotonic; written by it, read by the control thread)
+        self.beat = time.monotonic()
         #: client requests and replies that went by datagram; datagrams dropped for an unknown key
         self.client_datagrams = {"requests": 0, "replies": 0, "unknown_key": 0}
 
@@ -180,6 +194,8 @@ class Dispatcher(ChildProcess):
             inbox = f"ipc://{os.path.join(spec.sock_dir, f'dispatcher-{spec.incarnation}-clients')}"
             self.client_inbox = Receiver.beside(inbox, "dispatcher")
             self.client_sender = Sender() if self.client_inbox is not None else None
+        self.mailbox = Mailbox(self.ctx, "the dispatcher", "main loop")
+        self.threads = [self.control_thread()]
         self.open_control()  # last: see ChildProcess.open_control
 
     def ready_info(self) -> dict:
@@ -193,7 +209,7 @@ class Dispatcher(ChildProcess):
     # -- the loop ----------------------------------------------------------------------------
     def loop(self) -> None:
         poller = zmq.Poller()
-        for sock in (self.front, self.results, self.results_tcp, self.ctrl):
+        for sock in (self.front, self.results, self.results_tcp, self.mailbox.loop_end):
             if sock is not None:
                 poller.register(sock, zmq.POLLIN)
         datagrams, inbox = self.result_datagrams, self.client_inbox
@@ -202,6 +218,7 @@ class Dispatcher(ChildProcess):
                 poller.register(dg.fileno(), zmq.POLLIN)
         next_sweep = next_flush = time.monotonic()
         while not self.stopping.is_set():
+            self.beat = time.monotonic()
             events = dict(poller.poll(1 if self.pending else 50))
             if datagrams is not None and datagrams.fileno() in events:
                 for data in datagrams.drain(64):
@@ -218,8 +235,8 @@ class Dispatcher(ChildProcess):
             if inbox is not None and inbox.fileno() in events:
                 for data in inbox.drain(64):
                     self.receive_datagram_request(data)
-            if self.ctrl is not None and self.ctrl in events:
-                self.receive_control()
+            if self.mailbox.loop_end in events:
+                self.mailbox.serve()
             if self.pending:
                 self.flush_pending()
             now = time.monotonic()
@@ -234,7 +251,6 @@ class Dispatcher(ChildProcess):
                 self.transport.forget_unlinked()
                 if self.lender is not None:
                     self.lender.sweep(now)
-            self.watch_parent()
 
     # -- clients -----------------------------------------------------------------------------
     def answer(self, req: Request, status: str, **kw) -> None:
@@ -676,20 +692,28 @@ class Dispatcher(ChildProcess):
             self.answer(req, "error", code=ErrorCode.BLOCK_FAILED, error=f"task {req.task}: {reason}")
         return len(hit)
 
-    # -- control (ChildProcess answers "ping" and "stop" too) ---------------------------------
+    # -- control: the control thread answers ping and stop (ChildProcess) itself ----------------
+    # and hands the others to the main loop (Note [Commands for the main loop])
     def cmd_ping(self, args: NoArgs) -> dict:
-        return {**super().cmd_ping(args), "outstanding": len(self.outstanding), "pending": len(self.pending),
+        return {**super().cmd_ping(args), "beat_age_s": time.monotonic() - self.beat,
+                "outstanding": len(self.outstanding), "pending": len(self.pending),
                 "torch_threads": torch.get_num_threads(), **self.stats,
                 "local_clients": len(self.lender.clients) if self.lender is not None else 0,
                 "lent_slots": self.lender.lent_slots() if self.lender is not None else 0,
                 "client_datagrams": dict(self.client_datagrams)}
 
-    def cmd_tasks(self, args: Tasks) -> dict:
+    def cmd_tasks(self, args: Tasks) -> Later:
+        return self.on_main_thread("task table", self.set_tasks, args, COMMAND_TIMEOUT)
+
+    def set_tasks(self, args: Tasks) -> dict:
         self.tasks = args.tasks  # replaced atomically: one thread reads it
         self.table_version = self.table_version + 1 if args.version is None else args.version
         return {"tasks": len(args.tasks), "version": self.table_version}
 
-    def cmd_update(self, args: Topology) -> dict:
+    def cmd_update(self, args: Topology) -> Later:
+        return self.on_main_thread("topology", self.apply_topology, args, COMMAND_TIMEOUT)
+
+    def apply_topology(self, args: Topology) -> dict:
         if args.transport is not None:
             self.transport.mode = args.transport  # how requests reach their first block
         answer = {"dropped": self.transport.set_topology(args.live, args.devices, args.near)}
@@ -705,10 +729,14 @@ class Dispatcher(ChildProcess):
             self.transport.prepare(address, _input_bytes(spec))
         return list(hops)
 
-    def cmd_fail(self, args: Fail) -> dict:
-        return {"failed": self.fail(args.blocks, args.reason)}
+    def cmd_fail(self, args: Fail) -> Later:
+        return self.on_main_thread("failure", lambda a: {"failed": self.fail(a.blocks, a.reason)}, args,
+                                   COMMAND_TIMEOUT)
 
-    def cmd_outstanding(self, args: Outstanding) -> dict:
+    def cmd_outstanding(self, args: Outstanding) -> Later:
+        return self.on_main_thread("count of outstanding requests", self.count_outstanding, args, COMMAND_TIMEOUT)
+
+    def count_outstanding(self, args: Outstanding) -> dict:
         names = set(args.blocks)
         return {"outstanding": sum(1 for r in self.outstanding.values() if not names or names & set(r.blocks))}
 
@@ -742,8 +770,8 @@ class Dispatcher(ChildProcess):
             self.tracer.flush()
 
     def close_sockets(self) -> None:
-        for sock in (self.front, self.results, self.results_tcp, self.ctrl):
-            if sock is not None:
+        for sock in (self.front, self.results, self.results_tcp, self.mailbox.loop_end):
+            if sock is not None:  # the control thread closed ctrl and its end of the mailbox
                 sock.close(linger=0)
         for dg in (getattr(self, "result_datagrams", None), getattr(self, "client_inbox", None),
                    getattr(self, "client_sender", None)):

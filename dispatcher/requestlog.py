@@ -10,7 +10,7 @@ the time from the request's arrival at the dispatcher to its reply, present when
 got that far. ``stages`` sums the eq. 4.1 components the blocks on the path reported in their
 hops (successful requests only); what is left of ``ms`` is forwarding, transit between
 processes and the dispatcher's own work, so the stages and the rest add up to ``ms``.
-The dispatcher is single-threaded: no lock. It flushes every second (its loop) and at exit.
+Only the dispatcher's main thread records and flushes: no lock. It flushes every second (its loop) and at exit.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Each round (manager.py, ``Manager.round``) the ``Supervisor`` reaps exits and escalates a stop
 (STOP, then SIGTERM, then SIGKILL), pings the ready children and kills one that is silent past
-HANG_TIMEOUT or stuck in one inference past its ``max_inference_s``, moves a STARTING child to
+HANG_TIMEOUT, stuck in one inference past its ``max_inference_s`` or, the dispatcher, in one round
+of its loop past LOOP_STALL, moves a STARTING child to
 READY or FAILED, starts what a shared process hosts once it is ready, and respawns what died.
 It moves children between their ``ChildState``s (manager/children.py), never waits on a process,
 and tells the processes what changed through the topology publisher (manager/topology.py).
@@ -33,6 +34,9 @@ READY_TIMEOUT = settings.READY_TIMEOUT
 PING_INTERVAL = settings.PING_INTERVAL
 #: A process silent for this long is considered hung, killed and respawned.
 HANG_TIMEOUT = settings.HANG_TIMEOUT
+#: A dispatcher whose main loop has not come round for this long is considered hung (its pings
+#: are answered by its control thread: dispatcher/process.py).
+LOOP_STALL = settings.LOOP_STALL
 #: Respawns allowed per block before it is marked failed.
 MAX_RESTARTS = settings.MAX_RESTARTS
 #: A process that ran this long before dying starts a fresh restart budget: the limit is meant
@@ -181,9 +185,15 @@ class Supervisor:
 
     def handle_pong(self, c: Child, result: dict | None) -> None:
         """Liveness: a block whose inference thread has been in one inference for longer than
-        its ``max_inference_s`` is stuck (the control thread still answers, so silence would
-        never tell)."""
-        if c.decl is None or c.status is not ChildState.READY or not isinstance(result, dict):
+        its ``max_inference_s``, or a dispatcher whose main loop has not come round for
+        ``LOOP_STALL``, is stuck (the control thread still answers, so silence would never tell)."""
+        if c.status is not ChildState.READY or not isinstance(result, dict):
+            return
+        if c.decl is None:  # the dispatcher
+            stalled = result.get("beat_age_s")
+            if isinstance(stalled, (int, float)) and stalled > LOOP_STALL:
+                self.kill_child(c, f"its main loop has not come round for {stalled:.1f}s (BLOCKFLOW_LOOP_STALL "
+                                   f"{LOOP_STALL:g} s), killed")
             return
         busy = result.get("busy_s")
         if isinstance(busy, (int, float)) and busy > c.decl.max_inference_s:

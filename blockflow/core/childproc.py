@@ -43,9 +43,25 @@ controller's ROUTER (``blockflow.manager.controller``). A ``Command`` (blockflow
 where every control message is declared) is answered by the process's ``cmd_<name>`` method,
 found from ``protocol.Cmd`` (every child has ``cmd_ping`` and ``cmd_stop``), with its arguments
 typed (``protocol.ARGS``), and answered with a ``Reply``: ``ok`` and its ``result``, or, when it
-raises or is unknown, its ``error``; an unknown command's error names the known ones. One
-thread owns the control socket: a block's control thread (its main thread runs the model), the
-dispatcher's only thread.
+raises or is unknown, its ``error``; an unknown command's error names the known ones.
+
+One thread owns the control socket: the process's control thread, never its main thread (a
+block's runs the model, the dispatcher's moves requests), so that a main thread busy for seconds
+still has its pings answered; the manager tells a main thread that is stuck by what the ping says
+of it (a block's ``busy_s``, the dispatcher's ``beat_age_s``), not by silence.
+
+Note [Commands for the main loop]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A command that changes what the main thread owns (a topology update, the task table, a block's
+failure) is applied by the main thread, between two of its requests: the control thread posts it
+to the process's ``Mailbox`` and answers it when the main thread has (``Later``), or with an error
+at its deadline; pings go on meanwhile. What the two threads pass are Python objects in two
+deques (one process: nothing to encode); a message on a pair of inproc sockets only says "look",
+so each thread can wait for it beside its own sockets. The order is append, then signal, on both
+sides, and the reader drains the signals before the deque: an item is never left unseen until
+the next signal. The main thread checks ``waiting`` between two requests (a block, which waits on
+its data socket alone: Note [One wait per hop] in blocks/process.py) or polls ``loop_end`` (the
+dispatcher).
 
 This module is the low layer the two roles share: it imports neither of them.
 """
@@ -59,6 +75,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, NoReturn
 
@@ -92,6 +109,87 @@ class Later:
 
     def __init__(self):
         self.rid = None
+
+
+class Mailbox:
+    """Commands the control thread hands the main thread, and their answers (Note [Commands for
+    the main loop]). ``control_end`` is polled by the control thread, ``loop_end`` may be polled
+    by the main thread; ``label`` names the process and ``loop`` its main thread in errors."""
+
+    def __init__(self, ctx: zmq.Context, label: str, loop: str):
+        self.label, self.loop = label, loop
+        address = f"inproc://mailbox-{id(self)}"
+        self.loop_end = ctx.socket(zmq.PAIR)
+        self.loop_end.linger = 0
+        self.loop_end.bind(address)
+        self.control_end = ctx.socket(zmq.PAIR)
+        self.control_end.linger = 0
+        self.control_end.connect(address)
+        self._posted: deque = deque()  # (seq, handler, args): appended by the control thread
+        self._answered: deque = deque()  # (seq, result, error): appended by the main thread
+        #: commands posted and not answered yet: seq -> (Later, deadline, what); control thread only
+        self.due: dict[int, tuple[Later, float, str]] = {}
+        self._seq = 0
+        #: set by the control thread after each post, cleared by the main thread before it reads
+        self.waiting = False
+
+    # -- the control thread's side ---------------------------------------------------------------
+    def post(self, what: str, handler: Callable, args, timeout: float) -> Later:
+        """Have the main thread run ``handler(args)``; answered by ``collect`` or ``expire``."""
+        self._seq += 1
+        later = Later()
+        self.due[self._seq] = (later, time.monotonic() + timeout, what)
+        self._posted.append((self._seq, handler, args))
+        self.control_end.send(b"")
+        self.waiting = True  # after the send: see Note [One wait per hop] in blocks/process.py
+        return later
+
+    def collect(self, answer: Callable) -> None:
+        """Send the answers the main thread has made: ``answer(rid, result, error=None)``."""
+        _drain(self.control_end)
+        while self._answered:
+            seq, result, error = self._answered.popleft()
+            due = self.due.pop(seq, None)
+            if due is None:
+                continue  # it timed out and was answered with an error already
+            later, _deadline, what = due
+            if error is None:
+                answer(later.rid, result)
+            else:
+                answer(later.rid, error=f"{self.label} could not apply the {what}: {error}")
+
+    def expire(self, answer: Callable) -> None:
+        """Answer with an error every command whose deadline has passed unanswered."""
+        now = time.monotonic()
+        for seq, (later, deadline, what) in list(self.due.items()):
+            if now > deadline:
+                del self.due[seq]
+                answer(later.rid, error=f"TimeoutError: the {self.loop} of {self.label} did not apply the {what} "
+                                        f"in time; it is busy (the ping's busy_s and beat_age_s say for how long)")
+
+    # -- the main thread's side ------------------------------------------------------------------
+    def serve(self) -> None:
+        """Run every command posted so far and hand back its answer (main thread)."""
+        self.waiting = False  # before reading: a command posted meanwhile sets it again
+        _drain(self.loop_end)
+        done = False
+        while self._posted:
+            seq, handler, args = self._posted.popleft()
+            try:
+                self._answered.append((seq, handler(args), None))
+            except Exception as exc:  # a bad command is the controller's error, not the process's end
+                self._answered.append((seq, None, f"{type(exc).__name__}: {exc}"))
+            done = True
+        if done:
+            self.loop_end.send(b"")
+
+
+def _drain(sock: zmq.Socket) -> None:
+    while True:
+        try:
+            sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
 
 
 class ChildSpec(msgspec.Struct, kw_only=True):
@@ -142,7 +240,8 @@ class ChildProcess:
     """The base class of a child process; see the module docstring for its life.
 
     A subclass's ``init_process()`` sets ``ctx`` (its ZeroMQ context), ``transport``, opens the
-    control socket with ``open_control()`` and adds its helper threads to ``threads``; it
+    control socket with ``open_control()``, makes ``mailbox`` and adds ``control_thread()``
+    and its other helper threads to ``threads``; it
     implements ``loop()``, ``ready_info()`` and the shutdown steps (``answer_held``, ``flush``,
     ``close_sockets``, ``files_to_remove``), and a ``cmd_<name>`` method per command it answers."""
 
@@ -161,6 +260,8 @@ class ChildProcess:
         #: the signal that asked us to stop (recorded by the handler, logged by shutdown)
         self.stop_signal: int | None = None
         self.ctrl: zmq.Socket | None = None
+        #: commands for the main thread (Note [Commands for the main loop]); made by init_process
+        self.mailbox: Mailbox | None = None
         self.threads: list[threading.Thread] = []
         #: the commands this process answers: every ``Cmd`` it has a ``cmd_<name>`` method for
         self.commands: dict[Cmd, Callable[[msgspec.Struct], object]] = {
@@ -291,6 +392,53 @@ class ChildProcess:
 
     def cmd_ping(self, args: protocol.NoArgs) -> dict:
         return {"pid": os.getpid()}
+
+    # -- the control thread (Note [Commands for the main loop]) ----------------------------------
+    def control_thread(self) -> threading.Thread:
+        """The thread that will own ``ctrl`` and the mailbox's control end (``init_process``
+        makes ``self.mailbox`` and adds this to ``threads``; it starts after READY)."""
+        return threading.Thread(target=self.control_loop, name=f"{self.name}-control", daemon=True)
+
+    def control_loop(self) -> None:
+        """Answer the controller and watch the manager, until the process stops. It never waits
+        on the main thread: a command for it is answered when the mailbox answers (``Later``),
+        and pings go on meanwhile."""
+        mailbox = self.mailbox
+        poller = zmq.Poller()
+        poller.register(mailbox.control_end, zmq.POLLIN)
+        if self.ctrl is not None:
+            poller.register(self.ctrl, zmq.POLLIN)
+        try:
+            while not self.stopping.is_set():
+                events = dict(poller.poll(100))
+                if mailbox.control_end in events:
+                    mailbox.collect(self.answer_command)
+                if self.ctrl is not None and self.ctrl in events:
+                    self.receive_control()
+                if mailbox.due:
+                    mailbox.expire(self.answer_command)
+                self.watch_parent()
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            if self.ctrl is not None:
+                self.ctrl.close(linger=0)
+            mailbox.control_end.close(linger=0)
+            self.control_ended()
+
+    def on_main_thread(self, what: str, handler: Callable, args, timeout: float) -> Later:
+        """What a command handler returns to have ``handler(args)`` run by the main thread
+        between two requests (control thread); ``what`` names it in errors."""
+        later = self.mailbox.post(what, handler, args, timeout)
+        self.wake_main()
+        return later
+
+    def wake_main(self) -> None:
+        """Make the main thread look at the mailbox soon (a main thread that polls
+        ``mailbox.loop_end`` needs nothing more)."""
+
+    def control_ended(self) -> None:
+        """The control thread's last step: close what else it owns."""
 
     # -- how ps, top and py-spy name it ----------------------------------------------------------
     def title(self) -> str:

@@ -124,6 +124,12 @@ PING_INTERVAL: float = _read("BLOCKFLOW_PING_INTERVAL", 0.25, _seconds,
 # model does not need this timeout: the ping's busy_s catches it (max_inference_s).
 HANG_TIMEOUT: float = _read("BLOCKFLOW_HANG_TIMEOUT", 3.0, _seconds,
                             "silence after which a process is considered hung and killed", "3 s")
+# The dispatcher's control thread answers its pings (dispatcher/process.py), so a main loop stuck
+# in one step shows only in the ping's beat_age_s. Idle, the loop goes around every 50 ms; busy,
+# copying a 100 MB tensor and making its slots took it seconds on a loaded 2-core machine.
+LOOP_STALL: float = _read("BLOCKFLOW_LOOP_STALL", 10.0, _seconds,
+                          "time the dispatcher's main loop may go without coming round before it is "
+                          "considered hung and killed", "10 s")
 # A process on another node cannot tell a lost manager by its pid: it goes by silence. The
 # manager pings every PING_INTERVAL and stops pinging an incarnation it gave up for lost (its node
 # was declared dead; it has a successor elsewhere), so a partition that heals leaves no duplicate.
