@@ -833,7 +833,10 @@ class Block(ChildProcess):
         try:
             # one tensor in and out: the fast path (a bundle goes the general way, tensormq/bundle.py)
             single = isinstance(y, torch.Tensor) and header.xs is None
-            t3 = time.perf_counter()
+            # "share" starts where "inf" ended, so that the stages cover the block's clock with no
+            # gap (a thread preempted right after the model returned lost milliseconds to no stage
+            # on the loaded 2-core VM); a batch's later members waited for the earlier sends, in "wait"
+            t3 = t_done if batch == 1 else time.perf_counter()
             next_name, next_addr = path[0]
             # a bundle's members may forward the input's slots: it is released after the encode
             new = single and y is not x_in and (lease is None or not lease.contains(y))

@@ -34,9 +34,8 @@ def value(samples: dict, name: str, **labels) -> float | None:
     return samples.get((name, frozenset(labels.items())))
 
 
-#: How far a block's six stages may sum from its own clock: the microseconds between the model's
-#: return and the send's first clock read are in no stage (blocks/process.py, send_output; about
-#: 2 us a request on the 2-core VM).
+#: How far a block's six stages may sum from its own clock: they meet end to end
+#: (blocks/process.py, send_output), so what is left is the milliseconds' rounding.
 STAGE_GAP_PER_REQUEST_S = 20e-6
 STAGE_GAP_REL = 0.02
 

@@ -85,6 +85,7 @@ def test_a_process_answers_the_commands_it_has_a_method_for(tmp_path):
     from blockflow.blocks.spec import BlockSpec
     from blockflow.dispatcher.process import Dispatcher
     from blockflow.dispatcher.spec import DispatcherSpec
+    from blockflow.core.childproc import Later, Mailbox
     block = Block(BlockSpec(name="a", model="toy/identity.pt", repo=str(tmp_path), run_dir=str(tmp_path),
                             sock_dir=str(tmp_path)))
     dispatcher = Dispatcher(DispatcherSpec(sock_dir=str(tmp_path)))
@@ -93,7 +94,21 @@ def test_a_process_answers_the_commands_it_has_a_method_for(tmp_path):
         with pytest.raises(ValueError) as err:
             child.handle_command("reboot", msgspec.Raw(b"{}"))
         assert "unknown command 'reboot'" in str(err.value) and known in str(err.value), err.value
-    assert dispatcher.handle_command("outstanding", msgspec.Raw(b'{"blocks": ["b1#0"]}')) == {"outstanding": 0}
+    # the dispatcher's main loop answers it, from the mailbox (Note [Commands for the main loop])
+    ctx = zmq.Context()
+    dispatcher.mailbox = Mailbox(ctx, dispatcher.label, "main loop")
+    try:
+        later = dispatcher.handle_command("outstanding", msgspec.Raw(b'{"blocks": ["b1#0"]}'))
+        assert isinstance(later, Later)
+        later.rid = 5
+        dispatcher.mailbox.serve()
+        answers = []
+        dispatcher.mailbox.collect(lambda rid, result=None, error=None: answers.append((rid, result, error)))
+        assert answers == [(5, {"outstanding": 0}, None)]
+    finally:
+        dispatcher.mailbox.loop_end.close(linger=0)
+        dispatcher.mailbox.control_end.close(linger=0)
+        ctx.term()
 
 
 def test_the_controller_refuses_a_process_of_another_protocol_version(short_tmp):
