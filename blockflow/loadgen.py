@@ -129,9 +129,11 @@ def generate_load(address: str, tasks: str | list[str], *, inputs: torch.Tensor 
 
     start_together = threading.Barrier(clients, action=start)
 
-    def send(c: Client, cid: int, n: int, rng: random.Random, gone: threading.Event) -> Future | None:
+    def send(c: Client, cid: int, n: int, rng: random.Random, gone: threading.Event, at: float) -> Future | None:
+        """Send request ``n``; ``at`` is the clock read that put it inside the window, and its
+        record's ``sent`` (a second read here could fall past the window's end)."""
         task, k = choose(rng, n)
-        rec = Request(cid, task, time.monotonic() - times["t0"], input=k)
+        rec = Request(cid, task, at - times["t0"], input=k)
         with lock:
             records.append(rec)
         try:
@@ -157,8 +159,8 @@ def generate_load(address: str, tasks: str | list[str], *, inputs: torch.Tensor 
 
     def synchronous(c: Client, cid: int, rng: random.Random, gone: threading.Event) -> None:
         stop_at, n = times["stop_at"], 0
-        while time.monotonic() < stop_at:
-            fut = send(c, cid, n, rng, gone)
+        while (now := time.monotonic()) < stop_at:
+            fut = send(c, cid, n, rng, gone, now)
             n += 1
             if fut is not None:
                 try:
@@ -174,9 +176,10 @@ def generate_load(address: str, tasks: str | list[str], *, inputs: torch.Tensor 
             pause = next_t - time.monotonic()
             if pause > 0:
                 time.sleep(pause)
-            if time.monotonic() >= stop_at:  # overslept past the window's end: that one is not sent
+            now = time.monotonic()
+            if now >= stop_at:  # overslept past the window's end: that one is not sent
                 break
-            fut = send(c, cid, n, rng, gone)
+            fut = send(c, cid, n, rng, gone, now)
             n += 1
             if fut is not None:
                 pending.append(fut)

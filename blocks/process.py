@@ -144,8 +144,6 @@ SWEEP_INTERVAL = 2.0
 RECEIVE_BUFFERS = 2
 #: How long warm_receive waits for each of its own messages (milliseconds).
 WARM_RECEIVE_TIMEOUT_MS = 2000
-#: Seconds the inference thread has to apply a topology update before the manager is told it failed.
-UPDATE_TIMEOUT = 10.0
 
 
 class _Request:
@@ -425,7 +423,7 @@ class Block(ChildProcess):
         self.transport.mark_live(args.live)
         if args.tasks is not None and self.cache is not None:
             self.cache.set_tasks(self.name, args.tasks)  # the policy's sharing weight
-        return self.on_main_thread("topology", self.apply_topology, args, timeout=UPDATE_TIMEOUT)
+        return self.on_main_thread("topology", self.apply_topology, args)
 
     def cmd_stop(self, args: NoArgs) -> dict:
         answer = super().cmd_stop(args)

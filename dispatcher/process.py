@@ -68,7 +68,6 @@ from blockflow.tensormq.wire import (DTYPES, ClientOp, ClientReply, ClientReques
 log = logging.getLogger("blockflow.dispatcher")
 
 
-
 class ResultKeys:
     """The CURVE keys of one dispatcher incarnation's TCP result socket: its server pair and the
     one client pair its blocks use. Fresh for each incarnation on one host; in Ray mode the
@@ -107,11 +106,6 @@ class Request:
     out_shm: bool = False  # the client reads a result in a host slot itself
     span: object = None    # a traced request's root span, and its traceparent for the blocks
     trace: str | None = None
-
-
-#: Seconds the main loop has to apply a command (it goes around every 50 ms when idle) before
-#: the manager is told that the command failed, as a block's UPDATE_TIMEOUT.
-COMMAND_TIMEOUT = 10.0
 
 
 class Dispatcher(ChildProcess):
@@ -703,7 +697,7 @@ class Dispatcher(ChildProcess):
                 "client_datagrams": dict(self.client_datagrams)}
 
     def cmd_tasks(self, args: Tasks) -> Later:
-        return self.on_main_thread("task table", self.set_tasks, args, COMMAND_TIMEOUT)
+        return self.on_main_thread("task table", self.set_tasks, args)
 
     def set_tasks(self, args: Tasks) -> dict:
         self.tasks = args.tasks  # replaced atomically: one thread reads it
@@ -711,7 +705,7 @@ class Dispatcher(ChildProcess):
         return {"tasks": len(args.tasks), "version": self.table_version}
 
     def cmd_update(self, args: Topology) -> Later:
-        return self.on_main_thread("topology", self.apply_topology, args, COMMAND_TIMEOUT)
+        return self.on_main_thread("topology", self.apply_topology, args)
 
     def apply_topology(self, args: Topology) -> dict:
         if args.transport is not None:
@@ -730,11 +724,13 @@ class Dispatcher(ChildProcess):
         return list(hops)
 
     def cmd_fail(self, args: Fail) -> Later:
-        return self.on_main_thread("failure", lambda a: {"failed": self.fail(a.blocks, a.reason)}, args,
-                                   COMMAND_TIMEOUT)
+        return self.on_main_thread("failure", self.fail_requests, args)
+
+    def fail_requests(self, args: Fail) -> dict:
+        return {"failed": self.fail(args.blocks, args.reason)}
 
     def cmd_outstanding(self, args: Outstanding) -> Later:
-        return self.on_main_thread("count of outstanding requests", self.count_outstanding, args, COMMAND_TIMEOUT)
+        return self.on_main_thread("count of outstanding requests", self.count_outstanding, args)
 
     def count_outstanding(self, args: Outstanding) -> dict:
         names = set(args.blocks)

@@ -332,7 +332,7 @@ class SlotPool:
     # block, beside four blocks doing the same on two cores, went more than 3 s without
     # answering the controller's ping and was killed as hung, three times in 24 requests, each
     # time with a request lost. So the first use makes as much of the window as fits in
-    # WINDOW_UPFRONT_BYTES (256 MiB: the whole window of 8 for tensors up to 32 MB), at least
+    # WINDOW_UPFRONT_BYTES (256 MiB: the whole window of 8 for tensors up to 32 MiB), at least
     # one slot; later acquires that find every slot in flight make one more each, up to the
     # window. Back-pressure is unchanged (never more than ``window`` slots in flight), and an
     # edge's shared memory still never exceeds its window: it only reaches it later, and only

@@ -93,6 +93,10 @@ log = logging.getLogger("blockflow.child")
 
 #: Seconds between two checks that the manager (``spec.parent_pid``) is still there.
 PARENT_CHECK_INTERVAL = 1.0
+#: Seconds the main thread has to run a command posted by ``on_main_thread`` (a block's between
+#: two requests, the dispatcher's loop every 50 ms when idle) before the manager is told that the
+#: command failed.
+MAIN_THREAD_TIMEOUT = 10.0
 
 
 class BootError(RuntimeError):
@@ -426,7 +430,7 @@ class ChildProcess:
             mailbox.control_end.close(linger=0)
             self.control_ended()
 
-    def on_main_thread(self, what: str, handler: Callable, args, timeout: float) -> Later:
+    def on_main_thread(self, what: str, handler: Callable, args, timeout: float = MAIN_THREAD_TIMEOUT) -> Later:
         """What a command handler returns to have ``handler(args)`` run by the main thread
         between two requests (control thread); ``what`` names it in errors."""
         later = self.mailbox.post(what, handler, args, timeout)
