@@ -32,6 +32,17 @@ held (three times in 24 requests of 103 MB beside four blocks on two cores). The
 dispatcher whose loop has not gone around for ``BLOCKFLOW_LOOP_STALL``. Nothing here ever blocks
 on a full window (requests wait in a bounded pending queue instead), so results keep draining
 and the pipeline cannot deadlock on its own back-pressure.
+
+Note [A failed block takes no new request]
+------------------------------------------
+When a block dies the manager tells the dispatcher first (``Cmd.FAIL``, naming the instance)
+and a task table without it comes later, once the replacement is started. The failure answers
+every request in flight through the instance at once; a request sent between the two would go
+to the dead block's socket, where libzmq keeps it for a peer that never comes back, and its
+client heard only at the deadline (30 s: seen in test_block_cache's mid-swap kill, one request
+in 48, on an idle machine). So ``fail`` also remembers the instance: a request whose path
+runs through one is answered ``unavailable`` at once (the client may retry), a replicated hop
+picks among its other replicas, and a task table that no longer lists the instance forgets it.
 """
 from __future__ import annotations
 
@@ -116,6 +127,9 @@ class Dispatcher(ChildProcess):
         self.outstanding: dict[int, Request] = {}
         self.turn = 0  # round robin among equally loaded replicas (route)
         self.pending: deque[tuple[int, Request]] = deque()
+        #: block instances the manager said failed (``fail``): nothing more is sent through them
+        #: until a task table without them arrives (Note [A failed block takes no new request])
+        self.failed: set[str] = set()
         # what junk on the result sockets may log: a few lines, then a count
         self.junk_log = RateLimitedLog(log)
         self.stats = {"requests": 0, "ok": 0, "errors": 0, "late": 0, "answered_by_blocks": 0}
@@ -499,6 +513,7 @@ class Dispatcher(ChildProcess):
         self.turn += 1
         path, blocks = [], []
         for hop in replicas:
+            hop = [r for r in hop if r[2] not in self.failed] or hop  # a failed replica takes no more
             k = len(hop)
             name, endpoint, inst = hop[min(range(k), key=lambda i: (load.get(hop[i][2], 0), (i - self.turn) % k))]
             path.append([name, endpoint])
@@ -516,6 +531,13 @@ class Dispatcher(ChildProcess):
         path = entry["path"]
         if "replicas" in entry:
             path, req.blocks = self.route(entry["replicas"])
+        if self.failed and not self.failed.isdisjoint(req.blocks):
+            self.drop_lent(req)
+            down = ", ".join(b for b in req.blocks if b in self.failed)
+            self.answer(req, "error", code=ErrorCode.UNAVAILABLE,
+                        error=f"task {req.task} cannot be served now: block {down} failed and is being replaced; "
+                              "retry shortly")
+            return True
         first = path[0][1]
         # the last block reaches us the way it is reached itself
         ret = self.result_tcp if path[-1][1].startswith("tcp://") else self.result_ipc
@@ -678,8 +700,10 @@ class Dispatcher(ChildProcess):
                              f"(path {' -> '.join(req.blocks)})")
 
     def fail(self, blocks: list[str], reason: str) -> int:
-        """Answer with an error every request whose path runs through one of ``blocks``."""
+        """Answer with an error every request whose path runs through one of ``blocks``, and
+        send no more through them (Note [A failed block takes no new request])."""
         dead = set(blocks)
+        self.failed |= dead
         hit = [rid for rid, r in self.outstanding.items() if dead & set(r.blocks)]
         for rid in hit:
             req = self.outstanding.pop(rid)
@@ -701,6 +725,10 @@ class Dispatcher(ChildProcess):
 
     def set_tasks(self, args: Tasks) -> dict:
         self.tasks = args.tasks  # replaced atomically: one thread reads it
+        if self.failed:
+            self.failed &= {inst for entry in args.tasks.values()
+                            for inst in [*entry.get("blocks", ()), *(r[2] for hop in entry.get("replicas", ())
+                                                                    for r in hop)]}
         self.table_version = self.table_version + 1 if args.version is None else args.version
         return {"tasks": len(args.tasks), "version": self.table_version}
 

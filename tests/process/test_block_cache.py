@@ -201,11 +201,11 @@ def test_a_group_killed_mid_swap_answers_everything_and_comes_back_with_its_budg
                 outcomes.append("ok" if torch.equal(f.result(90), want[t]) else "wrong")
             except BlockFlowError as exc:
                 outcomes.append(exc.code)
-        # the requests the group held fail at once; one the dispatcher was sending to the dead
-        # group's first block when it went is answered unavailable, one still queued past its
-        # deadline while the group came back (a loaded machine) timeout: none is lost, none is wrong
-        assert set(outcomes) <= {"ok", ErrorCode.BLOCK_FAILED.value, ErrorCode.UNAVAILABLE.value,
-                                 ErrorCode.TIMEOUT.value}, outcomes
+        # the requests the group held fail at once, and so do those still waiting in the dispatcher
+        # for a slot (unavailable): none waits for its deadline (before Note [A failed block takes
+        # no new request] in dispatcher/process.py, one of them went to the dead group's socket and
+        # was answered timeout 30 s later, in 3 runs of 3), none is lost, none is wrong
+        assert set(outcomes) <= {"ok", ErrorCode.BLOCK_FAILED.value, ErrorCode.UNAVAILABLE.value}, outcomes
         wait_for(lambda: all(b["status"] == "ready" and b["pid"] != host
                              for b in srv.call("GET", "/system")["blocks"]), 60, "the group comes back")
         for t in range(HEADS):
