@@ -236,7 +236,11 @@ def _serve(args) -> int:
           quiet=args.quiet, restore=not args.fresh, ray_address=args.ray)
     # A clean stop: the manager stopped every process it started, removed its sockets and slots
     # and recorded the empty state. Skip the interpreter's teardown of torch and the rest (0.5 to
-    # 1.5 s on a loaded 2-core machine), which every restart, `make demo` and test waited for.
+    # 1.5 s on a loaded 2-core machine), which every restart, `make demo` and test waited for,
+    # but not multiprocessing's part of it: its exit handler removes the temporary directory the
+    # forkserver's socket was in (pymp-*), which os._exit alone left behind, one per run.
+    import multiprocessing.util
+    multiprocessing.util._exit_function()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

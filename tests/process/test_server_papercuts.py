@@ -5,6 +5,8 @@ restart keeps. One server on one state directory, restarted once, covers:
    its own (not a CherryPy traceback and 70), even one started at the same moment;
 9. every CherryPy ENGINE line is printed once (not by CherryPy's screen log and again through
    Python logging);
+10. a server that stops leaves nothing in the temporary directory (multiprocessing's pymp-*,
+    where its forkserver's socket was, stayed behind after every run);
 12. the update version goes on from where it was after a restart, ``--fresh`` too: versions an
     optimiser reads only grow.
 """
@@ -32,12 +34,13 @@ def serve_cmd(repo: str, state_dir: str, *extra: str) -> list[str]:
             "--repo", repo, "--state-dir", state_dir, *extra]
 
 
-def start(repo: str, state_dir: str, log_path: str, *extra: str):
+def start(repo: str, state_dir: str, log_path: str, *extra: str, tmpdir: str | None = None):
     """A server whose stdout and stderr both go to ``log_path``; returns it and its ready info."""
     ready = os.path.join(state_dir, "ready.json")
+    env = dict(os.environ, BLOCKFLOW_LOG="INFO", **({"TMPDIR": tmpdir} if tmpdir else {}))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(serve_cmd(repo, state_dir, "--ready-file", ready, *extra), start_new_session=True,
-                                stdout=log, stderr=log, env=dict(os.environ, BLOCKFLOW_LOG="INFO"))
+                                stdout=log, stderr=log, env=env)
     try:
         return proc, wait_ready_file(proc, ready, 120)
     except (RuntimeError, TimeoutError) as exc:
@@ -50,9 +53,11 @@ def test_one_state_directory_one_server_whose_log_lines_and_versions_an_operator
     state_dir = os.path.join(short_tmp, "st")
     os.makedirs(state_dir)
     log_path = os.path.join(short_tmp, "serve.log")
+    tmpdir = os.path.join(short_tmp, "tmp")  # the servers' own temporary directory (10.)
+    os.makedirs(tmpdir)
     procs = []
     try:
-        proc, info = start(identity_repo, state_dir, log_path)
+        proc, info = start(identity_repo, state_dir, log_path, tmpdir=tmpdir)
         procs.append(proc)
         url = info["rest"]
         call("POST", url + "/system/update", TOY, timeout=60)
@@ -73,7 +78,7 @@ def test_one_state_directory_one_server_whose_log_lines_and_versions_an_operator
 
         # 12. a restart goes on from the last version: --fresh starts without blocks, not from 0
         assert stop_server(proc) == 0
-        proc, info = start(identity_repo, state_dir, log_path, "--fresh")
+        proc, info = start(identity_repo, state_dir, log_path, "--fresh", tmpdir=tmpdir)
         procs.append(proc)
         system = call("GET", info["rest"] + "/system")
         assert system["blocks"] == [] and system["version"] == version, system["version"]
@@ -88,6 +93,9 @@ def test_one_state_directory_one_server_whose_log_lines_and_versions_an_operator
         assert all(not re.search(r"\[\d+/\w+/\d+:[\d:]+\] ENGINE", line) for line in open(log_path)), \
             "CherryPy's own time stamp beside the log's"
         assert stop_server(proc) == 0
+
+        # 10. two servers started and stopped: nothing of theirs is left in the temporary directory
+        assert os.listdir(tmpdir) == [], f"left in the servers' temporary directory: {os.listdir(tmpdir)}"
     finally:
         reap(procs, [])
 
