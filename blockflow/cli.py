@@ -247,6 +247,12 @@ def _serve(args) -> int:
     os._exit(0)
 
 
+#: ``blockflow load --drain``: seconds the run waits after its window for the replies still due.
+#: Without it every synchronous client's last request (sent just before the window ends) was
+#: reported unanswered, although the server answered it a request's latency later.
+LOAD_DRAIN = 5.0
+
+
 def _update(args) -> int:
     body = read_json_file(args.file)
     print(json.dumps(rest_call("POST", args.url, "/system/update", body, args.token or settings.TOKEN), indent=2))
@@ -408,7 +414,8 @@ def _load(args) -> int:
             raise UserError(f"no dispatcher answers at {args.address} within 3 s: start `blockflow serve` "
                             "or pass --address (GET /system shows the dispatcher's)", Exit.NO_SERVER) from None
     s = run_load(args.address, args.task, clients=args.clients, batch=args.batch, duration=args.duration,
-                 rate=args.rate, shape=shape, token=token, timeout=args.timeout, out=args.out, progress=True)
+                 rate=args.rate, shape=shape, token=token, timeout=args.timeout, out=args.out, progress=True,
+                 drain=args.drain)
     print(format_summary(s))
     return Exit.OK if s["ok"] and not s["errors"] else Exit.FAILED
 
@@ -636,7 +643,11 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--clients", type=int, default=1, help="concurrent clients")
     ld.add_argument("--batch", type=int, default=1, help="batch size of each request")
     ld.add_argument("--duration", type=float, default=10.0,
-                    help="seconds the run lasts, whatever the server does")
+                    help="seconds requests are sent for, whatever the server does")
+    ld.add_argument("--drain", type=float, default=LOAD_DRAIN,
+                    help="then seconds to wait for the replies still due; a request "
+                         "unanswered by then is reported as unanswered. The run lasts --duration + --drain "
+                         "at most")
     ld.add_argument("--rate", type=float, help="Poisson arrivals per second in total (default: each client sends "
                                                "its next request when the previous one is answered)")
     ld.add_argument("--shape", default="3,224,224", help="input shape without the batch dimension")

@@ -245,13 +245,13 @@ def _status_of(exc: BaseException | None) -> str:
 
 def run_load(address: str, task: str, clients: int = 1, batch: int = 1, duration: float = 10.0,
              rate: float | None = None, shape=(3, 224, 224), token: str | None = None, timeout: float = 30.0,
-             seed: int = 0, out: str | None = None, progress: bool = False) -> dict:
+             seed: int = 0, out: str | None = None, progress: bool = False, *, drain: float) -> dict:
     """``blockflow load``: :func:`generate_load` for one task and a seeded input of ``(batch, *shape)``;
-    requests unanswered when ``duration`` ends count as ``unfinished``, not as errors."""
+    requests still unanswered ``drain`` s after ``duration`` ends count as ``unfinished``, not as errors."""
     x = torch.randn((batch, *shape), generator=torch.Generator().manual_seed(seed))
     bar = _ProgressLine(duration) if progress else None
     run = generate_load(address, task, inputs=x, clients=clients, rate=rate, duration=duration, seed=seed,
-                        timeout=timeout, token=token,
+                        timeout=timeout, token=token, drain=drain,
                         on_reply=bar.note if bar is not None else None, progress=bar.update if bar else None)
     if bar is not None:
         bar.close()

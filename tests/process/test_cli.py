@@ -101,10 +101,13 @@ def test_load_and_kpi_against_a_server(server_factory, identity_repo, tmp_path):
     assert res.returncode == 0 and json.loads(res.stdout)["version"] == 1, res.stderr
 
     t0 = time.monotonic()
-    res = blockflow("load", "--address", srv.dispatcher, "--task", "t", "--shape", "4", "--duration", "2")
+    res = blockflow("load", "--address", srv.dispatcher, "--task", "t", "--shape", "1000000", "--duration", "2",
+                    "--clients", "2")  # 4 MB: each request takes milliseconds
     took = time.monotonic() - t0
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     assert " ok, 0 failed" in res.stdout and took >= 2, (res.stdout, took)
+    # each client's last request, sent just before the window ended, was waited for (--drain)
+    assert "unanswered" not in res.stdout, res.stdout
 
     # an unknown task: the server's own message, exit 1
     res = blockflow("load", "--address", srv.dispatcher, "--task", "nope", "--shape", "4", "--duration", "1")
