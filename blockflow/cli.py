@@ -210,6 +210,11 @@ def is_loopback(host: str) -> bool:
 def _serve(args) -> int:
     check_port_free(args.host, args.port, "--port")
     check_port_free(args.dispatcher_host, args.dispatcher_port, "--dispatcher-port")
+    if not os.path.isdir(args.repo):  # every update would fail, each naming a file in it
+        where = "" if os.path.isabs(args.repo) else f" (relative to {os.getcwd()})"
+        raise UserError(f"--repo {args.repo}: no such directory{where}: export blocks into it first "
+                        f"(`blockflow export --model resnet50 --blocks 4 --out {args.repo}`) or pass --repo, "
+                        "the directory that holds them", Exit.NO_FILE)
     token = args.token or settings.TOKEN
     exposed = [f"--{opt} {host}" for opt, host in (("host", args.host), ("dispatcher-host", args.dispatcher_host))
                if not is_loopback(host)]

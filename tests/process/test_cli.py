@@ -93,6 +93,19 @@ def test_serve_on_a_taken_port(tmp_path, identity_repo):
         user_error(res, Exit.PORT_TAKEN, "--dispatcher-port")
 
 
+
+def test_serve_refuses_a_repository_that_is_not_there(tmp_path):
+    """A mistyped --repo (or the default model_repo/ from another directory) is refused at start,
+    not served empty with every update failing later."""
+    missing = tmp_path / "missing"
+    res = blockflow("serve", "--port", "0", "--dispatcher-port", "0", "--repo", str(missing),
+                    "--state-dir", str(tmp_path / "st"), timeout=60)
+    user_error(res, Exit.NO_FILE, f"--repo {missing}: no such directory", "blockflow export")
+    assert not (tmp_path / "st").exists()  # refused before anything started or was written
+    res = blockflow("serve", "--port", "0", "--dispatcher-port", "0", "--state-dir", str(tmp_path / "st"),
+                    timeout=60, cwd=str(tmp_path))  # the default, model_repo/, where there is none
+    user_error(res, Exit.NO_FILE, f"--repo model_repo: no such directory (relative to {tmp_path})")
+
 def test_load_and_kpi_against_a_server(server_factory, identity_repo, tmp_path):
     srv = server_factory(identity_repo)
     update = tmp_path / "u.json"
