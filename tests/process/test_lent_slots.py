@@ -32,18 +32,58 @@ def _until(cond, timeout: float = 20.0, what: str = "condition"):
     raise AssertionError(f"{what} did not hold within {timeout}s")
 
 
-@pytest.fixture
-def pipeline(identity_repo):
-    with StandalonePipeline(identity_repo, {"a": "toy/identity.pt", "d": "toy/double.pt", "s": "toy/sleepy.pt",
-                                            "t": "toy/transpose.pt"},
-                            {"id": ["a"], "dbl": ["a", "d"], "slow": ["s"], "tr": ["d", "t"]}, shm_prefix=SHM_PREFIX) as p:
-        yield p
-        left = p.stop()
-        assert left["left"] == {"slots": [], "sockets": []}, left
+def _start(repo: str):
+    return StandalonePipeline(repo, {"a": "toy/identity.pt", "d": "toy/double.pt", "s": "toy/sleepy.pt",
+                                     "t": "toy/transpose.pt"},
+                              {"id": ["a"], "dbl": ["a", "d"], "slow": ["s"], "tr": ["d", "t"]}, shm_prefix=SHM_PREFIX)
+
+
+def _stop(p) -> None:
+    left = p.stop()
+    assert left["left"] == {"slots": [], "sockets": []}, left
 
 
 def _ping(p) -> dict:
     return p.command(DISPATCHER, "ping")
+
+
+def _settled(p) -> dict:
+    """The dispatcher's ping once nothing is in flight anywhere and no client holds a lease."""
+    def quiet():
+        ping = _ping(p)
+        busy = (ping["outstanding"], ping["pending"], ping["local_clients"], ping["lent_slots"],
+                *(p.command(b, "ping")["in_flight"] for b in "adst"))
+        return ping if not any(busy) else None
+    return _until(quiet, what="the pipeline to settle (nothing in flight, no lease)")
+
+
+@pytest.fixture(scope="module")
+def shared_pipeline(identity_repo):
+    """One pipeline for the tests below (its five processes cost 15-20 s of CPU to start)."""
+    p = _start(identity_repo)
+    try:
+        yield p
+    finally:
+        _stop(p)
+
+
+@pytest.fixture
+def pipeline(shared_pipeline):
+    """The shared pipeline, settled before and after each test: a test that leaves a lease, a
+    slot in flight or a request unanswered fails itself, not the one after it."""
+    _settled(shared_pipeline)
+    yield shared_pipeline
+    _settled(shared_pipeline)
+
+
+@pytest.fixture
+def own_pipeline(identity_repo):
+    """A pipeline of its own, for a test that breaks something the others need."""
+    p = _start(identity_repo)
+    try:
+        yield p
+    finally:
+        _stop(p)
 
 
 def test_a_local_client_writes_and_reads_lent_slots_and_gets_exact_results(pipeline):
@@ -169,6 +209,7 @@ def test_handles_the_client_was_not_lent_are_refused(pipeline):
         assert mallory.call({"op": "unlend"})[0]["status"] == "ok"
         reply, _ = mallory.call({"op": "infer", "task": "id", "x": _handle(mine[0])})
         assert reply["code"] == "bad_request", reply
+        assert alice.call({"op": "unlend"})[0]["status"] == "ok"
     finally:
         ctx.destroy(linger=0)
     with Client(pipeline.address, timeout=30) as c:  # the dispatcher serves on
@@ -226,6 +267,8 @@ def test_a_client_that_dies_mid_request_leaks_no_slot(pipeline):
 
 # -- Note [Datagrams to a local client] ------------------------------------------------------
 def test_a_local_client_sends_and_is_answered_by_datagram_and_loses_nothing(pipeline):
+    before = _ping(pipeline)  # settled: the counts below are this test's
+    answered0 = pipeline.command("d", "ping")["answered_clients"]
     with Client(pipeline.address, timeout=30) as c:
         c.infer("id", torch.randn(2, 256))
         _until(lambda: c.lent is not None, what="the lent slots")
@@ -243,10 +286,12 @@ def test_a_local_client_sends_and_is_answered_by_datagram_and_loses_nothing(pipe
         # each reply came from the dispatcher or, for a result in the last block's slots, from
         # that block itself (Note [A direct answer] in blocks/process.py)
         got = c.stats["datagrams_in"]  # the dispatcher's account of an answered result may come after it
-        ping = _until(lambda: (p := _ping(pipeline))["client_datagrams"]["replies"] + p["answered_by_blocks"] >= got and p,
-                      what="every reply by datagram accounted for")
-        seen, by_blocks = ping["client_datagrams"], ping["answered_by_blocks"]
-        assert by_blocks >= 2 * WINDOW and pipeline.command("d", "ping")["answered_clients"] == by_blocks, ping
+        b0, r0 = before["answered_by_blocks"], before["client_datagrams"]["replies"]
+        ping = _until(lambda: (p := _ping(pipeline))["client_datagrams"]["replies"] - r0 + p["answered_by_blocks"] - b0
+                      >= got and p, what="every reply by datagram accounted for")
+        seen = {k: v - before["client_datagrams"][k] for k, v in ping["client_datagrams"].items()}
+        by_blocks = ping["answered_by_blocks"] - b0
+        assert by_blocks >= 2 * WINDOW and pipeline.command("d", "ping")["answered_clients"] - answered0 == by_blocks, ping
         assert seen["requests"] == c.stats["datagrams_out"], seen
         assert seen["replies"] + by_blocks == c.stats["datagrams_in"], (seen, by_blocks, c.stats)
         assert seen["unknown_key"] == 0
@@ -291,6 +336,7 @@ def test_datagrams_without_the_key_are_dropped_both_ways(pipeline):
     """A request whose key names no lease is dropped by the dispatcher (nobody to answer) and a
     reply without the client's key is dropped by the client, which still gets its own answer."""
     from blockflow.tensormq.datagram import Sender
+    unknown0 = _ping(pipeline)["client_datagrams"]["unknown_key"]
     with Client(pipeline.address, timeout=30) as c:
         c.infer("id", torch.randn(1, 256))
         _until(lambda: c.lent is not None, what="the lent slots")
@@ -300,7 +346,8 @@ def test_datagrams_without_the_key_are_dropped_both_ways(pipeline):
             forged = {"v": 1, "id": 7, "op": "infer", "task": "id", "key": "0" * 32,
                       "x": _handle(next(iter(c.lent.mapped)))}
             assert mallory.send_to(inbox, json.dumps(forged).encode())
-            _until(lambda: _ping(pipeline)["client_datagrams"]["unknown_key"] == 1, what="the forged request dropped")
+            _until(lambda: _ping(pipeline)["client_datagrams"]["unknown_key"] == unknown0 + 1,
+                   what="the forged request dropped")
             want = c.infer("slow", torch.ones(1, 256))
             f = c.submit("slow", torch.ones(1, 256))  # in flight while the forged reply comes
             rid = max(c._waiting)
@@ -328,7 +375,8 @@ def test_datagrams_without_the_key_are_dropped_both_ways(pipeline):
         assert torch.equal(c.infer("dbl", x), x * 2)
 
 
-def test_without_the_dispatchers_inbox_requests_go_by_zeromq(pipeline):
+def test_without_the_dispatchers_inbox_requests_go_by_zeromq(own_pipeline):
+    pipeline = own_pipeline  # its inbox is removed: no other test may use this dispatcher after
     with Client(pipeline.address, timeout=30) as c:
         c.infer("id", torch.randn(1, 256))
         _until(lambda: c.lent is not None, what="the lent slots")
