@@ -205,11 +205,29 @@ class LentSlots:
         self.results.close()
 
 
+#: how a client reaches a dispatcher (ZeroMQ transports)
+ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_WHERE = "the dispatcher's ZeroMQ address, such as tcp://127.0.0.1:5580 (GET /system shows it as dispatcher.endpoint)"
+
+
+def check_address(address) -> None:
+    """A ValueError that says what to write, for an address ZeroMQ would refuse with a bare
+    'Invalid argument' or 'Protocol not supported' (``localhost:5580``, the REST URL)."""
+    if isinstance(address, str) and address.startswith(ADDRESS_SCHEMES):
+        return
+    if isinstance(address, str) and address.startswith(("http://", "https://")):
+        raise ValueError(f"{address!r} is a REST URL: a client needs {_WHERE}")
+    if isinstance(address, str) and "://" not in address and address.rpartition(":")[2].isdigit():
+        raise ValueError(f"{address!r} names no transport: write tcp://{address}. A client needs {_WHERE}")
+    raise ValueError(f"{address!r} is not a ZeroMQ address: a client needs {_WHERE}")
+
+
 class Client:
     def __init__(self, address: str = "tcp://127.0.0.1:5580", timeout: float = DEFAULT_TIMEOUT,
                  token: str | None = None, max_queued: int = MAX_QUEUED, shared_memory: bool = True):
         """``shared_memory``: requests and results go through slots the dispatcher lends when it is
         on this host (False: their bytes always travel in the messages)."""
+        check_address(address)
         self.address, self.timeout = address, timeout
         self.token = token if token is not None else settings.TOKEN
         self._ids = itertools.count(1)

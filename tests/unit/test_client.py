@@ -104,3 +104,16 @@ def test_a_call_holding_the_socket_ends_by_its_deadline_when_no_answer_comes():
     finally:
         router.close(0)
         ctx.term()
+
+
+@pytest.mark.parametrize("address, words", [
+    ("localhost:5580", ["names no transport", "write tcp://localhost:5580"]),
+    ("http://127.0.0.1:8080", ["is a REST URL", "tcp://127.0.0.1:5580", "dispatcher.endpoint"]),
+    ("127.0.0.1", ["is not a ZeroMQ address", "tcp://127.0.0.1:5580"]),
+])
+def test_an_address_that_is_no_zeromq_endpoint_is_refused_saying_what_to_write(address, words):
+    """ZeroMQ's own answer was a bare 'Invalid argument' or 'Protocol not supported'."""
+    with pytest.raises(ValueError) as info:
+        Client(address)
+    for w in words:
+        assert w in str(info.value), str(info.value)
