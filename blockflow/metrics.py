@@ -282,8 +282,10 @@ class BlockFlowCollector:
     def _collect(self):
         system, blocks, live = self._refresh()
         yield from self._families("block", self.blocks, "inferences a block ran (successful or not)",
+                                  "inferences a block ran that ended in an error, by error code",
                                   "inference time in a block, arrival to departure")
         yield from self._families("task", self.tasks, "requests the dispatcher answered",
+                                  "requests the dispatcher answered with an error, by error code",
                                   "end-to-end time of successful requests at the dispatcher")
 
         queue = GaugeMetricFamily("blockflow_block_queue_length", "messages waiting for the block's inference thread",
@@ -373,12 +375,11 @@ class BlockFlowCollector:
         """The [block, replica] label values of process ``name``."""
         return self.who.get(name) or [name, "0"]
 
-    def _families(self, kind: str, table: dict[str, _Series], what: str, duration_help: str):
+    def _families(self, kind: str, table: dict[str, _Series], what: str, errors_help: str, duration_help: str):
         label = BLOCK_LABELS if kind == "block" else [kind]
         key_of = self.labels if kind == "block" else (lambda key: [key])
         requests = CounterMetricFamily(f"blockflow_{kind}_requests", what, labels=label)
-        errors = CounterMetricFamily(f"blockflow_{kind}_errors", f"{what} with an error, by error code",
-                                     labels=[*label, "code"])
+        errors = CounterMetricFamily(f"blockflow_{kind}_errors", errors_help, labels=[*label, "code"])
         name = "inference" if kind == "block" else "request"
         duration = HistogramMetricFamily(f"blockflow_{kind}_{name}_duration_seconds", duration_help, labels=label)
         stages = CounterMetricFamily(f"blockflow_{kind}_stage_seconds", "time spent in each eq. 4.1 stage; the "

@@ -138,7 +138,7 @@ def test_metrics_count_the_requests_sent(server_factory, identity_repo):
 def _block_samples(collector, block: str) -> dict:
     """The block families one collector renders, as scrape() gives them."""
     out = {}
-    for family in collector._families("block", collector.blocks, "inferences", "arrival to departure"):
+    for family in collector._families("block", collector.blocks, "inferences", "errors", "arrival to departure"):
         for s in family.samples:
             out[(s.name, frozenset(s.labels.items()))] = s.value
     return out
