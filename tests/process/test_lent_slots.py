@@ -48,13 +48,19 @@ def _ping(p) -> dict:
 
 
 def _settled(p) -> dict:
-    """The dispatcher's ping once nothing is in flight anywhere and no client holds a lease."""
+    """The dispatcher's ping once nothing is in flight anywhere, no client holds a lease, and its
+    counts held still between two pings (it counts a reply just after sending it)."""
+    last = []
+
     def quiet():
         ping = _ping(p)
         busy = (ping["outstanding"], ping["pending"], ping["local_clients"], ping["lent_slots"],
                 *(p.command(b, "ping")["in_flight"] for b in "adst"))
-        return ping if not any(busy) else None
-    return _until(quiet, what="the pipeline to settle (nothing in flight, no lease)")
+        counts = [ping[k] for k in ("requests", "ok", "errors", "late", "answered_by_blocks", "client_datagrams")]
+        still = last == [counts]
+        last[:] = [counts]
+        return ping if not any(busy) and still else None
+    return _until(quiet, what="the pipeline to settle (nothing in flight, no lease, counts still)")
 
 
 @pytest.fixture(scope="module")
@@ -304,10 +310,13 @@ def test_the_last_block_answers_a_local_client_itself(pipeline):
     sent, and a second answer for the same request (here the dispatcher's, forged with the
     client's key) is taken as late, never as a duplicate or a second result."""
     from blockflow.tensormq.datagram import Sender
+    ok0 = _ping(pipeline)["ok"]
     with Client(pipeline.address, timeout=30) as c:
         c.infer("id", torch.randn(2, 256))
         _until(lambda: c.lent is not None, what="the lent slots")
-        before, answered = _ping(pipeline), pipeline.command("d", "ping")["answered_clients"]
+        # the dispatcher counts a reply after sending it: a ping may come between the two
+        before = _until(lambda: (p := _ping(pipeline))["ok"] == ok0 + 1 and p, what="the first request counted")
+        answered = pipeline.command("d", "ping")["answered_clients"]
         for i in range(5):
             x = torch.randn(2, 256, generator=torch.Generator().manual_seed(i))
             r = c.infer_details("dbl", x)
