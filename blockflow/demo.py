@@ -7,6 +7,7 @@ latency and the per-block KPI table, shut down cleanly.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,6 +33,10 @@ def start_server(repo: str, state_dir: str, extra: list[str] | None = None, time
         return proc, wait_ready_file(proc, ready, timeout)
     except TimeoutError:
         proc.kill()
+        proc.wait()
+        raise
+    except BaseException:  # interrupted while it starts (Ctrl-C, SIGTERM): no server left behind
+        stop_server(proc, timeout=10.0)
         raise
 
 
@@ -73,9 +79,35 @@ def export_missing_resnet50(repo: str, update: dict) -> None:
         export_model("resnet50", repo, blocks=4, method="script", variants={"x": ["block4", "head"]}, fmt=fmt)
 
 
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """SIGTERM (``kill``, ``timeout``, a CI runner's cancel) handled as Ctrl-C while the block
+    runs: Python's default SIGTERM ends the process at once, skipping the ``finally`` clauses that
+    stop the server and remove the state directory. The handler before is restored afterwards.
+    Outside the main thread (where no handler can be set) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one must not cut the clean-up short
+        raise KeyboardInterrupt(f"signal {signum}")
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def run_demo(repo: str = "model_repo", config: str | None = None, requests: int = 20, keep: bool = False) -> int:
     """Serve, deploy, send, print the KPI table. The server's state directory (run directory with
-    the KPI logs, sockets) is a fresh temporary one, removed at the end unless ``keep``."""
+    the KPI logs, sockets) is a fresh temporary one, removed at the end unless ``keep``, also when
+    the demo is interrupted (Ctrl-C or SIGTERM: ``terminate_as_interrupt``)."""
+    with terminate_as_interrupt():
+        return _run_demo(repo, config, requests, keep)
+
+
+def _run_demo(repo: str, config: str | None, requests: int, keep: bool) -> int:
     import torch
 
     from .client import Client
@@ -90,7 +122,11 @@ def run_demo(repo: str = "model_repo", config: str | None = None, requests: int 
     # the server's own log only when something goes wrong (BLOCKFLOW_LOG=INFO shows it all)
     env = dict(os.environ)
     env.setdefault("BLOCKFLOW_LOG", "WARNING")
-    proc, info = start_server(repo, state_dir, env=env)
+    try:
+        proc, info = start_server(repo, state_dir, env=env)
+    except BaseException:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        raise
     try:
         print(f"server up in {time.monotonic() - t0:.1f}s: REST {info['rest']}, dispatcher {info['dispatcher']}")
         res = call("POST", f"{info['rest']}/system/update", update)

@@ -13,10 +13,14 @@ restart keeps. One server on one state directory, restarted once, covers:
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
+
+import psutil
 
 import pytest
 
@@ -114,3 +118,50 @@ def test_a_state_directory_is_claimed_by_one_server_at_a_time(short_tmp):
         first.release()
     second.claim()  # the holder let go (as a dead one does): the next one may use it
     second.release()
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_a_demo_ended_by_sigterm_stops_its_server_and_removes_its_state_directory(
+        identity_repo, short_tmp, leak_check, when):
+    """``blockflow demo`` stopped by SIGTERM (``kill``, ``timeout``, a cancelled CI job) cleans up
+    as Ctrl-C does: its server and blocks are stopped and its /tmp/blockflow-demo-* state
+    directory is gone. Python's default SIGTERM ended it at once, leaving the directory behind.
+    ``starting``: while the server starts; ``serving``: while requests go through a deployed block."""
+    from blockflow.cli import Exit
+    tmpdir = os.path.join(short_tmp, "tmp")  # the demo's own temporary directory: its state directory goes there
+    os.makedirs(tmpdir)
+    config = os.path.join(short_tmp, "toy.json")
+    with open(config, "w") as f:
+        json.dump(TOY, f)
+    log_path = os.path.join(short_tmp, "demo.log")
+    env = dict(os.environ, TMPDIR=tmpdir)
+    with open(log_path, "wb") as log:
+        demo = subprocess.Popen([sys.executable, "-m", "blockflow.cli", "demo", "--repo", identity_repo,
+                                 "--config", config, "--requests", "1000000"], stdout=log, stderr=log, env=env)
+    me, children = psutil.Process(demo.pid), []
+    try:
+        state = wait_for(lambda: [os.path.join(tmpdir, d) for d in os.listdir(tmpdir) if d.startswith("blockflow-demo-")],
+                         60, "the demo's state directory")[0]
+        if when == "serving":
+            info = wait_for(lambda: _read_json(os.path.join(state, "ready.json")), 120, "the demo's server ready")
+            wait_for(lambda: any(b.get("status") == "ready" for b in call("GET", info["rest"] + "/system")["blocks"]),
+                     120, "the demo's block ready")
+        children = me.children(recursive=True)
+        demo.send_signal(signal.SIGTERM)
+        code = demo.wait(90)
+        out = open(log_path).read()
+        assert code == Exit.INTERRUPTED, f"exit {code}:\n{out[-2000:]}"
+        assert "interrupted" in out, out[-2000:]
+        assert os.listdir(tmpdir) == [], (os.listdir(tmpdir), out[-2000:])  # its state directory, no pymp-* either
+        wait_for(lambda: not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 30,
+                 "the demo's server and blocks gone")
+    finally:
+        reap([demo], [p.pid for p in children])  # without the fix the server outlived the demo
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
