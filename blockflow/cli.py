@@ -68,12 +68,14 @@ def rest_call(method: str, base: str, path: str, body=None, token: str | None = 
         return call(method, base.rstrip("/") + path, body, token, timeout=300)
     except RestError as exc:
         detail = exc.body.get("error", exc.body) if isinstance(exc.body, dict) else exc.body
-        field = f" (field {exc.body['field']})" if isinstance(exc.body, dict) and exc.body.get("field") else ""
+        named = exc.body.get("field") if isinstance(exc.body, dict) else None
+        # the field once: most messages already start with it ("tasks[0].path[1]: names block 'b', ...")
+        field = f" (field {named})" if named and not str(detail).startswith(f"{named}:") else ""
         raise UserError(f"the server refused it: HTTP {exc.status}: {detail}{field}", Exit.FAILED) from None
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise UserError(f"no BlockFlow server answers at {base} ({reason}); start one with `blockflow serve` "
-                        "or pass --url", Exit.NO_SERVER) from None
+                        "or pass --url (or set BLOCKFLOW_URL)", Exit.NO_SERVER) from None
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:
@@ -260,8 +262,41 @@ LOAD_DRAIN = 5.0
 
 def _update(args) -> int:
     body = read_json_file(args.file)
-    print(json.dumps(rest_call("POST", args.url, "/system/update", body, args.token or settings.TOKEN), indent=2))
+    answer = rest_call("POST", args.url, "/system/update", body, args.token or settings.TOKEN)
+    print(json.dumps(answer, indent=2) if args.json else format_update(answer))
     return 0
+
+
+def _names(names) -> str:
+    return ", ".join(names) if names else "-"
+
+
+def format_update(answer: dict) -> str:
+    """``blockflow update``'s answer for a person (``--json`` prints it as the server sent it): the
+    version, what each process and task became, and whether the TensorMQ slots fit the shared memory."""
+    import textwrap
+    diff = answer.get("diff") or {}
+    tasks = diff.get("tasks") or {}
+    lines = [f"applied update version {answer.get('version')} in {answer.get('seconds', 0):.2f} s",
+             f"processes: spawned {_names(diff.get('spawned'))}; replaced {_names(diff.get('replaced'))}; "
+             f"kept {_names(diff.get('kept'))}; removed {_names(diff.get('removed'))}",
+             f"tasks: added {_names(tasks.get('added'))}; changed {_names(tasks.get('changed'))}; "
+             f"removed {_names(tasks.get('removed'))}"]
+    shm = answer.get("shm")
+    if shm and shm.get("edges"):
+        edges, unknown = shm["edges"], shm.get("edges_unknown_size") or 0
+        if unknown == edges:  # no manifest declares the shapes: each slot is sized by its first tensor
+            need = f"TensorMQ slots: {edges} edges x {shm['window']} slots, sized by their first tensors"
+        else:
+            need = f"TensorMQ slots: {shm['needed_bytes_batch1'] / 2**20:.1f} MiB at batch 1 for {edges} edges x " \
+                   f"{shm['window']} slots" + (f" ({unknown} of unknown size)" if unknown else "")
+        if shm.get("free_bytes") is not None:
+            need += f"; {shm['free_bytes'] / 2**20:.0f} MiB free in {os.path.dirname(shm['dir'])}"
+        if shm.get("fits") is False:
+            need += (": DOES NOT FIT, requests that find no room fail with no_shared_memory (give it more room, "
+                     "lower serve --window, or set BLOCKFLOW_SHM_DIR to a larger tmpfs)")
+        lines.append(need)
+    return "\n".join(textwrap.fill(line, STATUS_WIDTH, subsequent_indent="  ") for line in lines)
 
 
 def _status(args) -> int:
@@ -617,16 +652,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "pip install -e '.[cluster]'")
     s.set_defaults(fn=_serve)
 
-    u = sub.add_parser("update", help="POST a system update (JSON file) to a running server and print its answer")
+    u = sub.add_parser("update", help="POST a system update (JSON file) to a running server and print what it "
+                                      "changed: the version, the processes spawned, replaced, kept and removed, "
+                                      "the tasks, the shared memory its slots need")
     u.add_argument("file", help="the update: blocks and tasks as JSON, e.g. configs/resnet50_shared.json")
-    u.add_argument("--url", default="http://127.0.0.1:8080", help="the server's REST URL")
+    u.add_argument("--url", default=settings.URL, help="the server's REST URL (default: $BLOCKFLOW_URL, else "
+                                                       "http://127.0.0.1:8080)")
     u.add_argument("--token", help="bearer token, when the server has one (default: $BLOCKFLOW_TOKEN)")
+    u.add_argument("--json", action="store_true", help="print the server's answer as JSON instead (POST "
+                                                       "/system/update's body)")
     u.set_defaults(fn=_update)
 
     st = sub.add_parser("status", help="print a running server's processes as a table (status, pid, device, "
                                        "restarts, uptime, and the last minute's requests/s and p50/p99), its "
                                        "tasks and run directory")
-    st.add_argument("--url", default="http://127.0.0.1:8080", help="the server's REST URL")
+    st.add_argument("--url", default=settings.URL, help="the server's REST URL (default: $BLOCKFLOW_URL, else "
+                                                        "http://127.0.0.1:8080)")
     st.add_argument("--token", help="bearer token, when the server has one (default: $BLOCKFLOW_TOKEN)")
     st.add_argument("--json", action="store_true", help="print the same as JSON, for scripts (GET /status rows, "
                                                         "tasks, version, run directory)")
@@ -637,13 +678,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     dn = sub.add_parser("down", help="take the deployment down: remove every block and task of a running server "
                                      "(DELETE /system) and print what went; the server keeps running, empty")
-    dn.add_argument("--url", default="http://127.0.0.1:8080", help="the server's REST URL")
+    dn.add_argument("--url", default=settings.URL, help="the server's REST URL (default: $BLOCKFLOW_URL, else "
+                                                        "http://127.0.0.1:8080)")
     dn.add_argument("--token", help="bearer token, when the server has one (default: BLOCKFLOW_TOKEN)")
     dn.set_defaults(fn=_down)
 
     ld = sub.add_parser("load", help="send requests for a task for --duration seconds (synchronous clients or "
                                      "Poisson arrivals) and print throughput, latency and the server's errors")
-    ld.add_argument("--address", default="tcp://127.0.0.1:5580", help="the dispatcher's address")
+    ld.add_argument("--address", default=settings.DISPATCHER,
+                    help="the dispatcher's address, as `blockflow serve` prints it (default: $BLOCKFLOW_DISPATCHER, "
+                         "else tcp://127.0.0.1:5580)")
     ld.add_argument("--task", required=True, help="task id, as in the update (e.g. classify)")
     ld.add_argument("--clients", type=int, default=1, help="concurrent clients")
     ld.add_argument("--batch", type=int, default=1, help="batch size of each request")

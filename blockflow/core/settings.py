@@ -205,6 +205,14 @@ TRACE_EXPORT_DELAY: float = _read("BLOCKFLOW_TRACE_EXPORT_DELAY", 1.0, _seconds,
                                   "longest time a finished span waits in a process before it is exported", "1 s")
 LOG_LEVEL: str = _read("BLOCKFLOW_LOG", "INFO", str.upper, "log level of every process (DEBUG, INFO, WARNING, ...)")
 
+# -- where the commands find a server -------------------------------------------------------------
+URL: str = _read("BLOCKFLOW_URL", "http://127.0.0.1:8080", str,
+                 "the REST URL `blockflow update`, `status` and `down` call when no `--url` is given "
+                 "(`blockflow serve --port` elsewhere: set it once)", "`http://127.0.0.1:8080`")
+DISPATCHER: str = _read("BLOCKFLOW_DISPATCHER", "tcp://127.0.0.1:5580", str,
+                        "the dispatcher address `blockflow load` sends to when no `--address` is given "
+                        "(`serve --dispatcher-port` elsewhere)", "`tcp://127.0.0.1:5580`")
+
 # -- security -------------------------------------------------------------------------------------
 TOKEN: str | None = _read("BLOCKFLOW_TOKEN", None, str,
                           "shared secret: REST calls and client requests must carry it (`serve --token`)", "none")

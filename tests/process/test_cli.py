@@ -18,9 +18,13 @@ TOY_UPDATE = {"blocks": [{"name": "a", "model": "toy/identity.pt"}, {"name": "d"
               "tasks": [{"id": "t", "path": ["a", "d"]}]}
 
 
-def blockflow(*args, timeout=120, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, BLOCKFLOW_LOG="WARNING")
-    env.pop("BLOCKFLOW_TOKEN", None)
+def blockflow(*args, timeout=120, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """``blockflow ARGS`` in a subprocess; ``env``: variables on top of this one's, where the
+    operator's own BLOCKFLOW_TOKEN, BLOCKFLOW_URL and BLOCKFLOW_DISPATCHER are unset."""
+    base = dict(os.environ, BLOCKFLOW_LOG="WARNING")
+    for name in ("BLOCKFLOW_TOKEN", "BLOCKFLOW_URL", "BLOCKFLOW_DISPATCHER"):
+        base.pop(name, None)
+    env = {**base, **(env or {})}
     return subprocess.run([sys.executable, "-m", "blockflow.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, **kw)
 
@@ -110,7 +114,7 @@ def test_load_and_kpi_against_a_server(server_factory, identity_repo, tmp_path):
     srv = server_factory(identity_repo)
     update = tmp_path / "u.json"
     update.write_text(json.dumps(TOY_UPDATE))
-    res = blockflow("update", str(update), "--url", srv.url)
+    res = blockflow("update", str(update), "--url", srv.url, "--json")  # the server's answer as it came
     assert res.returncode == 0 and json.loads(res.stdout)["version"] == 1, res.stderr
 
     t0 = time.monotonic()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -194,10 +195,19 @@ def test_status_pipe_hint_and_down_against_a_server(server_factory, identity_rep
     update.write_text(json.dumps({"blocks": [{"name": "a", "model": "mine/identity.pt"},
                                              {"name": "d", "model": "mine/double.pt", "replicas": 2}],
                                   "tasks": [{"id": "t", "path": ["a", "d"]}]}))
-    res = blockflow("update", str(update), "--url", srv.url)
+    # the server's URL given once, by BLOCKFLOW_URL; what the update changed, in lines that fit
+    res = blockflow("update", str(update), env={"BLOCKFLOW_URL": srv.url})
     assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert re.fullmatch(r"applied update version 1 in \d+\.\d\d s", lines[0]), res.stdout
+    assert lines[1:3] == ["processes: spawned a, d, d.r1; replaced -; kept -; removed -",
+                          "tasks: added t; changed -; removed -"], res.stdout
+    # dispatcher -> a -> d -> dispatcher; hand-made blocks: no manifest declares their shapes
+    assert re.fullmatch(r"TensorMQ slots: 3 edges x 8 slots, sized by their first tensors; \d+ MiB free in \S+",
+                        " ".join(lines[3:])), res.stdout
+    assert all(len(line) <= STATUS_WIDTH for line in lines), res.stdout
 
-    res = blockflow("status", "--url", srv.url)
+    res = blockflow("status", env={"BLOCKFLOW_URL": srv.url})
     assert res.returncode == 0, res.stderr
     assert max(len(line) for line in res.stdout.splitlines()) <= STATUS_WIDTH, res.stdout
     assert [line.split()[0] for line in res.stdout.splitlines()[1:5]] == ["@dispatcher", "a", "d", "d.r1"], res.stdout
@@ -218,6 +228,7 @@ def test_status_pipe_hint_and_down_against_a_server(server_factory, identity_rep
     line = user_error(blockflow("update", str(update), "--url", srv.url), Exit.FAILED, "blocks[1].model",
                       f"`blockflow manifest {repo / 'mine'}`")
     assert "blockflow export" not in line, line
+    assert line.count("blocks[1].model") == 1, line  # the field named once, not again as "(field ...)"
 
     # 10: down removes every block and task and says so; the server stays up, empty
     res = blockflow("down", "--url", srv.url)
