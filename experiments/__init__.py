@@ -59,7 +59,7 @@ CPU_SETTINGS = {
     "pipeline_latency": ["--duration", "20", "--variants", "default,no-trim,pinned"],  # 6 (3.5 of it variants)
     "hop_overhead": ["--budget", "3"],                                        # 4.5 (1 of it the bundle rows)
     "hop_budget": ["--client", "both"],                                       # 2 (the README compares lent slots with bytes)
-    "first_request": [],                                                      # 1.5 (5 updates per transport)
+    "first_request": [],                                                      # 2.5 (11 updates per transport)
     "tracing": [],                                                            # 2 (3 servers, 5 rounds of 50)
     "batch_scaling": [],                                                      # 2 (3 s per series and batch)
     "multiclient": ["--clients", "1,2,4,8", "--duration", "8"],               # 2.5

@@ -269,9 +269,13 @@ def _request_path_rows(r: Results) -> list[list]:
                      "`python -m experiments.hop_budget --client both`"])
     d = r("first_request")
     if d is not None:
-        ratios = ", ".join(f"{label.split('/')[0]} {_x(row['ratio_median'])}" for label, row in d["series"].items())
-        rows.append(["the first request after an update / a steady one (ResNet50 4 blocks + head, median of the "
-                     "updates)", f"{ratios} ({r.source('first_request')})", "≈ 1x: no request pays for an update",
+        def quart(row: dict) -> str:
+            q = row.get("ratio_quartiles")
+            return f" (quartiles {q[0]:.2f}-{q[1]:.2f})" if q else ""
+        ratios = ", ".join(f"{label.split('/')[0]} {_x(row['ratio_median'])}{quart(row)}"
+                           for label, row in d["series"].items())
+        rows.append([f"the first request after an update / a steady one (ResNet50 4 blocks + head, median of "
+                     f"{d['settings']['updates']} updates)", f"{ratios} ({r.source('first_request')})", "≈ 1x: no request pays for an update",
                      "`python -m experiments.first_request`"])
     d = r("tracing")
     if d is not None:

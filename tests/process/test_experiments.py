@@ -297,6 +297,8 @@ def test_first_request(tmp_path, resnet_repo, leak_check):
         assert len(row["ratio"]) == len(row["rounds"]) == 2 and all(positive(r) for r in row["ratio"]), row["ratio"]
         assert all(len(rows) == 4 for rows in row["rounds"])
         assert row["ratio_median"] == statistics.median(row["ratio"])
+        q1, q3 = row["ratio_quartiles"]  # the spread the median is read with
+        assert min(row["ratio"]) <= q1 <= row["ratio_median"] <= q3 <= max(row["ratio"]), row
         for rows, first, steady in zip(row["rounds"], row["first_ms"], row["steady_ms"]):
             assert first == rows[0]["rtt"] and steady == statistics.median(r["rtt"] for r in rows[2:])
         parts = row["extra_ms"]
