@@ -98,6 +98,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -201,6 +202,8 @@ class Block(ChildProcess):
         #: results this block, last on their path, answered their local client with itself
         #: (Note [A direct answer])
         self.answered = 0
+        #: the short errors whose model traceback was logged (``fail``), bounded
+        self.errors_logged: set[str] = set()
 
     # -- start-up ----------------------------------------------------------------------------
     def init_process(self) -> None:
@@ -980,8 +983,14 @@ class Block(ChildProcess):
             self.transport.discard(x_desc)
         if req.lease is not None:
             req.lease.release()
-        msg = f"block {self.name}: {type(exc).__name__}: {exc}"
-        log.warning("%s (request %s)", msg, rid)
+        short, full = model_error(exc)
+        msg = f"block {self.name}: {short}"
+        if full is not None and short not in self.errors_logged:  # its TorchScript traceback, once per error
+            if len(self.errors_logged) < 64:
+                self.errors_logged.add(short)
+            log.warning("%s (request %s); the model's traceback (logged once for this error):\n%s", msg, rid, full)
+        else:
+            log.warning("%s (request %s)", msg, rid)
         # block_failed: the next hop was removed; no_shared_memory
         code = ErrorCode(exc.code) if isinstance(exc, (HopGone, ShmExhausted)) else ErrorCode.ERROR
         self.send_error(header.path[-1][1], rid, msg, code)
@@ -1033,6 +1042,22 @@ class Block(ChildProcess):
         files = [self.endpoint[len("ipc://"):]] if self.endpoint and self.endpoint.startswith("ipc://") else []
         datagrams = getattr(self, "datagrams", None)
         return files + ([datagrams.path] if datagrams is not None else [])
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", re.M)
+
+
+def model_error(exc: Exception) -> tuple[str, str | None]:
+    """(what a request's error says, the full text when that is shorter). A model that fails
+    inside TorchScript raises its whole interpreter traceback as the message (3 KB for one
+    convolution given the wrong channels), which the client's error was cut off in before it got
+    to the cause; the cause is its last ``SomeError: ...`` line, to the end."""
+    text = str(exc)
+    if "Traceback of TorchScript" in text:
+        found = list(_EXCEPTION_LINE.finditer(text))
+        if found:
+            return text[found[-1].start():].strip(), text
+    return f"{type(exc).__name__}: {text}", None
 
 
 def _rows(y) -> int:

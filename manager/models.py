@@ -64,6 +64,7 @@ class ModelCatalog:
                 except BlockFileError as exc:
                     where = f"blocks[{i}].model" + (f"[{j}]" if isinstance(decl.model, tuple) else "")
                     raise UpdateError(where, str(exc)) from None
+        check_hand_overs(upd)
         self.check_budgets(upd)
 
     def check_budgets(self, upd: Update) -> None:
@@ -124,3 +125,74 @@ class ModelCatalog:
             return tuple(file_signature(os.stat(os.path.join(self.repo, relpath))))
         except (OSError, ValueError):
             return None
+
+
+# Note [Hand-overs checked at the update]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A task whose path hands one block's output to a block that cannot take it (resnet18's block1,
+# 64 channels, then block3, which takes 128) used to be deployed, and then every request failed
+# inside the second model with a TorchScript traceback. Where both manifests declare the tensors
+# (``output_shape(s)`` of the producer's last file, ``input_shape(s)`` of the consumer's first),
+# the update is refused instead, naming the task, both blocks and both shapes. What is certain
+# from a manifest is checked, nothing more: the number of tensors, each one's rank and its second
+# dimension (channels, features) where both fix it. The batch dimension, a dimension declared
+# dynamic (``input_dims``/``output_dims`` name it) and the dimensions after the second (a
+# convolutional block takes feature maps of any height and width) are left to the model.
+
+def _members(entry: dict, side: str) -> tuple[list, list] | None:
+    """The declared shapes of ``side`` ("input"/"output") with their dims (None: not named), or
+    None when the manifest declares none."""
+    shapes = entry.get(f"{side}_shapes") or ([entry[f"{side}_shape"]] if entry.get(f"{side}_shape") else None)
+    if not shapes or not all(isinstance(s, list) for s in shapes):
+        return None
+    dims = entry.get(f"{side}_dims") or [None] * len(shapes)
+    return shapes, (dims if len(dims) == len(shapes) else [None] * len(shapes))
+
+
+def _shown(shape: list, dims) -> str:
+    named = dims if isinstance(dims, list) and len(dims) == len(shape) else [None] * len(shape)
+    return "[" + ", ".join(["N"] + [str(n) if isinstance(n, str) else str(d) for d, n in zip(shape[1:], named[1:])]) + "]"
+
+
+def _dynamic(dims, i: int) -> bool:
+    return isinstance(dims, list) and i < len(dims) and isinstance(dims[i], str)
+
+
+def hand_over_mismatch(out_entry: dict | None, in_entry: dict | None) -> tuple[str, str] | None:
+    """What a model of manifest entry ``out_entry`` hands on and what the model of ``in_entry``
+    takes instead, when the second cannot take it (Note [Hand-overs checked at the update]);
+    None when it can, or when either entry does not say."""
+    made = _members(out_entry or {}, "output")
+    taken = _members(in_entry or {}, "input")
+    if made is None or taken is None:
+        return None
+    (outs, out_dims), (ins, in_dims) = made, taken
+    if len(outs) != len(ins):
+        return (f"{len(outs)} tensor" + ("s" * (len(outs) != 1)), f"{len(ins)} tensor" + ("s" * (len(ins) != 1)))
+    for i, (o, n, od, nd) in enumerate(zip(outs, ins, out_dims, in_dims)):
+        member = f" as tensor {i}" if len(outs) > 1 else ""
+        second_fixed = len(o) > 1 and len(n) > 1 and not _dynamic(od, 1) and not _dynamic(nd, 1)
+        if len(o) != len(n) or (second_fixed and o[1] != n[1]):
+            return _shown(o, od) + member, _shown(n, nd)
+    return None
+
+
+def check_hand_overs(upd: Update) -> None:
+    """Refuse a task whose path hands a block's output to a block that cannot take it, where the
+    manifests say so (Note [Hand-overs checked at the update]); inside a fused block, its files'
+    hand-overs too."""
+    for k, (tid, path) in enumerate(upd.tasks.items()):
+        decls = [upd.blocks[name] for name in path]
+        for j, decl in enumerate(decls):
+            files = decl.files
+            steps = [(files[i], files[i + 1], f"block {decl.name!r}, file {i + 1} -> file {i + 2}")
+                     for i in range(len(files) - 1)]
+            if j + 1 < len(decls):
+                nxt = decls[j + 1]
+                steps.append((files[-1], nxt.files[0], f"block {decl.name!r} -> block {nxt.name!r}"))
+            for made_by, taken_by, hop in steps:
+                mismatch = hand_over_mismatch(upd.manifests.get(made_by), upd.manifests.get(taken_by))
+                if mismatch:
+                    raise UpdateError(f"tasks[{k}].path", f"task {tid!r}, {hop}: {made_by} hands on {mismatch[0]} "
+                                      f"but {taken_by} takes {mismatch[1]} (their manifests); fix the path, or "
+                                      "export the blocks from one split of the model")
