@@ -137,6 +137,8 @@ def _export_split(args) -> int:
     if args.variant:
         raise UserError("--variant applies to the ResNet export (resnet18/50/152 without --cut)", Exit.USAGE)
     if not args.cut and not args.blocks:
+        from blockflow.blocks.split import check_model_name
+        check_model_name(args.model)  # a misspelt name first: no cut would help it
         raise UserError(f"--model {args.model}: give where to cut it (--cut LAYER, repeatable) or how many "
                         "blocks to balance (--blocks N)", Exit.USAGE)
     if args.cut and args.blocks:

@@ -97,13 +97,21 @@ def torchvision_models() -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
+def check_model_name(spec: str) -> None:
+    """ValueError, with the names nearest to it, when ``spec`` is neither ``package.module:callable``
+    nor a torchvision classification model (the callable itself is imported later)."""
+    if ":" in spec:
+        return
+    known = torchvision_models()
+    if spec not in known:
+        near = difflib.get_close_matches(spec, known, n=5, cutoff=0.5)
+        raise ValueError(f"--model {spec!r} is neither a torchvision classification model nor "
+                         f"package.module:callable; did you mean {', '.join(near) or 'resnet50'}?")
+
+
 def _from_torchvision(name: str, seed: int) -> nn.Module:
     import torchvision
-    known = torchvision_models()
-    if name not in known:
-        near = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
-        raise ValueError(f"--model {name!r} is neither a torchvision classification model nor "
-                         f"package.module:callable; did you mean {', '.join(near) or 'resnet50'}?")
+    check_model_name(name)
     torch.manual_seed(seed)
     return torchvision.models.get_model(name, weights=None).eval()
 

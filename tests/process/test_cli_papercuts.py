@@ -60,6 +60,16 @@ class _Tiny(nn.Module):
         return self.seq(x)
 
 
+def test_a_misspelt_model_is_named_before_the_missing_cut(tmp_path):
+    # without --cut or --blocks the export asked for a cut first, which could not help a typo
+    res = blockflow("export", "--model", "resnet5", "--out", str(tmp_path / "repo"))
+    user_error(res, Exit.BAD_INPUT, "--model 'resnet5' is neither a torchvision classification model",
+               "did you mean resnet50")
+    res = blockflow("export", "--model", "mobilenet_v3_small", "--out", str(tmp_path / "repo"))
+    user_error(res, Exit.USAGE, "--model mobilenet_v3_small: give where to cut it")
+    assert not (tmp_path / "repo").exists()
+
+
 def test_cuts_out_of_order_are_refused_naming_the_order():
     gm = split.trace(_Tiny(), torch.randn(1, 4))
     first, second = split.resolve_cuts(gm, ["seq.a", "seq.b"], "tiny")  # in the model's order: taken
