@@ -884,7 +884,9 @@ class Block(ChildProcess):
                 if single:
                     header.x = x_desc
                 if header.reply is not None and next_name == RETURN_HOP:  # Note [A direct answer]
-                    header.answered = not payload and self.answer_client(header)
+                    # payload: None, one buffer (a tensor's bytes: a numpy array has no truth value), or a list
+                    as_bytes = payload is not None and (type(payload) is not list or len(payload) > 0)
+                    header.answered = not as_bytes and self.answer_client(header)
                     header.reply = None
                 self.transport.send(next_addr, header, payload)
                 x_desc = None

@@ -397,3 +397,22 @@ def test_without_the_dispatchers_inbox_requests_go_by_zeromq(own_pipeline):
         assert c.stats["datagrams_out"] == before["datagrams_out"], c.stats
         assert c.stats["in_slot"] - before["in_slot"] == 5 and c.stats["datagrams_in"] - before["datagrams_in"] == 5
 
+
+
+def test_a_last_block_on_zeromq_answers_a_client_with_lent_slots(server_factory, identity_repo):
+    """A TensorMQ deployment whose last block sends bytes (``"transport": "zeromq"`` on the block):
+    a local client lends slots after its first request, and every later result came as bytes
+    from that block, which then took the bytes' buffer for an empty payload and failed every
+    request with "The truth value of an array ... is ambiguous". The dispatcher answers them."""
+    srv = server_factory(identity_repo)
+    srv.call("POST", "/system/update", {
+        "blocks": [{"name": "a", "model": "toy/identity.pt"},
+                   {"name": "d", "model": "toy/double.pt", "transport": "zeromq"}],
+        "tasks": [{"id": "t", "path": ["a", "d"]}, {"id": "u", "path": ["d"]}]}, timeout=60)
+    with Client(srv.dispatcher, timeout=30) as c:
+        for i in range(6):
+            x = torch.full((1000,), float(i))
+            for task in ("t", "u"):
+                r = c.infer_details(task, x)
+                assert torch.equal(r.tensor, 2 * x), (task, i)
+        assert c.lent is not None  # the later requests went in lent slots
