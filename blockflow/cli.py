@@ -463,7 +463,7 @@ def _load(args) -> int:
 
 
 def _kpi(args) -> int:
-    from .kpi import blocks_in, format_table, newest_run, plot, summarize_block, without_records
+    from .kpi import blocks_in, failing, format_table, newest_run, plot, summarize_block, without_records
     if not os.path.isdir(args.run_dir):
         raise UserError(f"{args.run_dir}: no such directory; give a run directory (GET /system shows "
                         "run_dir) or the server's state directory", Exit.NO_FILE)
@@ -475,6 +475,8 @@ def _kpi(args) -> int:
         print(f"newest run: {run_dir}", file=sys.stderr)
     summaries = [summarize_block(run_dir, n, skip=args.warmup) for n in blocks_in(run_dir)]
     print(json.dumps(summaries, indent=2) if args.json else format_table(summaries))
+    for line in failing(summaries):
+        print(line, file=sys.stderr)
     empty = without_records(summaries)
     if empty:
         print(f"no records yet from block(s) {', '.join(empty)}: they have served no request, or served "

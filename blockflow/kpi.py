@@ -40,13 +40,19 @@ def stats(values: list[float]) -> dict:
 def summarize_block(run_dir: str, name: str, skip: int = 0) -> dict:
     """Latency components of ``name``'s inferences after the first ``skip`` (warm-up), and its
     resource samples taken while those ran (CPU % over the measured window, not the lifetime)."""
-    lat = [r for r in _read(os.path.join(run_dir, f"{name}.latency.jsonl")) if "error" not in r][skip:]
+    records = _read(os.path.join(run_dir, f"{name}.latency.jsonl"))
+    lat = [r for r in records if "error" not in r][skip:]
+    errors: dict[str, int] = {}  # failed requests by error code (blocks/process.py ``fail``), none dropped
+    for r in records:
+        if "error" in r:
+            errors[str(r["error"])] = errors.get(str(r["error"]), 0) + 1
     res = _read(os.path.join(run_dir, f"{name}.resources.jsonl"))
     stamps = [r["ts"] for r in lat if isinstance(r.get("ts"), (int, float))]
     if stamps:
         start, end = min(stamps), max(stamps) + 1.0  # a sample covers the interval before it
         res = [r for r in res if isinstance(r.get("ts"), (int, float)) and start <= r["ts"] <= end] or res
-    out = {"name": name, "count": len(lat), "latency_ms": {}, "queue": stats([r.get("queue", 0) for r in lat])}
+    out = {"name": name, "count": len(lat), "errors": errors, "latency_ms": {},
+           "queue": stats([r.get("queue", 0) for r in lat])}
     for key in LATENCY_FIELDS:
         out["latency_ms"][key] = stats([r[key] for r in lat if key in r])
     out["latency_ms"]["overhead"] = stats([r["total"] - r["inf"] for r in lat if "total" in r and "inf" in r])
@@ -64,8 +70,20 @@ def summarize_block(run_dir: str, name: str, skip: int = 0) -> dict:
 
 
 def without_records(summaries: list[dict]) -> list[str]:
-    """Blocks whose log exists (they started) but holds no inference yet."""
-    return [s["name"] for s in summaries if not s["count"]]
+    """Blocks whose log exists (they started) but holds no inference yet, nor a failed one."""
+    return [s["name"] for s in summaries if not s["count"] and not s.get("errors")]
+
+
+def failing(summaries: list[dict]) -> list[str]:
+    """One line per block that answered requests with errors: how many, by error code."""
+    out = []
+    for s in summaries:
+        errors = s.get("errors") or {}
+        if errors:
+            kinds = ", ".join(f"{code}: {n}" for code, n in sorted(errors.items(), key=lambda kv: -kv[1]))
+            out.append(f"block {s['name']}: {sum(errors.values())} request(s) failed ({kinds})"
+                       + ("" if s["count"] else ", none succeeded") + "; the server's log says why")
+    return out
 
 
 def blocks_in(run_dir: str) -> list[str]:
@@ -96,6 +114,7 @@ def newest_run(path: str) -> str | None:
 #: What each column of ``blockflow kpi`` means (printed under the table).
 LEGEND = """\
   count       inferences measured (after the warm-up records dropped with --warmup)
+  errors      requests the block answered with an error (all of them: none is dropped)
   wait        queued before the inference thread took it           (eq. 4.1: queue wait)
   deser       rebuilding the tensor from its handle or bytes        (reconstruct)
   dev         moving it to the block's device                        (to-device)
@@ -130,14 +149,15 @@ def plot(summaries: list[dict], path: str) -> None:
 
 
 def format_table(summaries: list[dict]) -> str:
-    cols = ["block", "count", "wait", "deser", "dev", "inf", "share", "fwd", "total", "p99 total", "queue", "cpu%",
+    cols = ["block", "count", "errors", "wait", "deser", "dev", "inf", "share", "fwd", "total", "p99 total", "queue", "cpu%",
             "rss MB", "vram MB"]
     rows = []
     for s in summaries:
         lat = s["latency_ms"]
         fmt = lambda v: "-" if v is None else f"{v:.3f}"
         r = s["resources"]
-        rows.append([s["name"], str(s["count"])] + [fmt(lat[k]["mean"]) for k in LATENCY_FIELDS]
+        rows.append([s["name"], str(s["count"]), str(sum((s.get("errors") or {}).values()))]
+                    + [fmt(lat[k]["mean"]) for k in LATENCY_FIELDS]
                     + [fmt(lat["total"]["p99"]), fmt(s["queue"]["mean"]),
                        f"{r['cpu_percent']:.0f}" if "cpu_percent" in r else "-",
                        f"{r['rss_mb']:.0f}" if "rss_mb" in r else "-",

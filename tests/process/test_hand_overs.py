@@ -14,6 +14,8 @@ from torch import nn
 from blockflow.blocks.manifest import write_manifest
 from blockflow.client import BlockFlowError, Client
 from blockflow.restclient import RestError
+from conftest import wait_for
+from test_cli import blockflow
 
 
 def _save(module: nn.Module, path) -> None:
@@ -76,3 +78,11 @@ def test_a_model_that_fails_inside_torchscript_answers_its_cause_in_one_line(ser
                    "to have 8 channels, but got 4 channels instead" in text, text
             assert "Traceback" not in text and "\n" not in text, text
         assert tuple(c.infer("t", torch.randn(1, 8, 6, 6)).shape) == (1, 2, 4, 4)  # and it serves on
+    # blockflow kpi counts the failures (records are written at least every second)
+    def kpi():
+        res = blockflow("kpi", srv.state_dir, "--warmup", "0")
+        return res if "block b: 2 request(s) failed (error: 2); the server's log says why" in res.stderr else None
+    res = wait_for(kpi, 30, "blockflow kpi naming the failures")
+    row = next(line.split() for line in res.stdout.splitlines() if line.split()[:1] == ["b"])
+    assert row[1:3] == ["1", "2"], res.stdout  # count, errors
+    assert "no records yet" not in res.stderr, res.stderr
