@@ -111,7 +111,7 @@ from blockflow.core.childproc import BootError, ChildProcess, Later, Mailbox, ex
 from blockflow.core.protocol import RETURN_HOP, ErrorCode, Monitor, NoArgs, Ready, Topology
 from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.core.curve import ClusterKeys, authenticator, make_server
-from blockflow.tensormq.transport import RESULT_KEYS, Transport, receive_limit, recv_message
+from blockflow.tensormq.transport import RESULT_KEYS, Transport, payload_frames, receive_limit, recv_message
 from blockflow.tensormq.bundle import first
 from blockflow.tensormq.datagram import Receiver
 from blockflow.tensormq.wire import (PROTOCOL_VERSION, ClientReply, DataHeader, WireError, block_error, check_path,
@@ -884,9 +884,7 @@ class Block(ChildProcess):
                 if single:
                     header.x = x_desc
                 if header.reply is not None and next_name == RETURN_HOP:  # Note [A direct answer]
-                    # payload: None, one buffer (a tensor's bytes: a numpy array has no truth value), or a list
-                    as_bytes = payload is not None and (type(payload) is not list or len(payload) > 0)
-                    header.answered = not as_bytes and self.answer_client(header)
+                    header.answered = not payload_frames(payload) and self.answer_client(header)
                     header.reply = None
                 self.transport.send(next_addr, header, payload)
                 x_desc = None

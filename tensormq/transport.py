@@ -181,6 +181,14 @@ class LeaseSet:
             le.release()
 
 
+def payload_frames(payload) -> list:
+    """The frames of a message's payload as ``encode``/``encode_value`` give it: None (a handle),
+    one buffer (a tensor's bytes: a numpy array, which has no truth value) or a list of buffers."""
+    if type(payload) is list:  # a bundle's bytes members, or none
+        return payload
+    return [] if payload is None else [payload]
+
+
 class Transport:
     """Sockets, slot pools and mappers of one process, for one thread."""
 
@@ -452,10 +460,7 @@ class Transport:
     def send(self, address: str, header: dict, payload=None, timeout: float | None = None) -> None:
         """Send one message; raises TimeoutError instead of blocking forever on a dead peer.
         ``payload``: None, one buffer, or a list of buffers (a bundle's bytes members)."""
-        if type(payload) is list:  # a bundle's bytes members, or none
-            payloads = payload
-        else:
-            payloads = [] if payload is None else [payload]
+        payloads = payload_frames(payload)
         if not payloads:  # a handle or an error: one frame, a datagram on this host or a socket with room
             data = dumps(header)
             # Ray mode sends a hop on this node to the endpoint it has there (``near``)
