@@ -276,7 +276,6 @@ def _names(names) -> str:
 def format_update(answer: dict) -> str:
     """``blockflow update``'s answer for a person (``--json`` prints it as the server sent it): the
     version, what each process and task became, and whether the TensorMQ slots fit the shared memory."""
-    import textwrap
     diff = answer.get("diff") or {}
     tasks = diff.get("tasks") or {}
     lines = [f"applied update version {answer.get('version')} in {answer.get('seconds', 0):.2f} s",
@@ -298,7 +297,15 @@ def format_update(answer: dict) -> str:
             need += (": DOES NOT FIT, requests that find no room fail with no_shared_memory (give it more room, "
                      "lower serve --window, or set BLOCKFLOW_SHM_DIR to a larger tmpfs)")
         lines.append(need)
-    return "\n".join(textwrap.fill(line, STATUS_WIDTH, subsequent_indent="  ") for line in lines)
+    return "\n".join(fill_line(line) for line in lines)
+
+
+def fill_line(line: str) -> str:
+    """One line of output for a person, wrapped at STATUS_WIDTH on spaces only: a path, a name with a
+    hyphen or a URL stays whole, so it can be copied from the terminal."""
+    import textwrap
+    return textwrap.fill(line, STATUS_WIDTH, subsequent_indent="  ", break_on_hyphens=False,
+                         break_long_words=False)
 
 
 def _status(args) -> int:
@@ -317,10 +324,9 @@ def _down(args) -> int:
     token = args.token or settings.TOKEN
     tasks = [t["id"] for t in rest_call("GET", args.url, "/system", token=token).get("tasks", [])]
     res = rest_call("DELETE", args.url, "/system", token=token)
-    import textwrap
     print(f"took the deployment down (version {res.get('version')})")
     for what, names in (("processes", res.get("removed") or []), ("tasks", tasks)):
-        print(textwrap.fill(f"removed {what}: {', '.join(names) or '(none)'}", STATUS_WIDTH, subsequent_indent="  "))
+        print(fill_line(f"removed {what}: {', '.join(names) or '(none)'}"))
     print("the server runs on, empty: `blockflow update FILE` deploys again; stop it with Ctrl-C (SIGTERM)")
     return 0
 

@@ -214,7 +214,7 @@ def test_status_pipe_hint_and_down_against_a_server(server_factory, identity_rep
                           "tasks: added t; changed -; removed -"], res.stdout
     # dispatcher -> a -> d -> dispatcher; hand-made blocks: no manifest declares their shapes
     assert re.fullmatch(r"TensorMQ slots: 3 edges x 8 slots, sized by their first tensors; \d+ MiB free in \S+",
-                        " ".join(lines[3:])), res.stdout
+                        " ".join(line.strip() for line in lines[3:])), res.stdout
     assert all(len(line) <= STATUS_WIDTH for line in lines), res.stdout
 
     res = blockflow("status", env={"BLOCKFLOW_URL": srv.url})

@@ -36,3 +36,14 @@ def test_a_zeromq_update_has_no_slot_line():
     assert "TensorMQ" not in format_update(answer)
     answer["shm"] = None
     assert len(format_update(answer).splitlines()) == 3
+
+
+def test_a_long_path_or_hyphenated_name_is_never_split_across_lines():
+    # CI's shared-memory folders are named like /dev/shm/bfw-gw1-js2dfn6r: a wrap at the hyphen
+    # gave a path that could not be copied from the terminal
+    shm_dir = "/dev/shm/bfw-gw1-js2dfn6r-" + "x" * 40 + "/slots"
+    answer = _answer(dir=shm_dir, edges_unknown_size=4)
+    answer["diff"]["spawned"] = [f"resnet50-block-{i}" for i in range(12)]
+    words = " ".join(format_update(answer).split()).split(" ")
+    assert "/dev/shm/bfw-gw1-js2dfn6r-" + "x" * 40 in words
+    assert all(f"resnet50-block-{i}," in words for i in range(11)) and "resnet50-block-11;" in words
