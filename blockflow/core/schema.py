@@ -10,6 +10,7 @@ same edge and reported under the same field names.
 """
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import typing
@@ -80,7 +81,9 @@ class BatchPolicy:
             raise PolicyError(where, "must be an object {max_batch, max_queue_delay_us, preferred}")
         unknown = set(obj) - {"max_batch", "max_queue_delay_us", "preferred"}
         if unknown:
-            raise PolicyError(f"{where}.{sorted(unknown)[0]}", "unknown field")
+            field = sorted(unknown)[0]
+            raise PolicyError(f"{where}.{field}", unknown_field(field, ("max_batch", "max_queue_delay_us", "preferred"),
+                                                                 "batching"))
         mb = obj.get("max_batch")
         if isinstance(mb, bool) or not isinstance(mb, int) or not 1 <= mb <= 1024:
             raise PolicyError(f"{where}.max_batch", "must be an integer from 1 to 1024")
@@ -287,6 +290,14 @@ def _node(value: str | None, where: str, nodes: set[str] | None) -> str | None:
     return value
 
 
+def unknown_field(field: str, known, what: str) -> str:
+    """The words for a field no schema declares: the nearest declared name when there is one (a
+    typo such as ``replica``), then every name ``what`` has."""
+    near = difflib.get_close_matches(field, list(known), n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}? " if near else ""
+    return f"unknown field; {hint}{what} has {', '.join(sorted(known))}"
+
+
 #: msgspec's words for where a value failed (``- at `$.cpus[0]` ``) and for unknown and missing fields
 _AT_RE = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _FIELD_RE = re.compile(r"(?P<what>unknown|missing required) field `(?P<field>[^`]+)`")
@@ -297,7 +308,7 @@ def _refusal(exc: msgspec.ValidationError, raw: dict, where: str, cpu_count: int
     text = str(exc)
     named = _FIELD_RE.search(text)
     if named and named["what"] == "unknown":
-        return UpdateError(f"{where}.{named['field']}", f"unknown field; a block has {', '.join(sorted(BLOCK_FIELDS))}")
+        return UpdateError(f"{where}.{named['field']}", unknown_field(named["field"], BLOCK_FIELDS, "a block"))
     if named:
         return UpdateError(f"{where}.{named['field']}", "is required")
     at = _AT_RE.search(text)
@@ -341,7 +352,8 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None, nodes: se
         raise UpdateError("body", "must be a JSON object with 'blocks' and 'tasks'")
     unknown = set(body) - TOP_FIELDS
     if unknown:
-        raise UpdateError(sorted(unknown)[0], f"unknown field; an update has {', '.join(sorted(TOP_FIELDS))}")
+        field = sorted(unknown)[0]
+        raise UpdateError(field, unknown_field(field, TOP_FIELDS, "an update"))
     transport = _str(body.get("transport", "tensormq"), "transport", TRANSPORTS)
     protocol = _str(body.get("protocol", "ipc"), "protocol", PROTOCOLS)
     blocks_in, tasks_in = body.get("blocks"), body.get("tasks", [])
@@ -405,7 +417,8 @@ def validate_update(body, gpus: int = 0, cpu_count: int | None = None, nodes: se
             raise UpdateError(where, "must be an object with id and path")
         extra = set(t) - {"id", "path"}
         if extra:
-            raise UpdateError(f"{where}.{sorted(extra)[0]}", "unknown field; a task has id and path")
+            field = sorted(extra)[0]
+            raise UpdateError(f"{where}.{field}", unknown_field(field, ("id", "path"), "a task"))
         if "id" not in t:
             raise UpdateError(f"{where}.id", "is required")
         tid = _name(t["id"], f"{where}.id")
