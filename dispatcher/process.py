@@ -493,7 +493,11 @@ class Dispatcher(ChildProcess):
         if shape and (len(desc.shape) != len(shape) or any(
                 want is not None and want != got for want, got in zip(shape[1:], desc.shape[1:]))):
             want = ["N"] + list(shape[1:])
-            raise ValueError(f"task {task} takes tensors of shape {want}{member}, got {list(desc.shape)}")
+            got = list(desc.shape)
+            # one sample sent without its batch dimension: say how to add it
+            hint = "; add the batch dimension (tensor.unsqueeze(0))" if len(got) == len(shape) - 1 and all(
+                w is None or w == g for w, g in zip(shape[1:], got)) else ""
+            raise ValueError(f"task {task} takes tensors of shape {want}{member}, got {got}{hint}")
         for named, got in zip((spec.get("dims") or [])[1:], desc.shape[1:]):
             low, high = (spec.get("bounds") or {}).get(named, (None, None)) if isinstance(named, str) else (None, None)
             if low is not None and not low <= got <= high:
