@@ -470,6 +470,11 @@ def _load(args) -> int:
 
 def _kpi(args) -> int:
     from .kpi import blocks_in, failing, format_table, newest_run, plot, summarize_block, without_records
+    if args.run_dir is None:  # the running server's own run: where its blocks write now
+        args.run_dir = rest_call("GET", args.url, "/system", token=args.token or settings.TOKEN).get("run_dir")
+        if not args.run_dir:
+            raise UserError(f"the server at {args.url} names no run directory; give the run_dir", Exit.NO_FILE)
+        print(f"run of the server at {args.url}: {args.run_dir}", file=sys.stderr)
     if not os.path.isdir(args.run_dir):
         raise UserError(f"{args.run_dir}: no such directory; give a run directory (GET /system shows "
                         "run_dir) or the server's state directory", Exit.NO_FILE)
@@ -716,7 +721,11 @@ def build_parser() -> argparse.ArgumentParser:
     ld.set_defaults(fn=_load)
 
     k = sub.add_parser("kpi", help="per-block latency components and resources from a run's KPI logs")
-    k.add_argument("run_dir", help="a run directory (GET /system: run_dir), or a state directory: its newest run")
+    k.add_argument("run_dir", nargs="?", help="a run directory (GET /system: run_dir), or a state directory: its "
+                                              "newest run (default: the run of the server at --url)")
+    k.add_argument("--url", default=settings.URL, help="the server whose current run is read when no run_dir is "
+                                                       "given (default: $BLOCKFLOW_URL, else http://127.0.0.1:8080)")
+    k.add_argument("--token", help="bearer token, when the server has one (default: $BLOCKFLOW_TOKEN)")
     k.add_argument("--warmup", "--skip", type=int, default=10, dest="warmup",
                    help="drop each block's first N inferences (warm-up)")
     k.add_argument("--json", action="store_true", help="print the summaries as JSON instead of a table")

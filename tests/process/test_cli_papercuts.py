@@ -222,6 +222,24 @@ def test_status_pipe_hint_and_down_against_a_server(server_factory, identity_rep
     assert max(len(line) for line in res.stdout.splitlines()) <= STATUS_WIDTH, res.stdout
     assert [line.split()[0] for line in res.stdout.splitlines()[1:5]] == ["@dispatcher", "a", "d", "d.r1"], res.stdout
 
+    # `blockflow kpi` with no run_dir reads the run of the server BLOCKFLOW_URL names
+    from blockflow.client import Client
+    from conftest import wait_for
+    with Client(srv.dispatcher, timeout=30) as c:
+        for _ in range(3):
+            assert torch.equal(c.infer("t", torch.ones(2, 3)), torch.full((2, 3), 2.0))
+    run_dir = srv.call("GET", "/system")["run_dir"]
+    log = os.path.join(run_dir, "a.latency.jsonl")  # a record per request, written at least once a second
+
+    def records() -> int:
+        with open(log) as f:
+            return sum(1 for line in f if line.endswith("\n"))
+    wait_for(lambda: os.path.exists(log) and records() == 3, 30, "block a's 3 KPI records")
+    res = blockflow("kpi", "--warmup", "0", "--json", env={"BLOCKFLOW_URL": srv.url})
+    assert res.returncode == 0, res.stderr
+    assert f"run of the server at {srv.url}: {run_dir}" in res.stderr, res.stderr
+    assert {row["name"]: row["count"] for row in json.loads(res.stdout)}["a"] == 3, res.stdout
+
     # 5: the reader closed the pipe before anything was written (`| head` that is done): quiet, 141
     read_end, write_end = os.pipe()
     os.close(read_end)
