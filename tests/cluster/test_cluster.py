@@ -284,10 +284,19 @@ def test_a_node_lost_under_load_answers_every_request_and_serving_resumes_when_i
         c.remove_node(nodes.pop("edge-b"), allow_graceful=False)
         wait_for(lambda: any(o[1] >= removed_at + 1 and o[0] != "ok" for o in outcomes), 30,
                  "requests refused while edge-b is gone")
-        waiting = lambda: {b["name"]: b.get("waiting_for_node")  # noqa: E731
-                           for b in server.call("GET", "/system")["blocks"] if b["name"] in ("b3", "b4", "h")}
-        wait_for(lambda: waiting() == {"b3": "edge-b", "b4": "edge-b", "h": "edge-b"}, 60,
-                 "GET /system saying which blocks wait for a node with edge-b")
+        seen: list = []  # what GET /system said last about b3, b4 and h: the failure names it
+
+        def waiting():
+            seen[:] = [{b["name"]: (b.get("waiting_for_node"), b["status"], b["incarnation"], b.get("last_exit"))
+                        for b in server.call("GET", "/system")["blocks"] if b["name"] in ("b3", "b4", "h")}]
+            return {name: row[0] for name, row in seen[0].items()} == {"b3": "edge-b", "b4": "edge-b", "h": "edge-b"}
+        try:
+            wait_for(waiting, 60, "GET /system saying which blocks wait for a node with edge-b")
+        except AssertionError as exc:
+            alive = [n.get("NodeID", "?")[:8] for n in c.global_state.node_table()
+                     if n.get("Alive") and "edge-b" in n.get("Resources", {})]
+            raise AssertionError(f"{exc}; b3, b4, h (waiting_for_node, status, incarnation, last_exit): {seen}; "
+                                 f"live nodes advertising edge-b in Ray's node table: {alive}") from None
         blocks_waited = time.monotonic() - removed_at
         ray_still_listed = "edge-b" in _live_resources(c)
         # GET /system may say so before Ray's node table, which the update's check asks, stops
