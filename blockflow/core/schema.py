@@ -65,6 +65,10 @@ class PolicyError(ValueError):
         self.field = field
 
 
+#: The fields a ``batching`` object may have (BatchPolicy.parse).
+BATCHING_FIELDS = ("max_batch", "max_queue_delay_us", "preferred")
+
+
 @dataclass(frozen=True)
 class BatchPolicy:
     max_batch: int
@@ -79,11 +83,10 @@ class BatchPolicy:
     def parse(obj, where: str = "batching") -> "BatchPolicy":
         if not isinstance(obj, dict):
             raise PolicyError(where, "must be an object {max_batch, max_queue_delay_us, preferred}")
-        unknown = set(obj) - {"max_batch", "max_queue_delay_us", "preferred"}
+        unknown = set(obj) - set(BATCHING_FIELDS)
         if unknown:
             field = sorted(unknown)[0]
-            raise PolicyError(f"{where}.{field}", unknown_field(field, ("max_batch", "max_queue_delay_us", "preferred"),
-                                                                 "batching"))
+            raise PolicyError(f"{where}.{field}", unknown_field(field, BATCHING_FIELDS, "batching"))
         mb = obj.get("max_batch")
         if isinstance(mb, bool) or not isinstance(mb, int) or not 1 <= mb <= 1024:
             raise PolicyError(f"{where}.max_batch", "must be an integer from 1 to 1024")
