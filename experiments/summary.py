@@ -301,8 +301,54 @@ def _request_path_rows(r: Results) -> list[list]:
     return rows
 
 
+#: Issue 40's CPU goals (the 2-core box): the identity hop at 3.2 MB over the bare relay of the same
+#: size, the pipeline and one fused block over the monolithic model, each in one run.
+ISSUE40_HOP_GOAL, ISSUE40_PIPELINE_GOAL, ISSUE40_FUSED_GOAL = 1.5, 1.05, 1.02
+
+
+def _issue40_rows(r: Results) -> list[list]:
+    """Issue 40's CPU goals beside the older goals the same experiments carry (their own rows)."""
+    rows = []
+    d = r("hop_overhead")
+    ident = sorted((row for row in (d or {}).get("rows") or []
+                    if row.get("block") == "identity" and row["transport"] == "tensormq" and row["shape"][0] == 1
+                    and row.get("vs_floor") is not None), key=lambda row: -row["mbytes"])
+    if ident:
+        def ratio(row: dict) -> str:
+            lo_hi = row.get("vs_floor_spread")
+            return f"{row['mbytes']:.1f} MB: {_x(row['vs_floor'])}" + (f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})" if lo_hi else "")
+        at = next((row for row in ident if abs(row["mbytes"] - 3.21) < 0.05), None)
+        rows.append(["TensorMQ identity hop / the bare pyzmq relay of the same size, batch 1 (median of the "
+                     "interleaved rounds' ratios, their range)",
+                     "; ".join(ratio(row) for row in ident) + f" ({r.source('hop_overhead')})",
+                     f"≤ {ISSUE40_HOP_GOAL}x at 3.2 MB (issue 40): "
+                     + (_met(at["vs_floor"] <= ISSUE40_HOP_GOAL) if at else "not measured"),
+                     "`python -m experiments.hop_overhead`"])
+    parts, ratios = [], []
+    p = (r("pipeline_latency") or {}).get("ratio_pipeline_vs_monolithic") or {}
+    for transport, row in p.items():
+        parts.append(f"pipeline_latency {transport} {_x(row['ratio'], 3)}")
+        ratios.append(row["ratio"])
+    f = (r("fused") or {}).get("series") or {}
+    if "five blocks" in f:
+        parts.append(f"fused's five blocks {_x(f['five blocks']['ratio_p50'], 3)}")
+        ratios.append(f["five blocks"]["ratio_p50"])
+    if parts:
+        sources = [r.source(n) for n in ("pipeline_latency", "fused") if r(n) is not None]
+        rows.append(["ResNet50 in 4 blocks + head / the monolithic model, interleaved (p50, batch 1, 1 thread)",
+                     "; ".join(parts) + f" ({'; '.join(sources)})",
+                     f"≤ {ISSUE40_PIPELINE_GOAL}x (issue 40): {_met(all(x <= ISSUE40_PIPELINE_GOAL for x in ratios))}",
+                     "`python -m experiments.pipeline_latency`, `python -m experiments.fused`"])
+    if "one fused" in f:
+        rows.append(["ResNet50 as one fused block / the monolithic model, interleaved (p50, batch 1, 1 thread)",
+                     f"{_x(f['one fused']['ratio_p50'], 3)} ({r.source('fused')})",
+                     f"≤ {ISSUE40_FUSED_GOAL}x (issue 40): {_met(f['one fused']['ratio_p50'] <= ISSUE40_FUSED_GOAL)}",
+                     "`python -m experiments.fused`"])
+    return rows
+
+
 def measured_here(r: Results) -> str:
-    rows = (_clock_rows(r) + _request_path_rows(r) + _hop_rows(r) + _fused_rows(r) + _block_cache_rows(r) + _batching_rows(r)
+    rows = (_clock_rows(r) + _request_path_rows(r) + _issue40_rows(r) + _hop_rows(r) + _fused_rows(r) + _block_cache_rows(r) + _batching_rows(r)
             + _peers_rows(r) + _kserve_rows(r) + _validation_rows(r))
     return _table(["what", "measured (source, date, commit)", "goal", "command"], rows)
 
