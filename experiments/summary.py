@@ -294,7 +294,10 @@ def _request_path_rows(r: Results) -> list[list]:
                          f"before: {_x(b['off_bytes_over_before'], 3)}"
                          + (f" (bootstrap 95% {b['off_bytes_over_before_ci95'][0]:.3f}-"
                             f"{b['off_bytes_over_before_ci95'][1]:.3f})" if "off_bytes_over_before_ci95" in b else "")
-                         + f"; before {_ms(st['before tracing']['p50_ms'], 1)} ({r.source('tracing')})",
+                         + f"; before {_ms(st['before tracing']['p50_ms'], 1)}"
+                         + (f"; the start order alone, an untraced server started first / off: "
+                            f"{_x(b['start_order_over_off'], 3)}" if "start_order_over_off" in b else "")
+                         + f" ({r.source('tracing')})",
                          "within 1% (issue 45 item 4; like for like, the interval's upper end ≤ 1.01): "
                          f"{_met(b['within_1pct'])}",
                          "`python -m experiments.tracing`"])

@@ -317,7 +317,11 @@ def test_tracing(tmp_path, resnet_repo, leak_check):
     data = load(out, "tracing")
     check_provenance(data, "tracing")
     series, before = data["series"], data["before"]
-    assert {"off", "off, bytes", "ratio 0.01", "ratio 1.0"} <= set(series)
+    assert {"off, started first", "off", "off, bytes", "ratio 0.01", "ratio 1.0"} <= set(series)
+    # the start order's control (Note [Start order]) started before every compared setting
+    assert data["settings"]["start_order"][0] == data["settings"]["start_order_control"] == "off, started first"
+    assert series["off, started first"]["p50_over_off"] == pytest.approx(
+        series["off, started first"]["p50_ms"] / series["off"]["p50_ms"])
     assert all(positive(row["p50_ms"]) and len(row["p50s_ms"]) == 1 for row in series.values())
     if shutil.which("git") is None or _git("rev-parse", "HEAD").returncode != 0:
         assert before["skipped"] and before["reason"], before
@@ -341,6 +345,7 @@ def test_tracing(tmp_path, resnet_repo, leak_check):
     from experiments.summary import Results, _request_path_rows
     rows = [r for r in _request_path_rows(Results(out)) if "the code before tracing" in r[0]]
     assert len(rows) == 1 and f"{before['off_over_before']:.3f}x" in rows[0][1], rows
+    assert f"started first / off: {before['start_order_over_off']:.3f}x" in rows[0][1], rows
 
 
 def check_provenance(data: dict, name: str) -> None:
