@@ -107,6 +107,10 @@ THESIS = {"http_full_ms": 200.0, "zeromq_ms": 44.9, "offline_ms": 11.703,
 #: and HTTP split as "up to ~40x" TensorMQ): computed here, not quoted.
 THESIS_DERIVED = {"tensormq_ms": 44.9 / 2.8, "http_split_ms": 40.0 * 44.9 / 2.8}
 RATIO_GOAL = 1.20  # issue 11: the unfused 5-process pipeline <= 1.20x the monolithic model
+#: Consecutive parts of a transport's series whose p50 ratios give the ratio's spread (issue 40
+#: item 6): each part is a short run of its own, its requests interleaved with the monolithic
+#: model's like the whole series'.
+RATIO_PARTS = 5
 #: issue 27 on a GPU: the pipeline's p50 <= 1.0x the monolithic model's eager p50 (gpu_floor's
 #: mono_eager), and, the stretch goal, <= 1.5x the floor (gpu_floor's five torch-only processes).
 FLOOR_GOAL = 1.0
@@ -638,7 +642,21 @@ def summarise_transport(recs: list[dict], kpi: list[dict], quick: bool) -> dict:
                               "client has the tensor (client library, dispatcher, socket hops)",
             "rtt_minus_inference_ms": common.describe([r["rtt_minus_inf"] for r in kept]),
             "monolithic_interleaved_ms": mono, "ratio_p50": rtt["p50"] / mono["p50"],
+            "ratio_p50_parts": ratio_parts(kept),
             "ratio_mean": rtt["mean"] / mono["mean"], "blocks": block_components(kept_kpi)}
+
+
+def ratio_parts(kept: list[dict], parts: int = RATIO_PARTS) -> list[float]:
+    """The pipeline's p50 over the interleaved monolithic model's in each of ``parts`` consecutive
+    parts of the series (fewer when it is short: 5 requests a part at least)."""
+    parts = max(1, min(parts, len(kept) // 5))
+    size = len(kept) / parts
+    out = []
+    for i in range(parts):
+        chunk = kept[round(i * size):round((i + 1) * size)]
+        if chunk:
+            out.append(statistics.median(r["rtt"] for r in chunk) / statistics.median(r["mono"] for r in chunk))
+    return out
 
 
 def floor_ratios(summary: dict) -> dict:
@@ -892,7 +910,9 @@ def main(argv=None) -> int:
         summary["gpu_floor"] = {"skipped": "--no-floor"} if args.no_floor else floor_phase(repo, device, floor_n)
     mono_alone = summary["offline"]["monolithic_ms"]["p50"]
     ratios = {t: {"pipeline_p50_ms": s["rtt_ms"]["p50"], "monolithic_p50_ms": s["monolithic_interleaved_ms"]["p50"],
-                  "ratio": s["ratio_p50"], "monolithic_alone_p50_ms": mono_alone,
+                  "ratio": s["ratio_p50"], "ratio_parts": s["ratio_p50_parts"],
+                  "ratio_spread": [min(s["ratio_p50_parts"]), max(s["ratio_p50_parts"])] if s["ratio_p50_parts"] else None,
+                  "monolithic_alone_p50_ms": mono_alone,
                   "ratio_vs_alone": s["rtt_ms"]["p50"] / mono_alone, "goal": RATIO_GOAL,
                   "meets_goal": s["ratio_p50"] <= RATIO_GOAL}
               for t, s in summary["transports"].items()}
@@ -957,6 +977,9 @@ def report(summary: dict, ratios: dict, env: dict, settings: dict) -> None:
     for t, r in ratios.items():
         print(f"RATIO {t}: median pipeline {r['pipeline_p50_ms']:.2f} ms / median monolithic "
               f"{r['monolithic_p50_ms']:.2f} ms (interleaved) = {r['ratio']:.3f}x "
+              + (f"({len(r['ratio_parts'])} part{'s' * (len(r['ratio_parts']) != 1)} of the series: "
+                 f"{r['ratio_spread'][0]:.3f}-{r['ratio_spread'][1]:.3f}x) "
+                 if r.get("ratio_spread") else "") +
               f"(goal <= {RATIO_GOAL:.2f}x: {'met' if r['meets_goal'] else 'NOT met'}; "
               f"vs monolithic alone {r['ratio_vs_alone']:.3f}x)")
     lines = floor_lines(summary)

@@ -330,7 +330,9 @@ def _issue40_rows(r: Results) -> list[list]:
     parts, ratios = [], []
     p = (r("pipeline_latency") or {}).get("ratio_pipeline_vs_monolithic") or {}
     for transport, row in p.items():
-        parts.append(f"pipeline_latency {transport} {_x(row['ratio'], 3)}")
+        spread = row.get("ratio_spread")  # the p50 ratios of the series' consecutive parts
+        parts.append(f"pipeline_latency {transport} {_x(row['ratio'], 3)}"
+                     + (f" (its parts {spread[0]:.3f}-{spread[1]:.3f})" if spread else ""))
         ratios.append(row["ratio"])
     f = (r("fused") or {}).get("series") or {}
     if "five blocks" in f:

@@ -202,7 +202,10 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
     for t, r in data["ratio_pipeline_vs_monolithic"].items():
         assert r["ratio"] == pytest.approx(r["pipeline_p50_ms"] / r["monolithic_p50_ms"])
         assert 0.5 < r["ratio"] < 10
-        assert f"RATIO {t}:" in stdout
+        # its spread: the ratios of consecutive parts of the series, 5 requests a part at least
+        # (the 6 kept here make one part: the whole series)
+        assert r["ratio_parts"] == [pytest.approx(r["ratio"])] and r["ratio_spread"] == r["ratio_parts"] * 2
+        assert f"RATIO {t}:" in stdout and "(1 part of the series: " in stdout
     assert data["thesis_gv100"]["offline_ms"] == 11.703
     with open(os.path.join(out, "pipeline_latency_samples.csv")) as f:
         rows = list(csv.DictReader(f))
