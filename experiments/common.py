@@ -349,6 +349,21 @@ def bootstrap_ci(sample: list, stat, draws: int = 1000, seed: int = 0) -> list[f
     return [got[int(0.025 * draws)], got[int(0.975 * draws) - 1]]
 
 
+def ratio_parts(nums: list[float], dens: list[float], parts: int = 5) -> list[float]:
+    """The p50 of ``nums`` over the p50 of ``dens`` (paired samples of one interleaved series) in
+    each of ``parts`` consecutive parts of the series, fewer when it is short (5 pairs a part at
+    least): the spread of a ratio measured in one series (issue 40 item 6)."""
+    n = min(len(nums), len(dens))
+    parts = max(1, min(parts, n // 5))
+    size = n / parts
+    out = []
+    for i in range(parts):
+        lo, hi = round(i * size), round((i + 1) * size)
+        if hi > lo:
+            out.append(pct(nums[lo:hi], 0.5) / pct(dens[lo:hi], 0.5))
+    return out
+
+
 def describe(values) -> dict:
     """n, mean, std, min, p50, p90, p99, max (milliseconds in, milliseconds out)."""
     v = [float(x) for x in values]

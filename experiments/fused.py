@@ -113,6 +113,7 @@ def measure(server, full, x, n: int, quick: bool, tasks: tuple[str, ...] = (comm
         keep = [common.discard_warmup(v, quick) for v in series]
         r, i, w_in, w_out = (common.describe(v) for v in keep)
         out[task] = {"rtt_ms": r, "monolithic_interleaved_ms": m, "ratio_p50": r["p50"] / m["p50"],
+                     "ratio_p50_parts": common.ratio_parts(keep[0], m_keep),
                      "inference_ms": i, "inference_ratio_p50": i["p50"] / m["p50"],
                      "rest_ms": common.describe([a - b for a, b in zip(keep[0], keep[1])]),
                      "way_in_ms": w_in, "way_out_ms": w_out}

@@ -642,21 +642,8 @@ def summarise_transport(recs: list[dict], kpi: list[dict], quick: bool) -> dict:
                               "client has the tensor (client library, dispatcher, socket hops)",
             "rtt_minus_inference_ms": common.describe([r["rtt_minus_inf"] for r in kept]),
             "monolithic_interleaved_ms": mono, "ratio_p50": rtt["p50"] / mono["p50"],
-            "ratio_p50_parts": ratio_parts(kept),
+            "ratio_p50_parts": common.ratio_parts([r["rtt"] for r in kept], [r["mono"] for r in kept], RATIO_PARTS),
             "ratio_mean": rtt["mean"] / mono["mean"], "blocks": block_components(kept_kpi)}
-
-
-def ratio_parts(kept: list[dict], parts: int = RATIO_PARTS) -> list[float]:
-    """The pipeline's p50 over the interleaved monolithic model's in each of ``parts`` consecutive
-    parts of the series (fewer when it is short: 5 requests a part at least)."""
-    parts = max(1, min(parts, len(kept) // 5))
-    size = len(kept) / parts
-    out = []
-    for i in range(parts):
-        chunk = kept[round(i * size):round((i + 1) * size)]
-        if chunk:
-            out.append(statistics.median(r["rtt"] for r in chunk) / statistics.median(r["mono"] for r in chunk))
-    return out
 
 
 def floor_ratios(summary: dict) -> dict:

@@ -335,8 +335,11 @@ def _issue40_rows(r: Results) -> list[list]:
                      + (f" (its parts {spread[0]:.3f}-{spread[1]:.3f})" if spread else ""))
         ratios.append(row["ratio"])
     f = (r("fused") or {}).get("series") or {}
+    def spread(row: dict) -> str:  # the p50 ratios of the series' consecutive parts, where recorded
+        v = row.get("ratio_p50_parts")
+        return f" (its parts {min(v):.3f}-{max(v):.3f})" if v else ""
     if "five blocks" in f:
-        parts.append(f"fused's five blocks {_x(f['five blocks']['ratio_p50'], 3)}")
+        parts.append(f"fused's five blocks {_x(f['five blocks']['ratio_p50'], 3)}{spread(f['five blocks'])}")
         ratios.append(f["five blocks"]["ratio_p50"])
     if parts:
         sources = [r.source(n) for n in ("pipeline_latency", "fused") if r(n) is not None]
@@ -346,7 +349,7 @@ def _issue40_rows(r: Results) -> list[list]:
                      "`python -m experiments.pipeline_latency`, `python -m experiments.fused`"])
     if "one fused" in f:
         rows.append(["ResNet50 as one fused block / the monolithic model, interleaved (p50, batch 1, 1 thread)",
-                     f"{_x(f['one fused']['ratio_p50'], 3)} ({r.source('fused')})",
+                     f"{_x(f['one fused']['ratio_p50'], 3)}{spread(f['one fused'])} ({r.source('fused')})",
                      f"≤ {ISSUE40_FUSED_GOAL}x (issue 40): {_met(f['one fused']['ratio_p50'] <= ISSUE40_FUSED_GOAL)}",
                      "`python -m experiments.fused`"])
     return rows

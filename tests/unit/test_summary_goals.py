@@ -42,3 +42,12 @@ def test_a_figure_past_its_goal_is_not_met(tmp_path):
     # pipeline_latency's 1.06x here
     rows = _rows(tmp_path, hop_32=1.4, pipeline=1.06, fused=1.0)
     assert rows["ResNet50 in 4 blocks + head"][2].endswith("**not met**")
+
+
+def test_a_ratio_measured_in_one_series_gets_the_spread_of_its_parts():
+    from experiments.common import ratio_parts
+    # the pipeline twice as slow as the monolithic model in the first half of the series, even after
+    nums = [2.0] * 10 + [1.0] * 10
+    assert ratio_parts(nums, [1.0] * 20) == [2.0, 2.0, 1.0, 1.0]  # 5 pairs a part at least
+    assert ratio_parts(nums[:9], [1.0] * 9) == [2.0]  # too short for two: the whole series
+    assert ratio_parts([3.0, 1.0, 2.0] * 10, [2.0] * 30, parts=5) == [1.0] * 5  # medians, not means
