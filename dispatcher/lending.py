@@ -23,10 +23,23 @@ that a request's bytes cross on the way in (client, dispatcher) and the two on t
   dispatcher remembers each handle it answered with until the slot moves on, and releases
   the ones the client has not within ``RESULT_GRACE_S``.
 - A lease ends with ``{"op": "unlend"}``, when the client's process is gone (its pid, checked
-  every second) or when the client has not used it for ``LEASE_IDLE_S``: the slots are
+  every second) or when the client has sent no request for ``LEASE_IDLE_S``: the slots are
   reclaimed (a new generation invalidates every handle still travelling, the files are
   unlinked) and the results it still held are released. A client that dies mid-request
   therefore leaks neither the dispatcher's slots nor the blocks'.
+
+Note [A lease's idle clock]
+---------------------------
+The client drops its lease itself once it has filled no slot for half of ``LEASE_IDLE_S``
+(``LentSlots.stale`` in blockflow/client.py) and asks for a new one, so the dispatcher must
+never end a lease sooner than that by its own clock. It did: its clock counted only the
+requests it put into a slot, so a client whose requests were all refused (its task unavailable
+while a node was lost and its blocks came back: a minute on the loaded 2-core VM, or an unknown
+task) kept filling slots and sending them by datagram while the dispatcher, seeing them unused,
+ended the lease; the next request's datagram then carried a key no lease had, was dropped, and
+the caller waited for its whole deadline (tests/cluster/test_cluster.py's node-loss test, one run
+in ten under load). Now every request of the client's counts (``touch``, before any refusal), so
+the dispatcher's clock is never older than the client's.
 
 Note [Datagrams to a local client]
 ----------------------------------
@@ -68,6 +81,7 @@ from typing import Callable
 
 import torch
 
+from blockflow.core import settings
 from blockflow.tensormq.bundle import assemble
 from blockflow.tensormq.shm import FREE, W_GENERATION, W_RELEASED, ShmLease, SlotPool
 from blockflow.tensormq.wire import TensorDesc, WireError, contiguous_stride
@@ -76,8 +90,9 @@ log = logging.getLogger("blockflow.dispatcher")
 
 #: Clients on this host that may hold slots at once; the next one is refused and sends bytes.
 MAX_LOCAL_CLIENTS = 64
-#: Seconds a client may leave its slots unused before the lease ends (the client asks again).
-LEASE_IDLE_S = 60.0
+#: Seconds a client may send no request before its lease ends (the client asks again after half):
+#: every request counts, a refused one too (Note [A lease's idle clock]).
+LEASE_IDLE_S = settings.LEASE_IDLE_S
 #: Seconds a client has to copy a result out of its slot before the dispatcher releases it.
 RESULT_GRACE_S = 10.0
 
@@ -136,6 +151,12 @@ class Lender:
         if local.key is not None:
             self.keys[local.key] = client
         return local
+
+    def touch(self, client: bytes) -> None:
+        """``client`` sent a request: its lease, if it holds one, is in use (Note [A lease's idle clock])."""
+        local = self.clients.get(client)
+        if local is not None:
+            local.last_used = time.monotonic()
 
     def client_of(self, key) -> bytes | None:
         """The client whose lease has the key ``key`` (a request that came by datagram)."""

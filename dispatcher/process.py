@@ -372,6 +372,8 @@ class Dispatcher(ChildProcess):
             if op is not ClientOp.INFER:
                 self.lend(client, cid, op, header)
                 return
+            if self.lender is not None:  # before any refusal: Note [A lease's idle clock] in dispatcher/lending.py
+                self.lender.touch(client)
             task = header.task
             entry = self.tasks.get(task) if task is not None else None
             if entry is None:

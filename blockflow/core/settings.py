@@ -93,6 +93,10 @@ WINDOW_UPFRONT_BYTES: int = _read("BLOCKFLOW_WINDOW_UPFRONT", 256 << 20, _non_ne
 SHM_DIR: str = _read("BLOCKFLOW_SHM_DIR", "/dev/shm", str,
                      "tmpfs directory that holds the TensorMQ slots (a private subdirectory per server); "
                      "point it at a larger tmpfs when /dev/shm is small")
+# Note [Lent slots] in dispatcher/lending.py
+LEASE_IDLE_S: float = _read("BLOCKFLOW_LEASE_IDLE", 60.0, _seconds,
+                            "seconds a local client may send no request before the dispatcher ends its lease of "
+                            "shared-memory slots (the client asks for new ones after half of it)", "60 s")
 SEND_TIMEOUT: float = _read("BLOCKFLOW_SEND_TIMEOUT", 10.0, _seconds,
                             "seconds a block waits for a free slot or a full socket before the request fails",
                             "10 s")

@@ -416,3 +416,30 @@ def test_a_last_block_on_zeromq_answers_a_client_with_lent_slots(server_factory,
                 r = c.infer_details(task, x)
                 assert torch.equal(r.tensor, 2 * x), (task, i)
         assert c.lent is not None  # the later requests went in lent slots
+
+
+def test_a_client_whose_requests_are_all_refused_keeps_its_lease(server_factory, identity_repo):
+    """Note [A lease's idle clock]: a client that kept sending requests the dispatcher refused
+    (its task unavailable for a minute while a node was lost, or unknown) kept filling its lent
+    slots, so it held on to its lease, while the dispatcher, counting only the requests it put in
+    a slot, ended the lease as unused; the next request went by datagram under a key no lease had
+    and was dropped, and the caller waited for its whole deadline. Here the idle limit is 2 s."""
+    from blockflow.client import BlockFlowError
+    srv = server_factory(identity_repo, env={"BLOCKFLOW_LEASE_IDLE": "2"})
+    srv.call("POST", "/system/update", {"blocks": [{"name": "a", "model": "toy/identity.pt"}],
+                                        "tasks": [{"id": "id", "path": ["a"]}]}, timeout=60)
+    x = torch.arange(256, dtype=torch.float32).reshape(1, 256)
+    with Client(srv.dispatcher, timeout=5) as c:
+        assert torch.equal(c.infer("id", x), x)
+        _until(lambda: c.lent is not None, what="the client's lease")
+        lease, refused, end = c.lent, 0, time.monotonic() + 4  # twice the idle limit
+        while time.monotonic() < end:
+            with pytest.raises(BlockFlowError) as err:
+                c.infer("no-such-task", x)
+            assert err.value.code == "unknown_task", err.value
+            refused += 1
+            time.sleep(0.05)
+        assert c.lent is lease and c.stats["datagrams_out"] >= refused  # in its slots, by datagram
+        for _ in range(3):  # answered, not dropped under a key the dispatcher forgot
+            assert torch.equal(c.infer("id", x), x)
+        assert c.lent is lease
