@@ -461,11 +461,35 @@ def _load(args) -> int:
                                 "BLOCKFLOW_TOKEN", Exit.FAILED) from None
             raise UserError(f"no dispatcher answers at {args.address} within 3 s: start `blockflow serve` "
                             "or pass --address (GET /system shows the dispatcher's)", Exit.NO_SERVER) from None
+        _check_load_request(c, args, shape)
     s = run_load(args.address, args.task, clients=args.clients, batch=args.batch, duration=args.duration,
                  rate=args.rate, shape=shape, token=token, timeout=args.timeout, out=args.out, progress=True,
                  drain=args.drain)
     print(format_summary(s))
     return Exit.OK if s["ok"] and not s["errors"] else Exit.FAILED
+
+
+#: What one request answered before ``blockflow load`` starts makes the whole run pointless: every
+#: request of it would get the same answer, for --duration seconds.
+LOAD_REFUSALS = {"unknown_task": "the task is not served: check --task against the update's tasks (GET /system)",
+                 "bad_input": "the input does not fit the task: check --shape and --batch against its first block"}
+
+
+def _check_load_request(client, args, shape: tuple) -> None:
+    """One request like the run's before the run: a task no one serves, or an input it does not
+    take, stops ``blockflow load`` at once with the dispatcher's message (UserError), instead of
+    every request of --duration seconds failing alike. Any other answer, an error or a timeout,
+    lets the run start and report it."""
+    import torch
+    from .client import BlockFlowError
+    try:
+        client.infer(args.task, torch.zeros((args.batch, *shape)), timeout=args.timeout)
+    except BlockFlowError as exc:
+        if exc.code in LOAD_REFUSALS:
+            raise UserError(f"{exc.code}: {exc} ({LOAD_REFUSALS[exc.code]}); nothing was sent after it",
+                            Exit.FAILED) from None
+    except TimeoutError:
+        pass  # the run will say how many went unanswered
 
 
 def _kpi(args) -> int:
