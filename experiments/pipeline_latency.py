@@ -53,7 +53,8 @@ alone: each variant changes one thing (``VARIANTS``: the blocks' heap trimming, 
 and KPI threads, OpenMP's wait policy, CPU pinning) and gets a server of its own; the variants
 alternate over rounds, each request again followed by full.pt in this process, and the blocks'
 minor page faults per request are counted from /proc. Beside them each block runs alone in this
-process back to back, after an idle gap and after a cache flush (``alone_phase``).
+process back to back, after an idle gap, after a cache flush, after the gap with its weights read
+and on a thread of its own (``alone_phase``).
 
 On a GPU (issue 27) the run ends with ``experiments/gpu_floor.py`` in this process, after the
 servers are gone: full.pt eager and as one CUDA graph, the five blocks as CUDA graphs back to back,
@@ -476,7 +477,8 @@ VARIANT_WARMUP = 5
 IDLE_GAP_S = 0.1
 #: Bytes touched before each block call in the "cache_flushed" alone series (> the 32 MB L3 here).
 FLUSH_BYTES = 64 << 20
-ALONE_MODES = ("back_to_back", "heap_trimmed", "idle_gap", "busy_gap", "cache_flushed")
+ALONE_MODES = ("back_to_back", "heap_trimmed", "idle_gap", "busy_gap", "cache_flushed", "idle_gap_weights_read",
+               "own_thread")
 
 
 def variant_fields(variant: str, i: int) -> dict:
@@ -541,15 +543,22 @@ def variant_phase(repo: str, names: list[str], transport: str, threads: int, dev
 
 
 def alone_phase(blocks: dict, x: torch.Tensor, device: str, n: int) -> list[dict]:
-    """Each block alone in this process five ways, interleaved in every sample: back to back (as
+    """Each block alone in this process seven ways, interleaved in every sample: back to back (as
     the offline series), after the free memory of this process's heap went back to the kernel
     (malloc_trim: what glibc's own trimming does to a block after every request, so the call
     page-faults its activations back in), after ``IDLE_GAP_S`` of sleep (the pipeline's idle time between two
     requests, without the other blocks), after the same gap spent spinning (the process waits
     but its CPU does not go idle), and after writing ``FLUSH_BYTES`` (caches evicted, as the other
-    blocks' weights and activations do). Minor page faults per call beside each time."""
+    blocks' weights and activations do). Two more ask what the idle gap's loss is: after the same
+    gap with every weight and buffer of the block read once just before the call
+    (``idle_gap_weights_read``: were the weights what went cold?), and back to back but each
+    block called on a thread of its own, handed its input by a queue, as the members of a shared
+    process run (``own_thread``: is the loss the thread's, with no process idle?). Minor page
+    faults per call beside each time (the process's, the block's thread's included)."""
     import ctypes
+    import queue
     import resource
+    import threading
     libc = ctypes.CDLL(None)
     inputs, y = {}, x
     with torch.inference_mode():
@@ -557,6 +566,19 @@ def alone_phase(blocks: dict, x: torch.Tensor, device: str, n: int) -> list[dict
             inputs[name] = y
             y = m(y)
     buf = torch.zeros(FLUSH_BYTES // 4)
+    weights = {name: list(m.parameters()) + list(m.buffers()) for name, m in blocks.items()}
+    threads = torch.get_num_threads()
+    own: dict[str, tuple[queue.Queue, queue.Queue]] = {}
+
+    def own_thread(name: str, inbox: queue.Queue, outbox: queue.Queue) -> None:
+        torch.set_num_threads(threads)
+        m = blocks[name]
+        while (item := inbox.get()) is not None:
+            outbox.put(time_call(lambda: m(item), device))
+
+    for name in blocks:
+        own[name] = (queue.Queue(), queue.Queue())
+        threading.Thread(target=own_thread, args=(name, *own[name]), name=f"alone-{name}", daemon=True).start()
 
     def step(_):
         rec = {}
@@ -572,15 +594,29 @@ def alone_phase(blocks: dict, x: torch.Tensor, device: str, n: int) -> list[dict
                         pass
                 elif mode == "cache_flushed":
                     buf.add_(1.0)
+                elif mode == "idle_gap_weights_read":
+                    time.sleep(IDLE_GAP_S)
+                    with torch.inference_mode():
+                        for w in weights[name]:
+                            w.sum()
                 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                rec[f"{mode}.{name}"] = time_call(lambda: m(inputs[name]), device)
+                if mode == "own_thread":
+                    own[name][0].put(inputs[name])
+                    rec[f"{mode}.{name}"] = own[name][1].get()
+                else:
+                    rec[f"{mode}.{name}"] = time_call(lambda: m(inputs[name]), device)
                 rec[f"{mode}.{name}.faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
             if mode == "heap_trimmed":  # grow the heap back, untimed: the next mode starts as back to back does
                 with torch.inference_mode():
                     for name, m in blocks.items():
                         m(inputs[name])
         return rec
-    return Series(n, None).run(step, "blocks alone: back to back, heap trimmed, after idle, after cache flush")
+    try:
+        return Series(n, None).run(step, "blocks alone: back to back, heap trimmed, after idle, after cache flush, "
+                                         "after idle with the weights read, on threads of their own")
+    finally:
+        for inbox, _ in own.values():
+            inbox.put(None)
 
 
 def summarise_variants(runs: dict, alone: list[dict] | None, offline_blocks: dict, transport: str,

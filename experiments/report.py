@@ -262,7 +262,10 @@ def _pipeline_variants(v: dict) -> str:
         out += (f"\n\nEach block alone in the client's process, p50 ms (minor page faults per call), the modes "
                 f"interleaved in every sample: heap trimmed = malloc_trim before the call, idle gap = "
                 f"{_f(alone['idle_gap_s'], 2)} s of sleep before it, busy gap = the same time spinning, cache flushed = "
-                f"{_f(alone['flush_bytes'] / 2**20, 0)} MB written before it:\n\n" + _table(
+                f"{_f(alone['flush_bytes'] / 2**20, 0)} MB written before it, idle gap weights read = the idle gap, then "
+                "every weight and buffer of the block read once, own thread = back to back, but each block called on a "
+                "thread of its own in this process, handed its input by a queue (as a shared process's members run):\n\n"
+                + _table(
                     ["mode", "block1", "block2", "block3", "block4", "head"],
                     [[mode, *(f"{_f(m['block_ms'][b].get('p50'))} ({_f(m['minor_faults_per_call'][b], 0)})"
                               for b in _VARIANT_BLOCKS)] for mode, m in alone["modes"].items()]))
@@ -287,7 +290,9 @@ def _pipeline_variants_text(v: dict) -> str:
             vals = [100 * (modes[mode]["block_ms"][b]["p50"] / base[b]["p50"] - 1) for b in ("b1", "b2", "b3", "b4")]
             return f"{_signed(min(vals))} to {_signed(max(vals))}"
         labels = {"heap_trimmed": "after malloc_trim", "idle_gap": "after an idle gap",
-                  "busy_gap": "after the same gap spinning", "cache_flushed": "after a cache flush"}
+                  "busy_gap": "after the same gap spinning", "cache_flushed": "after a cache flush",
+                  "idle_gap_weights_read": "after the idle gap with the block's weights read just before",
+                  "own_thread": "back to back but each on a thread of its own"}
         text += (" Alone in one process, block1-block4 take " + ", ".join(
             f"{delta(m)} {labels[m]}" for m in labels if m in modes) + " against back to back.")
     return text

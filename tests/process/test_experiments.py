@@ -230,7 +230,11 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
     for v in var.values():
         assert v["ratio_p50"] == pytest.approx(v["rtt_ms"]["p50"] / v["monolithic_interleaved_ms"]["p50"])
         assert set(v["block_slowdown_pct"]) == {"b1", "b2", "b3", "b4", "h"}
-    assert set(s["variants"]["alone"]["modes"]) == {"back_to_back", "heap_trimmed", "idle_gap", "busy_gap", "cache_flushed"}
+    modes = s["variants"]["alone"]["modes"]
+    assert set(modes) == {"back_to_back", "heap_trimmed", "idle_gap", "busy_gap", "cache_flushed",
+                          "idle_gap_weights_read", "own_thread"}
+    assert all(modes["own_thread"]["block_ms"][b]["p50"] > 0 for b in ("b1", "b2", "b3", "b4", "h")), modes
+    assert "own thread = back to back, but each block called on a thread of its own" in table
     assert f"| no-trim | glibc's own heap trimming" in table and f"no-trim {var['no-trim']['ratio_p50']:,.2f}x" in prose
 
 
