@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import statistics
 
@@ -37,6 +38,16 @@ def stats(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _numbers(records: list[dict], key: str) -> list[float]:
+    """``key``'s values in ``records`` that are numbers: a value the writer could not measure is
+    NaN, which JSON lines carry as null (blocks/kpilog.py), and is left out, not averaged."""
+    return [r[key] for r in records if _is_number(r.get(key))]
+
+
 def summarize_block(run_dir: str, name: str, skip: int = 0) -> dict:
     """Latency components of ``name``'s inferences after the first ``skip`` (warm-up), and its
     resource samples taken while those ran (CPU % over the measured window, not the lifetime)."""
@@ -54,11 +65,12 @@ def summarize_block(run_dir: str, name: str, skip: int = 0) -> dict:
     out = {"name": name, "count": len(lat), "errors": errors, "latency_ms": {},
            "queue": stats([r.get("queue", 0) for r in lat])}
     for key in LATENCY_FIELDS:
-        out["latency_ms"][key] = stats([r[key] for r in lat if key in r])
-    out["latency_ms"]["overhead"] = stats([r["total"] - r["inf"] for r in lat if "total" in r and "inf" in r])
+        out["latency_ms"][key] = stats(_numbers(lat, key))
+    out["latency_ms"]["overhead"] = stats([r["total"] - r["inf"] for r in lat
+                                           if _is_number(r.get("total")) and _is_number(r.get("inf"))])
     resources = {}
     for key in ("cpu_percent", "rss_mb", "vram_mb", "gpu_util", "torch_allocated_mb", "power_w"):
-        vals = [r[key] for r in res if key in r]
+        vals = _numbers(res, key)
         if vals:
             resources[key] = statistics.fmean(vals)
     why = next((r["vram_unavailable"] for r in res if "vram_unavailable" in r), None)

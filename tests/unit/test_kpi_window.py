@@ -5,6 +5,8 @@ import json
 import os
 import time
 
+import pytest
+
 from blockflow.kpi import blocks_in, newest_run, summarize_block
 
 
@@ -44,3 +46,19 @@ def test_warmup_window_errors_and_newest_run(tmp_path):
     assert s["resources"]["cpu_percent"] == 80.0  # the idle samples before the window do not dilute it
     everything = summarize_block(str(new), "b", skip=0)
     assert everything["count"] == 7 and everything["resources"]["cpu_percent"] < 80.0
+
+
+def test_a_value_written_as_null_is_left_out_not_averaged(tmp_path):
+    """msgspec writes a NaN (a value the block could not measure) as null in the JSON lines
+    (blocks/kpilog.py); the summary leaves it out instead of failing on it or averaging it."""
+    records = [lat(1.0 + i, 2.0) for i in range(3)]
+    records[1]["inf"] = None
+    records[2]["wait"] = float("nan")  # the standard library's writer: NaN, read back as a float
+    write(tmp_path / "b.latency.jsonl", records)
+    write(tmp_path / "b.resources.jsonl", [{"ts": 1.5, "cpu_percent": 40.0, "power_w": None},
+                                           {"ts": 2.5, "cpu_percent": None, "power_w": None}])
+    s = summarize_block(str(tmp_path), "b")
+    assert s["count"] == 3
+    assert s["latency_ms"]["inf"]["mean"] == 2.0 and s["latency_ms"]["wait"]["mean"] == 0.1
+    assert s["latency_ms"]["overhead"]["mean"] == pytest.approx(0.4)  # only the records with both numbers
+    assert s["resources"]["cpu_percent"] == 40.0 and "power_w" not in s["resources"]
