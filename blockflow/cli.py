@@ -19,7 +19,7 @@ import urllib.error
 import warnings
 from blockflow.core import settings
 from blockflow.blocks import verify
-from blockflow.core.protocol import DISPATCHER
+from blockflow.core.protocol import DISPATCHER, ErrorCode
 
 
 class Exit(enum.IntEnum):
@@ -471,8 +471,8 @@ def _load(args) -> int:
 
 #: What one request answered before ``blockflow load`` starts makes the whole run pointless: every
 #: request of it would get the same answer, for --duration seconds.
-LOAD_REFUSALS = {"unknown_task": "the task is not served: check --task against the update's tasks (GET /system)",
-                 "bad_input": "the input does not fit the task: check --shape and --batch against its first block"}
+LOAD_REFUSALS = {ErrorCode.UNKNOWN_TASK: "the task is not served: check --task against the update's tasks (GET /system)",
+                 ErrorCode.BAD_INPUT: "the input does not fit the task: check --shape and --batch against its first block"}
 
 
 def _check_load_request(client, args, shape: tuple) -> None:
@@ -485,8 +485,9 @@ def _check_load_request(client, args, shape: tuple) -> None:
     try:
         client.infer(args.task, torch.zeros((args.batch, *shape)), timeout=args.timeout)
     except BlockFlowError as exc:
-        if exc.code in LOAD_REFUSALS:
-            raise UserError(f"{exc.code}: {exc} ({LOAD_REFUSALS[exc.code]}); nothing was sent after it",
+        code = ErrorCode.of(exc.code)
+        if code in LOAD_REFUSALS:
+            raise UserError(f"{code}: {exc} ({LOAD_REFUSALS[code]}); nothing was sent after it",
                             Exit.FAILED) from None
     except TimeoutError:
         pass  # the run will say how many went unanswered
