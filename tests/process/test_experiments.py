@@ -222,11 +222,17 @@ def test_pipeline_latency(tmp_path, resnet_repo, leak_check):
     # ... and so are the sentences with numbers: the overhead of eq. 4.1, not round trip - inference
     prose = text(out, "pipeline_latency")
     assert f"overhead Σo_b {s['transports']['zeromq']['overhead_ms']['mean']:,.2f} ms" in prose, prose
-    # --variants (issue 11): one server per variant; glibc's own heap trimming makes block1 page-fault
-    # its activations back in on every request, the served default (BLOCKFLOW_MALLOC_TRIM) does not
+    # --variants (issue 11): one server per variant. The served default (BLOCKFLOW_MALLOC_TRIM: one
+    # arena, freed memory kept, blocks/heap.py) does not make block1 page-fault its activations back
+    # in on every request. Without it (no-trim) glibc's own heuristics decide, and they vary between
+    # runs (which arena the inference thread gets, the dynamic mmap threshold): thousands of faults a
+    # request in the bench's runs, 2.25 in one run of this test on a loaded machine. So the default's
+    # figure is asserted, and the variant's only measured.
     var = s["variants"]["variants"]
     assert list(var) == ["default", "no-trim"] and all(v["n"] == 4 and v["kpi_requests"] == 4 for v in var.values())
-    assert var["no-trim"]["minor_faults_per_request"]["b1"] > 1000 > 200 > var["default"]["minor_faults_per_request"]["b1"]
+    assert var["default"]["minor_faults_per_request"]["b1"] < 200
+    assert all(math.isfinite(v["minor_faults_per_request"]["b1"]) and v["minor_faults_per_request"]["b1"] >= 0
+               for v in var.values())
     for v in var.values():
         assert v["ratio_p50"] == pytest.approx(v["rtt_ms"]["p50"] / v["monolithic_interleaved_ms"]["p50"])
         assert set(v["block_slowdown_pct"]) == {"b1", "b2", "b3", "b4", "h"}
