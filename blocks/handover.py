@@ -8,7 +8,7 @@ with it) on the next block's ``Inbox`` and wakes that block's inference thread::
 
     block A, inference thread                          block B, inference thread
       model -> y ──Inbox.put(header, Handed(y))──> deque ─┐  (wait: recv on B's data socket)
-                 └─ wake: B's inproc wake-up socket ───────┴─> admit_local: backlog, as a message
+                 └─ wake: B's inproc wake-up socket ───────┴─> admit_handed: backlog, as a message
 
 Nothing is encoded, copied into a slot, sent over ipc:// or decoded: B's ``deser`` and A's
 ``share`` and ``fwd`` are what the hand-over costs (a few microseconds), not left out.
@@ -36,7 +36,9 @@ What stays as it was, and why:
   allocator that B's stream uses the memory, so A's stream cannot reuse it before B is done.
 
 Only the inference threads of blocks of this process call ``put``; the wake-up socket is the
-receiving block's and is used under its ``wake_lock`` (see ``Block.wake``).
+receiving block's and is used under its ``wake_lock`` (see ``Block.wake``). On a CPU the producer
+usually does not wake the receiver at all: it runs the receiver's request on its own thread
+(Note [Run to completion] in blocks/process.py).
 """
 from __future__ import annotations
 
@@ -111,11 +113,15 @@ class Handed:
 class Inbox:
     """What the blocks of this process hand one block: (header, Handed) pairs, in order."""
 
-    def __init__(self, name: str, wake):
+    def __init__(self, name: str, wake, serve=None):
         self.name = name
         self.items: deque = deque()
         #: ``wake()`` of the receiving block: ends its wait on its data socket
         self.wake = wake
+        #: ``serve(home)`` of the receiving block: runs what it was handed on the calling thread,
+        #: whose loop is block ``home``'s, and returns the inboxes it handed on to, or None when
+        #: it did not (Note [Run to completion] in blocks/process.py); None: only ``wake``
+        self.serve = serve
         self.lock = threading.Lock()
         self.closed = False
         self.addresses: list[str] = []
@@ -126,13 +132,15 @@ class Inbox:
         for a in self.addresses:
             INBOXES[a] = self
 
-    def put(self, header, handed: Handed) -> None:
-        """Hand a request over (a producer's inference thread); HopGone once the block stops."""
+    def put(self, header, handed: Handed, wake: bool = True) -> None:
+        """Hand a request over (a producer's inference thread); HopGone once the block stops.
+        ``wake=False``: the producer will ``serve`` it itself, or ``wake`` the block if it cannot."""
         with self.lock:
             if self.closed:
                 raise HopGone(f"block {self.name} stopped before it took the request")
             self.items.append((header, handed))
-        self.wake()
+        if wake:
+            self.wake()
 
     def close(self) -> list:
         """No hand-over comes in any more; returns the ones that did and were not taken."""

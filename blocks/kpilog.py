@@ -111,8 +111,9 @@ class KpiLog:
             self.flush()
 
     def add_row(self, row: tuple) -> None:
-        """A latency record as a tuple in ``LATENCY_ROW``'s order, from the inference thread
-        only. It runs right after a request was sent on, while the next block starts on it --
+        """A latency record as a tuple in ``LATENCY_ROW``'s order, from the thread running the
+        block's requests only (its ``run_lock``'s holder: Note [Run to completion] in
+        blocks/process.py). It runs right after a request was sent on, while the next block starts on it --
         often on this core, where anything done here delays it -- so it does the least it can:
         one append (atomic under the GIL; ``flush`` swaps the buffer under the lock), the dict
         is made when the record is written."""

@@ -90,6 +90,31 @@ answer after the dispatcher's is counted as ``late``, not as a duplicate. The ke
 between the server's processes, in their 0700 socket directory, and the inbox must be named as
 a BlockFlow client's (``DirectReply``), so a forged header cannot make a block write to any
 other program's socket.
+
+Note [Run to completion]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Blocks of one shared process hand over by reference (Note [Hand-over inside a process] in
+blocks/handover.py). Woken by a queue, the receiver's thread would start on another core or
+after a switch, with the caches the producer's thread just warmed of no use to it: five
+ResNet50 blocks each on a thread of its own cost 1.03-1.05x the same five on one thread (the
+thirty-fourth session, experiments/results/profiles/README.md). So on a CPU the producer runs the
+receiver's request itself, on its own thread, once its own request is done and logged
+(``hand_on``): the whole group's path then runs on the thread of the block it entered by, as a
+fused block would, while each member keeps its own model, KPI log, queue limit, errors and updates.
+
+Each block's state is guarded by its ``run_lock``: its own inference thread holds it except
+while it waits for a message, and a neighbour's thread takes it, without waiting, to run the
+block's handed requests (``serve_handed``). What a neighbour does not take is left to the
+block's own thread, woken as before: when the lock is held (the block is busy), when the block
+has an update or a stop waiting, and when the thread that would run it has a request of its own
+waiting (so that under load the members still run side by side, each on its thread). A member
+whose code fails unexpectedly on another's thread ends its own thread with that error (its
+``crashed``), as it would have on its own. GPU members, batching and a block cache keep the
+queue and the wake-up (their streams, batch windows and residency belong to their own thread).
+
+Measured (`python -m experiments.fused --series "one group" --n 60`, 2-core VM, the code before
+and after in turn, twice): the group against the same blocks as five processes in the same
+rounds 0.978x and 0.965x before, 0.906x and 0.919x run to completion.
 """
 from __future__ import annotations
 
@@ -190,6 +215,21 @@ class Block(ChildProcess):
         #: process has no neighbour
         self.inbox: Inbox | None = None
         self.neighbours: dict[str, Inbox] = {}
+        #: Note [Run to completion]: held by whichever thread runs this block's requests; its own
+        #: inference thread lets go of it only while it waits for a message
+        self.run_lock = threading.Lock()
+        #: whether a neighbour's thread may run this block's handed requests, and this block run
+        #: its neighbours' (hosted, on a CPU, no batching, no block cache); set by init_process
+        self.runs_handed = False
+        #: the inboxes the request being run was handed on to, for ``hand_on``
+        self.handed_on: list[Inbox] = []
+        #: requests of this block a neighbour's thread ran (its ping's ``run_by_neighbour``)
+        self.run_by_neighbour = 0
+        #: an unexpected error this block's code raised on a neighbour's thread: its own
+        #: thread raises it (the member crashed)
+        self.failed_elsewhere: BaseException | None = None
+        #: the inference thread's wait over the data and datagram sockets (None: the data socket alone)
+        self.waiter: zmq.Poller | None = None
         #: the wake-up socket is the control thread's, and the neighbours' inference threads' in
         #: a shared process: each use holds this lock (ZeroMQ sockets are not thread-safe)
         self.wake_lock = threading.Lock()
@@ -285,7 +325,8 @@ class Block(ChildProcess):
         self.threads = [self.control_thread(),
                         threading.Thread(target=self.monitor_loop, name=f"{self.name}-monitor", daemon=True)]
         if spec.hosted:  # its neighbours hand over by reference from now on (blocks/handover.py)
-            self.inbox = Inbox(self.name, self.wake)
+            self.runs_handed = self.device.type == "cpu" and self.batching is None and self.cache is None
+            self.inbox = Inbox(self.name, self.wake, self.serve_handed if self.runs_handed else None)
             self.inbox.open([self.endpoint, self.tcp_endpoint])
             self.neighbours = INBOXES
         self.open_control()  # last: see ChildProcess.open_control
@@ -402,6 +443,7 @@ class Block(ChildProcess):
         return {**super().cmd_ping(args), "queue": len(self.backlog), "served": self.kpi.count,
                 "in_flight": self.transport.in_flight(), "outputs_made_in_slot": self.transport.made_in_slot,
                 "received": dict(self.transport.received), "answered_clients": self.answered,
+                "run_by_neighbour": self.run_by_neighbour,
                 "datagrams": {**(self.datagrams.stats() if self.datagrams is not None else {}),
                               **self.transport.datagrams.stats()},
                 "busy_s": now - busy_since if busy_since else 0.0, "beat_age_s": now - self.beat,
@@ -466,6 +508,14 @@ class Block(ChildProcess):
             self.inference_loop()
 
     def inference_loop(self) -> None:
+        lock = self.run_lock  # Note [Run to completion]: held but while waiting for a message
+        lock.acquire()
+        try:
+            self.serve_loop(lock)
+        finally:
+            lock.release()
+
+    def serve_loop(self, lock: threading.Lock) -> None:
         poller = zmq.Poller()  # the batcher's wait only (fill_batch)
         poller.register(self.pull, zmq.POLLIN)
         poller.register(self.mailbox.loop_end, zmq.POLLIN)
@@ -473,12 +523,14 @@ class Block(ChildProcess):
         pull.rcvtimeo = int(BEAT_INTERVAL * 1e3)
         if datagrams is not None:
             poller.register(datagrams.fileno(), zmq.POLLIN)
-            waiter = zmq.Poller()  # Note [One wait per hop]: the datagram socket and the data socket
+            waiter = self.waiter = zmq.Poller()  # Note [One wait per hop]: the datagram socket and the data socket
             waiter.register(pull, zmq.POLLIN)
             waiter.register(datagrams.fileno(), zmq.POLLIN)
         next_sweep = time.monotonic() + SWEEP_INTERVAL
         while not self.stopping.is_set():
             self.beat = time.monotonic()
+            if self.failed_elsewhere is not None:  # Note [Run to completion]: this member crashed
+                raise self.failed_elsewhere
             if self.beat >= next_sweep:  # busy or idle: a loaded block never times out its receive
                 next_sweep = self.beat + SWEEP_INTERVAL
                 self.transport.forget_unlinked()
@@ -488,7 +540,11 @@ class Block(ChildProcess):
             if not backlog:
                 t_wait = time.perf_counter()
                 if datagrams is not None:
-                    ready = waiter.poll(BEAT_INTERVAL * 1e3)
+                    lock.release()
+                    try:
+                        ready = waiter.poll(BEAT_INTERVAL * 1e3)
+                    finally:
+                        lock.acquire()
                     if not ready:
                         continue  # idle: the loop still goes around, so beat_age_s stays below BEAT_INTERVAL
                     came = datagrams.drain(DRAIN_LIMIT)
@@ -498,10 +554,13 @@ class Block(ChildProcess):
                             and self.batching is None:
                         drain = 0  # woken by a datagram alone: as below
                 else:
+                    lock.release()
                     try:  # Note [One wait per hop]
                         frames = recv_message(pull)
                     except zmq.Again:
                         continue  # idle: the loop still goes around, so beat_age_s stays below BEAT_INTERVAL
+                    finally:
+                        lock.acquire()
                     if time.perf_counter() - t_wait > WOKEN_AFTER_S and self.batching is None:
                         # woken by this message: nothing else waited a moment ago, and asking the
                         # socket for more would cost a round of socket events (~35 us in a block on
@@ -544,6 +603,8 @@ class Block(ChildProcess):
                         self.infer_cached([item], lambda: self.infer(*item))
                 finally:
                     self.busy_since = 0.0
+                if self.handed_on:
+                    self.hand_on()
 
     def infer_cached(self, items: list, run) -> None:
         """``run()`` the request (or batch) ``items`` with the block's weights resident: a hit
@@ -648,6 +709,58 @@ class Block(ChildProcess):
         while items:
             header, handed = items.popleft()
             self.enqueue(arrival, arrival_wall, header, handed, lambda _header, h=handed: h.release())
+
+    def hand_on(self) -> None:
+        """Run what the request just done was handed on to, and what that hands on, on this
+        thread (Note [Run to completion]); each receiver that does not take it is woken."""
+        todo, self.handed_on = self.handed_on, []
+        while todo:
+            inbox = todo.pop(0)
+            more = inbox.serve(self) if inbox.serve is not None else None
+            if more is None:
+                inbox.wake()
+            else:
+                todo.extend(more)
+
+    def has_waiting(self) -> bool:
+        """Whether this block (its own inference thread calling) has a request or a command
+        waiting: its backlog, its mailbox, a message on its data or datagram socket."""
+        if self.backlog or self.mailbox.waiting:
+            return True
+        if self.waiter is not None:
+            return bool(self.waiter.poll(0))
+        return bool(self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def serve_handed(self, home: "Block") -> list | None:
+        """Run this block's handed requests on the calling thread, the inference thread of
+        ``home`` (Note [Run to completion]); returns the inboxes they were handed on to, or
+        None, having run nothing, when this block's own thread must take them."""
+        if home.has_waiting() or not self.run_lock.acquire(blocking=False):
+            return None
+        try:
+            if self.stopping.is_set() or self.mailbox.waiting or self.failed_elsewhere is not None:
+                return None
+            self.beat = time.monotonic()
+            self.admit_handed(time.perf_counter(), time.time())
+            backlog, handed_on = self.backlog, []
+            while backlog:
+                item = backlog.popleft()
+                self.busy_since = time.monotonic()
+                self.run_by_neighbour += 1
+                try:
+                    self.infer(*item)
+                finally:
+                    self.busy_since = 0.0
+                handed_on += self.handed_on
+                self.handed_on = []
+            return handed_on
+        except Exception as exc:  # a bug of this block's must not end its neighbour's thread
+            log.exception("block %s: failed on the thread of block %s", self.name, home.name)
+            self.failed_elsewhere = exc
+            self.wake()
+            return []
+        finally:
+            self.run_lock.release()
 
     def enqueue(self, arrival: float, arrival_wall: float, header: DataHeader, frames, give_back) -> None:
         """Queue one admitted request, or answer it ``overloaded`` when ``max_queue`` are waiting
@@ -877,7 +990,11 @@ class Block(ChildProcess):
             hop["share"] = (t4 - t3) * 1e3 + req.lend_ms
             hop["t_out"] = round(t4, 6)  # Note [Hop timestamps] in blocks/kpilog.py
             if neighbour is not None:
-                neighbour.put(header, handed)
+                if self.runs_handed and neighbour.serve is not None:  # Note [Run to completion]
+                    neighbour.put(header, handed, wake=False)
+                    self.handed_on.append(neighbour)
+                else:
+                    neighbour.put(header, handed)
                 if handed.lease is not None:
                     req.lease = None
             else:
@@ -1005,7 +1122,8 @@ class Block(ChildProcess):
         """Every request accepted or still waiting in the data socket is answered with an error
         and its slot released."""
         if self.inbox is not None:  # first: a neighbour's hand-over from now on fails at once (HopGone)
-            self.backlog.extend((0.0, 0.0, header, handed) for header, handed in self.inbox.close())
+            with self.run_lock:  # no neighbour runs this block's requests any more (Note [Run to completion])
+                self.backlog.extend((0.0, 0.0, header, handed) for header, handed in self.inbox.close())
         if self.datagrams is not None:  # unlinked first: a sender then goes the ZeroMQ way, read below
             self.datagrams.unlink()
             for data in self.datagrams.drain(1 << 30):

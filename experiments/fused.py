@@ -9,7 +9,8 @@ one torch thread per block and the tensormq transport:
   two fused        block1-3 in one process, block4+head in another (a block's ``model`` is a list)
   one fused        all five files in one process
   one group        the five blocks in one shared process (``process: g``), each a block of its
-                   own (issue 40 item 4: they hand over by reference, blocks/handover.py),
+                   own (issue 40 item 4: they hand over by reference, blocks/handover.py, and on a
+                   CPU run to completion on the first block's thread: blocks/process.py),
                    deployed beside the five-block processes in the same update: every round is a
                    request through each, in turn, then the monolithic model, and the JSON has the
                    group's ratio to both (``ratio_p50``, ``ratio_to_five_blocks_p50``)

@@ -284,7 +284,36 @@ def test_a_block_of_a_group_batches_what_its_neighbour_hands_over(server_factory
             futs = [c.submit("t", x) for x in xs]
             assert all(torch.equal(f.result(60), x * 2) for f, x in zip(futs, xs))
     assert _received(srv, "d") == {"local": 36}
+    # a batching block's requests wait for their batch on its own thread, never on a's
+    assert srv.call("GET", "/blocks/d/ping")["run_by_neighbour"] == 0
     srv.call("POST", "/blocks/d/kpi")  # writes d's records out
     with open(os.path.join(srv.call("GET", "/system")["run_dir"], "d.latency.jsonl")) as f:
         sizes = [json.loads(line).get("requests_in_batch", 1) for line in f if line.strip()]
     assert len(sizes) == 36 and max(sizes) > 1, f"d never batched: {sizes}"
+
+
+def test_a_group_runs_a_request_to_completion_on_the_thread_it_entered_by(server_factory, identity_repo):
+    """Note [Run to completion] (blocks/process.py): in a CPU group, a member's output is run by
+    its neighbour on the producer's own thread, not queued for the neighbour's thread to wake up
+    to, while each member still serves, counts and logs its own requests; the block's ping says
+    how many a neighbour ran. One request at a time, so the entry block's thread has nothing
+    else waiting: most requests go a -> s -> d on a's thread (a neighbour that is busy just then,
+    its own thread going round its loop, is woken instead; on a loaded machine that happens)."""
+    srv = server_factory(identity_repo)
+    body = {"blocks": [{"name": "a", "model": "toy/identity.pt", "process": "g"},
+                       {"name": "s", "model": "toy/double.pt", "process": "g"},
+                       {"name": "d", "model": "toy/double.pt", "process": "g"}],
+            "tasks": [{"id": "t", "path": ["a", "s", "d"]}]}
+    srv.call("POST", "/system/update", body, timeout=60)
+    n = 30
+    with Client(srv.dispatcher, timeout=30) as c:
+        for i in range(n):
+            x = torch.full((1, 16), float(i))
+            assert torch.equal(c.infer("t", x), x * 4)
+    pings = {b: srv.call("GET", f"/blocks/{b}/ping") for b in ("a", "s", "d")}
+    assert pings["a"]["run_by_neighbour"] == 0  # a's requests come from the dispatcher, to its own thread
+    for b in ("s", "d"):
+        assert pings[b]["served"] == n and pings[b]["received"] == {"local": n}, pings[b]
+        assert n // 2 <= pings[b]["run_by_neighbour"] <= n, (b, pings[b]["run_by_neighbour"])
+        kpi = srv.call("POST", f"/blocks/{b}/kpi")
+        assert kpi["count"] == n and kpi["latency_ms"]["inf"]["p50"] is not None, kpi
