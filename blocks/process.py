@@ -737,12 +737,12 @@ class Block(ChildProcess):
         None, having run nothing, when this block's own thread must take them."""
         if home.has_waiting() or not self.run_lock.acquire(blocking=False):
             return None
+        backlog, handed_on = self.backlog, []
         try:
             if self.stopping.is_set() or self.mailbox.waiting or self.failed_elsewhere is not None:
                 return None
             self.beat = time.monotonic()
             self.admit_handed(time.perf_counter(), time.time())
-            backlog, handed_on = self.backlog, []
             while backlog:
                 item = backlog.popleft()
                 self.busy_since = time.monotonic()
@@ -758,7 +758,9 @@ class Block(ChildProcess):
             log.exception("block %s: failed on the thread of block %s", self.name, home.name)
             self.failed_elsewhere = exc
             self.wake()
-            return []
+            handed_on += self.handed_on  # what it handed on before it failed still goes on
+            self.handed_on = []
+            return handed_on
         finally:
             self.run_lock.release()
 
