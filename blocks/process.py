@@ -138,6 +138,7 @@ from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.core.curve import ClusterKeys, authenticator, make_server
 from blockflow.tensormq.transport import RESULT_KEYS, Transport, payload_frames, receive_limit, recv_message
 from blockflow.tensormq.bundle import first
+from blockflow.tensormq.sizing import slot_pid
 from blockflow.tensormq.datagram import Receiver
 from blockflow.tensormq.wire import (PROTOCOL_VERSION, ClientReply, DataHeader, WireError, block_error, check_path,
                                      direct_reply, encode_client, loads_data_header)
@@ -1159,9 +1160,20 @@ class Block(ChildProcess):
     def files_to_remove(self) -> list[str]:
         if self.cache_entry is not None:  # its park file (CPU) goes with it
             self.cache.remove(self.name)
+        return self.socket_files()
+
+    def socket_files(self) -> list[str]:
         files = [self.endpoint[len("ipc://"):]] if self.endpoint and self.endpoint.startswith("ipc://") else []
         datagrams = getattr(self, "datagrams", None)
         return files + ([datagrams.path] if datagrams is not None else [])
+
+    def abandoned_files(self) -> list[str]:
+        shm = self.spec.shm_dir
+        try:
+            slots = [os.path.join(shm, n) for n in os.listdir(shm) if slot_pid(n) == os.getpid()] if shm else []
+        except OSError:
+            slots = []
+        return self.socket_files() + slots
 
 
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", re.M)

@@ -248,7 +248,11 @@ class Supervisor:
                     changed = True
                 continue
             boot = self.controller.boot_errors.get(c.ident)
-            if c.restarts and c.process.exitcode == EXIT_NODE_LOST and self.table.blocks.get(c.name) is c:
+            # read once: a Ray child's exit code can appear between two reads (RayChild.exitcode
+            # polls Ray), and a respawn on a dying node, alive at one read and gone at the next,
+            # was failed as a block that cannot start instead of being placed again
+            code = c.process.exitcode
+            if c.restarts and code == EXIT_NODE_LOST and self.table.blocks.get(c.name) is c:
                 # a respawn that Ray placed on a node that was dying (before its health checks
                 # said so) is placed again: not a failure of the block, nor a crash to count
                 log.warning("%s was placed on a node that is gone; placing it again", c.instance)
@@ -258,21 +262,21 @@ class Supervisor:
                 again.last_exit = c.last_exit
                 self.table.blocks[c.name] = again
                 continue
-            if c.restarts and getattr(c.process, "waiting_for", None) and c.process.exitcode is None:
+            if c.restarts and getattr(c.process, "waiting_for", None) and code is None:
                 c.spawned_at = now  # a respawn waits for a node with its resource as long as it takes
                 continue
-            if boot is None and c.process.exitcode is None and now - c.spawned_at < READY_TIMEOUT:
+            if boot is None and code is None and now - c.spawned_at < READY_TIMEOUT:
                 continue
             if boot is not None:
                 why = boot.get("error", "boot error")
-            elif c.process.exitcode is not None:
+            elif code is not None:
                 why = f"{c.ident.decode()} exited before it was ready"
             else:
                 why = f"{c.ident.decode()} did not report READY within {READY_TIMEOUT:.0f}s"
             what = f"block {c.name} ({' + '.join(c.decl.files)} on {c.decl.device})" if c.decl else "the dispatcher"
             c.failure = f"{what} did not start: {why}"
-            if c.process.exitcode is not None:
-                c.failure += f" [{describe_exit(c.process.exitcode)}]"
+            if code is not None:
+                c.failure += f" [{describe_exit(code)}]"
             log.error("%s", c.failure)
             self.stop_later([c])
             c.status = ChildState.FAILED

@@ -68,6 +68,7 @@ This module is the low layer the two roles share: it imports neither of them.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import logging
 import os
@@ -230,14 +231,21 @@ class Entry:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one we may not signal exists too)."""
+    """Whether process ``pid`` runs (one we may not signal runs too). A zombie does not: a
+    parent that has exited stays one until its own parent reaps it, which an init that does
+    not reap orphans (some containers' PID 1) never does, and a child watching it would
+    wait forever."""
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"  # the state, after "(comm)"
+    except (OSError, IndexError):  # no /proc (not Linux), or it ended just now
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
 class ChildProcess:
@@ -271,6 +279,8 @@ class ChildProcess:
         self.commands: dict[Cmd, Callable[[msgspec.Struct], object]] = {
             c: handler for c in Cmd if callable(handler := getattr(self, f"cmd_{c.value}", None))}
         self._parent_check_at = 0.0
+        #: set once shutdown() has returned (stop_deadline waits for it)
+        self.stopped = threading.Event()
         #: when the controller last sent us anything (monotonic); see watch_parent
         self._heard = time.monotonic()
 
@@ -486,11 +496,33 @@ class ChildProcess:
         self.announce()
         for t in self.threads:
             t.start()
+        threading.Thread(target=self.stop_deadline, name=f"{self.name}-deadline", daemon=True).start()
         try:
             self.loop()
         finally:
             self.shutdown()
+            self.stopped.set()
         return self.exit_code
+
+    def stop_deadline(self) -> None:
+        """Once the process begins to stop, it has BLOCKFLOW_STOP_DEADLINE to be gone. A stop stuck
+        (a thread that never comes back, a socket that will not close) is ended by the manager's
+        SIGKILL when a manager is there; an orphan's (its manager or node agent gone: a partition
+        that healed) by nothing but this, and it would run on beside its successor. The stacks of
+        every thread go to stderr first (the process's log), naming where it was stuck."""
+        self.stopping.wait()
+        if self.stopped.wait(settings.STOP_DEADLINE):
+            return
+        log.error("%s: still running %.0f s after it began to stop (BLOCKFLOW_STOP_DEADLINE); its threads "
+                  "follow, then it exits (%s)", self.label, settings.STOP_DEADLINE, self.exit_code)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        for path in self.abandoned_files():  # an orphan has no manager to clean up after it
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        os._exit(int(self.exit_code))
 
     def shutdown(self) -> None:
         """Runs on the main thread once the loop ends (also after an exception). The order matters:
@@ -536,6 +568,12 @@ class ChildProcess:
 
     def files_to_remove(self) -> list[str]:
         """Shutdown step 6: files of this process to remove last (see shutdown())."""
+        return []
+
+    def abandoned_files(self) -> list[str]:
+        """What a stop past its deadline removes before it exits (stop_deadline): the files of
+        this process that shutdown() would have removed and nothing else will, found without
+        taking any lock (a stuck thread may hold it)."""
         return []
 
     def summary(self) -> str:

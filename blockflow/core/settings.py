@@ -140,6 +140,11 @@ LOOP_STALL: float = _read("BLOCKFLOW_LOOP_STALL", 10.0, _seconds,
 CONTROL_LEASE: float = _read("BLOCKFLOW_CONTROL_LEASE", 10.0, _seconds,
                              "a process on another node (Ray mode) that hears nothing from the manager "
                              "for this long stops by itself", "10 s")
+# The manager escalates a child's stop to SIGTERM and SIGKILL within seconds (manager/supervision.py);
+# nobody does for an orphan (its manager or node agent is gone), so its own stop has a deadline.
+STOP_DEADLINE: float = _read("BLOCKFLOW_STOP_DEADLINE", 30.0, _seconds,
+                             "a process still running this long after it began to stop writes its threads' "
+                             "stacks to its log and exits", "30 s")
 MAX_RESTARTS: int = _read("BLOCKFLOW_MAX_RESTARTS", 5, _non_negative_int,
                           "respawns of a crash-looping process before it is marked failed")
 RESTART_WINDOW: float = _read("BLOCKFLOW_RESTART_WINDOW", 10.0, _seconds,

@@ -129,6 +129,36 @@ def server(cluster, model_repo):
         assert not leftover, f"block processes left on the nodes after the server stopped: {leftover}"
 
 
+def _why_still_running(pids: dict[str, int]) -> str:
+    """For a failure message: each of ``pids`` (block name -> pid) still running, with its state,
+    its parent's (the node agent it watches), its threads' stacks (py-spy, where installed) and
+    the last lines it logged (a block started by an agent logs into that Ray worker's .err file)."""
+    import glob
+    import subprocess
+    import sys
+    lines = []
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    for name, pid in pids.items():
+        try:
+            p = psutil.Process(pid)
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            ppid = p.ppid()
+            parent = psutil.Process(ppid)
+            lines.append(f"{name} (pid {pid}, {p.status()}): parent {ppid} {parent.name()} {parent.status()}")
+        except psutil.Error as exc:
+            lines.append(f"{name} (pid {pid}): {exc!r}")
+            continue
+        if os.path.exists(spy):
+            dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+            lines.append(dump.stdout + dump.stderr)
+        for err in glob.glob(os.path.join(os.environ.get("RAY_TMPDIR", "/nonexistent"), "**", f"worker-*-{ppid}.err"),
+                             recursive=True):
+            with open(err, errors="replace") as f:
+                lines.append(f"{err}, its last lines:\n" + "".join(f.readlines()[-15:]))
+    return "\n".join(lines)
+
+
 def _body(nodes: dict[str, str | None]) -> dict:
     blocks = []
     for name, (stem, _) in SPLIT.items():
@@ -368,8 +398,11 @@ def test_a_partition_that_heals_leaves_no_block_running_twice(server, cluster, m
     # 120 s: once the raylet has learnt its node was declared dead, its workers (the blocks' agents)
     # end and each block follows its agent (or BLOCKFLOW_CONTROL_LEASE of silence); beside the chaos
     # tests of make test's exclusive phase, on two loaded cores, 60 s was once not enough
-    wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                             for p in before.values()), 120, "the cut-off node's old block processes ending")
+    try:
+        wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                 for p in before.values()), 120, "the cut-off node's old block processes ending")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; still running:\n{_why_still_running(before)}") from None
     c.remove_node(cut, allow_graceful=False)  # whatever of it is left
     nodes["edge-b"] = c.add_node(**_node("edge-b"))
     x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(5))

@@ -96,6 +96,34 @@ def test_a_block_on_another_node_stops_when_the_manager_goes_silent(identity_rep
         ctx.term()
 
 
+def test_a_block_whose_parent_has_exited_but_is_not_reaped_stops(identity_repo, short_tmp):
+    """The parent a block watches (on a Ray node: its agent) exits and stays a zombie, as under an
+    init that does not reap orphans: the block still sees it gone and stops, with the orphan's
+    exit code. A zombie answers ``kill(pid, 0)``, so a block that asked only that ran on forever,
+    which a healed partition's old blocks once did (tests/cluster/test_cluster.py)."""
+    import json
+    import subprocess
+    import sys
+    from blockflow.core.protocol import EXIT_ORPHANED
+    parent = subprocess.Popen(["true"])  # never waited for until the end: a zombie once it exits
+    deadline = time.monotonic() + 30
+    while open(f"/proc/{parent.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+        assert time.monotonic() < deadline, "`true` did not exit within 30 s"
+        time.sleep(0.05)
+    spec = {"name": "kid", "model": "toy/identity.pt", "repo": identity_repo, "run_dir": short_tmp,
+            "sock_dir": short_tmp, "shm_dir": short_tmp, "parent_pid": parent.pid, "threads": 1}
+    proc = subprocess.Popen([sys.executable, "-m", "blockflow.blocks.process", "--spec", "-"], stdin=subprocess.PIPE)
+    try:
+        proc.stdin.write(json.dumps(spec).encode())
+        proc.stdin.close()
+        assert proc.wait(120) == EXIT_ORPHANED
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        parent.wait()
+
+
 def test_serve_with_ray_but_without_the_cluster_extra_says_what_to_install(tmp_path):
     """`blockflow serve --ray` where Ray cannot be imported: exit 2 before anything starts, with
     the pip line. Ray is hidden by a package of that name that fails to import (the cluster

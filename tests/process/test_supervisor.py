@@ -411,3 +411,47 @@ def test_nothing_outlives_a_clean_exit(server_factory, identity_repo):
     assert srv.stop() == 0
     left = {pid: name for pid, name in names.items() if not pid_gone(pid)}
     assert not left, f"still running after serve exited: {left}"
+
+
+# -- an orphan's stop has a deadline -------------------------------------------------------------
+
+def test_an_orphan_stuck_in_an_inference_ends_at_its_stop_deadline(server_factory, slow_repo, capfd):
+    """The server is killed while a block is stuck in an inference: the block sees its manager
+    gone and begins to stop, but its main thread never comes back (the model spins ~120 s) and
+    nobody is left to kill it. BLOCKFLOW_STOP_DEADLINE (2 s here) later it writes every thread's
+    stack to its log, removes its files and exits; the next server's sweep finds the old slot
+    directory with no live producer and removes it."""
+    from blockflow.manager.state import StateDir
+    srv = server_factory(slow_repo, env={"BLOCKFLOW_STOP_DEADLINE": "2"})
+    srv.call("POST", "/system/update", update_body({"s": {"model": "toy/stuck.pt"}}, {"t": ["s"]}), timeout=60)
+    pid = block_of(srv.call("GET", "/system"), "s")["pid"]
+
+    def ask():
+        try:
+            with Client(srv.dispatcher, timeout=15) as c:
+                c.infer("t", torch.ones(1, 4))
+        except (BlockFlowError, OSError):
+            pass  # its dispatcher goes with the server: this request has no one to answer it
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    wait_for(lambda: (srv.call("GET", "/blocks/s/ping").get("busy_s") or 0) > 0, 30, "s busy with the request")
+    shm = StateDir(srv.state_dir).shm
+    srv.proc.kill()
+    srv.proc.wait(10)
+    killed = time.monotonic()
+
+    def running():
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    wait_for(lambda: not running(), 60, "the stuck orphan s ending")  # its model alone would take ~120 s
+    print(f"\nthe stuck orphan ended {time.monotonic() - killed:.1f}s after its server was killed")
+    t.join(30)
+    err = capfd.readouterr().err
+    assert "still running 2 s after it began to stop (BLOCKFLOW_STOP_DEADLINE)" in err, err[-3000:]
+    assert "most recent call first" in err, err[-3000:]  # the threads' stacks
+    assert not slot_files_of(pid)
+    other = StateDir(os.path.join(srv.state_dir, "next"))  # another server of this user: it sweeps
+    wait_for(lambda: shm in other.sweep_orphans() or not os.path.exists(shm), 30,
+             "the killed server's slot directory swept as orphaned")
