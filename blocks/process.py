@@ -138,7 +138,7 @@ from blockflow.tensormq.shm import HopGone, ShmExhausted, SlotPool
 from blockflow.core.curve import ClusterKeys, authenticator, make_server
 from blockflow.tensormq.transport import RESULT_KEYS, Transport, payload_frames, receive_limit, recv_message
 from blockflow.tensormq.bundle import first
-from blockflow.tensormq.sizing import slot_pid
+from blockflow.tensormq.sizing import slot_files_of
 from blockflow.tensormq.datagram import Receiver
 from blockflow.tensormq.wire import (PROTOCOL_VERSION, ClientReply, DataHeader, WireError, block_error, check_path,
                                      direct_reply, encode_client, loads_data_header)
@@ -1168,12 +1168,7 @@ class Block(ChildProcess):
         return files + ([datagrams.path] if datagrams is not None else [])
 
     def abandoned_files(self) -> list[str]:
-        shm = self.spec.shm_dir
-        try:
-            slots = [os.path.join(shm, n) for n in os.listdir(shm) if slot_pid(n) == os.getpid()] if shm else []
-        except OSError:
-            slots = []
-        return self.socket_files() + slots
+        return self.socket_files() + (slot_files_of(self.spec.shm_dir, os.getpid()) if self.spec.shm_dir else [])
 
 
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", re.M)

@@ -44,7 +44,7 @@ import time
 import psutil
 
 from blockflow.core import settings
-from blockflow.tensormq.sizing import shm_space, slot_pid, window_bytes
+from blockflow.tensormq.sizing import shm_space, slot_files_of, slot_pid, window_bytes
 
 log = logging.getLogger("blockflow.state")
 
@@ -460,15 +460,10 @@ def remove_slots_of(shm_dir: str, pid: int) -> int:
     still map one keep their mapping; a handle that arrives after this fails with a clear error.
     """
     removed = 0
-    try:
-        names = os.listdir(shm_dir)
-    except FileNotFoundError:
-        return 0
-    for name in names:
-        if slot_pid(name) == pid:
-            try:
-                os.unlink(os.path.join(shm_dir, name))
-                removed += 1
-            except FileNotFoundError:
-                pass
+    for path in slot_files_of(shm_dir, pid):
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
     return removed

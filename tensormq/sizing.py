@@ -44,3 +44,12 @@ def slot_pid(name: str) -> int | None:
     """The process that made the slot file ``name`` (``slot_name``'s pid); None for another file."""
     parts = name.rsplit(".", 2)
     return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
+def slot_files_of(directory: str, pid: int) -> list[str]:
+    """The paths of the slot files in ``directory`` that process ``pid`` made (none when the
+    directory is gone)."""
+    try:
+        return [os.path.join(directory, n) for n in os.listdir(directory) if slot_pid(n) == pid]
+    except FileNotFoundError:
+        return []

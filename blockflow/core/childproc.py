@@ -517,7 +517,11 @@ class ChildProcess:
                   "follow, then it exits (%s)", self.label, settings.STOP_DEADLINE, self.exit_code)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
-        for path in self.abandoned_files():  # an orphan has no manager to clean up after it
+        try:
+            abandoned = self.abandoned_files()  # an orphan has no manager to clean up after it
+        except OSError:
+            abandoned = []
+        for path in abandoned:
             try:
                 os.unlink(path)
             except OSError:
