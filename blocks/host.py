@@ -36,6 +36,7 @@ import zmq
 from blockflow.core import protocol
 from blockflow.core.childproc import ChildProcess, exit_with, serve, spec_from_argv
 from blockflow.core.protocol import Gone, Host, NoArgs, canonical_device
+from blockflow.tensormq.sizing import slot_files_of
 
 from .heap import keep_freed_memory, one_heap
 from .process import Block
@@ -181,6 +182,14 @@ class BlockHost(ChildProcess):
             m.thread.join(max(0.0, deadline - time.monotonic()))
             if m.thread.is_alive():
                 log.warning("%s: %s did not stop within %.0fs", self.label, key, MEMBER_STOP_S)
+
+    def abandoned_files(self) -> list[str]:
+        """The members' sockets and every slot this process made (its members' pools are named
+        by its pid)."""
+        blocks = [m.block for m in list(self.members.values())]
+        shm_dirs = {b.spec.shm_dir for b in blocks if b.spec.shm_dir}
+        return ([f for b in blocks for f in b.socket_files()]
+                + [f for d in sorted(shm_dirs) for f in slot_files_of(d, os.getpid())])
 
     def shutdown(self) -> None:
         self.stopping.set()

@@ -1167,6 +1167,9 @@ class Block(ChildProcess):
         datagrams = getattr(self, "datagrams", None)
         return files + ([datagrams.path] if datagrams is not None else [])
 
+    def owns_process(self) -> bool:
+        return not self.spec.hosted
+
     def abandoned_files(self) -> list[str]:
         return self.socket_files() + (slot_files_of(self.spec.shm_dir, os.getpid()) if self.spec.shm_dir else [])
 

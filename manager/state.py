@@ -44,6 +44,7 @@ import time
 import psutil
 
 from blockflow.core import settings
+from blockflow.core.childproc import pid_alive
 from blockflow.tensormq.sizing import shm_space, slot_files_of, slot_pid, window_bytes
 
 log = logging.getLogger("blockflow.state")
@@ -355,7 +356,7 @@ def _orphaned(path: str, name: str) -> bool:
         return False
     if st.st_uid != os.getuid() or (server and int(server.group(1)) != os.getuid()):
         return False
-    if standalone and psutil.pid_exists(int(standalone.group(1))):
+    if standalone and pid_alive(int(standalone.group(1))):
         return False
     if server:
         alive = _owner_alive(path + OWNER_SUFFIX)
@@ -363,7 +364,7 @@ def _orphaned(path: str, name: str) -> bool:
             return False
     for f in files:
         pid = slot_pid(f)
-        if pid is not None and psutil.pid_exists(pid):
+        if pid is not None and pid_alive(pid):  # a zombie producer maps nothing any more
             return False
     return True
 
@@ -387,7 +388,8 @@ def _unlink(path: str) -> None:
 def _same_process(rec: dict) -> bool:
     try:
         p = psutil.Process(rec["pid"])
-        return abs(p.create_time() - rec.get("create_time", 0)) < 1.0
+        # an exited server that nobody reaped yet (a zombie) runs nothing: it is not alive
+        return abs(p.create_time() - rec.get("create_time", 0)) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, TypeError):
         return False
 

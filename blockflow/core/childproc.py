@@ -496,13 +496,19 @@ class ChildProcess:
         self.announce()
         for t in self.threads:
             t.start()
-        threading.Thread(target=self.stop_deadline, name=f"{self.name}-deadline", daemon=True).start()
+        if self.owns_process():
+            threading.Thread(target=self.stop_deadline, name=f"{self.name}-deadline", daemon=True).start()
         try:
             self.loop()
         finally:
             self.shutdown()
             self.stopped.set()
         return self.exit_code
+
+    def owns_process(self) -> bool:
+        """Whether this life is its process's (False: one of several a shared process hosts, whose
+        stop deadline is the host's: ending the process would end its neighbours too)."""
+        return True
 
     def stop_deadline(self) -> None:
         """Once the process begins to stop, it has BLOCKFLOW_STOP_DEADLINE to be gone. A stop stuck
@@ -519,7 +525,7 @@ class ChildProcess:
         sys.stderr.flush()
         try:
             abandoned = self.abandoned_files()  # an orphan has no manager to clean up after it
-        except OSError:
+        except Exception:  # noqa: BLE001 (whatever listing them met, the process ends now)
             abandoned = []
         for path in abandoned:
             try:

@@ -211,6 +211,15 @@ def tree(pid: int) -> list[int]:
         return []
 
 
+def _state(pid: int) -> str:
+    """The state letter of process ``pid`` (R, S, Z, ...) from /proc, or '' when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0].decode()
+    except (OSError, IndexError):
+        return ""
+
+
 def test_slot_directories_of_dead_runs_are_swept(short_tmp):
     """A run killed together with its temporary state directory cannot be found through
     state.json: the next server removes its slot directory by looking at who is still alive,
@@ -222,6 +231,11 @@ def test_slot_directories_of_dead_runs_are_swept(short_tmp):
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     dead, alive, uid = ended.pid, os.getpid(), os.getuid()
+    # a producer that has exited but is not reaped yet (its parent, here this test, has not
+    # waited for it) maps nothing any more: its slots are as dead as those of a reaped one
+    unreaped = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for(lambda: _state(unreaped.pid) == "Z", 60, "the unreaped child to exit")
+    zombie = unreaped.pid
     tag = os.urandom(4).hex()
 
     def slot_dir(name, slot_pid=None, owner=None):
@@ -237,6 +251,9 @@ def test_slot_directories_of_dead_runs_are_swept(short_tmp):
     made = {
         "orphan": slot_dir(f"blockflow-{uid}-{tag}aaaa", dead, owner=dead),
         "standalone_orphan": slot_dir(f"blockflow-sa-{dead}-{tag}"),
+        "zombie_producer": slot_dir(f"blockflow-{uid}-{tag}eeee", zombie, owner=dead),
+        "standalone_of_a_zombie": slot_dir(f"blockflow-sa-{zombie}-{tag}"),
+        "zombie_server": slot_dir(f"blockflow-{uid}-{tag}ffff", dead, owner=zombie),
         "server_alive": slot_dir(f"blockflow-{uid}-{tag}bbbb", dead, owner=alive),
         "producer_alive": slot_dir(f"blockflow-{uid}-{tag}cccc", alive, owner=dead),
         "standalone_alive": slot_dir(f"blockflow-sa-{alive}-{tag}"),
@@ -244,7 +261,8 @@ def test_slot_directories_of_dead_runs_are_swept(short_tmp):
     }
     try:
         removed = set(me.sweep_orphans())
-        assert {made["orphan"], made["standalone_orphan"]} <= removed, removed
+        assert {made["orphan"], made["standalone_orphan"], made["zombie_producer"],
+                made["standalone_of_a_zombie"], made["zombie_server"]} <= removed, removed
         assert not os.path.exists(made["orphan"]) and not os.path.exists(made["orphan"] + OWNER_SUFFIX)
         for key in ("server_alive", "producer_alive", "standalone_alive", "unowned_but_young"):
             assert made[key] not in removed and os.path.isdir(made[key]), key
@@ -253,6 +271,7 @@ def test_slot_directories_of_dead_runs_are_swept(short_tmp):
             shutil.rmtree(path, ignore_errors=True)
             if os.path.exists(path + OWNER_SUFFIX):
                 os.unlink(path + OWNER_SUFFIX)
+        unreaped.wait()
 
 
 def test_kill_9_leftovers_are_removed_by_the_next_serve(identity_repo, short_tmp, leak_check):

@@ -133,6 +133,19 @@ class Spin(torch.nn.Module):
         return y
 
 
+class SpinOnPositive(Spin):
+    """Doubles an input that sums to zero or less (a new tensor: made in a slot of the block's
+    next hop); spins its ``n`` steps on any other."""
+
+    def forward(self, x):
+        if bool(x.sum() <= 0):
+            return x * 2
+        y = x
+        for _ in range(self.n):
+            y = torch.tanh(y + 0.001)
+        return y
+
+
 def _steps_for(seconds: float) -> int:
     m = torch.jit.script(Spin(20000))
     x = torch.ones(1, 4)
@@ -146,7 +159,8 @@ def slow_repo(tmp_path_factory, identity_repo):
     """toy/identity.pt and toy/double.pt, plus models listed in a manifest with an input shape,
     so that a block warms up (runs them once) before it reports READY:
     ``slowload.pt`` takes about 8 s to load; ``slow.pt`` about 2 s to load and per request;
-    ``stuck.pt`` is never finished within a test (about 120 s per call)."""
+    ``stuck.pt`` is never finished within a test (about 120 s per call), and ``stuck_later.pt``
+    is on any input that does not sum to zero or less."""
     import shutil
     repo = tmp_path_factory.mktemp("slow_repo")
     shutil.copytree(os.path.join(identity_repo, "toy"), repo / "toy")
@@ -158,6 +172,7 @@ def slow_repo(tmp_path_factory, identity_repo):
         if name != "stuck.pt":
             manifest["blocks"][name] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
                                         "input_shape": [1, 4], "dtype": "float32"}
+    torch.jit.save(torch.jit.script(SpinOnPositive(int(step * 120.0))), str(repo / "toy" / "stuck_later.pt"))
     (repo / "toy" / "manifest.json").write_text(json.dumps(manifest))
     return str(repo)
 
@@ -415,16 +430,26 @@ def test_nothing_outlives_a_clean_exit(server_factory, identity_repo):
 
 # -- an orphan's stop has a deadline -------------------------------------------------------------
 
-def test_an_orphan_stuck_in_an_inference_ends_at_its_stop_deadline(server_factory, slow_repo, capfd):
+@pytest.mark.parametrize("alone", [True, False], ids=["own-process", "shared-process"])
+def test_an_orphan_stuck_in_an_inference_ends_at_its_stop_deadline(server_factory, slow_repo, capfd, alone):
     """The server is killed while a block is stuck in an inference: the block sees its manager
     gone and begins to stop, but its main thread never comes back (the model spins ~120 s) and
     nobody is left to kill it. BLOCKFLOW_STOP_DEADLINE (2 s here) later it writes every thread's
     stack to its log, removes its files and exits; the next server's sweep finds the old slot
-    directory with no live producer and removes it."""
+    directory with no live producer and removes it. In a shared process the deadline is the
+    process's, not the stuck member's: it says so once, and removes the slots of every member."""
     from blockflow.manager.state import StateDir
     srv = server_factory(slow_repo, env={"BLOCKFLOW_STOP_DEADLINE": "2"})
-    srv.call("POST", "/system/update", update_body({"s": {"model": "toy/stuck.pt"}}, {"t": ["s"]}), timeout=60)
+    group = {} if alone else {"process": "g"}
+    srv.call("POST", "/system/update", update_body({"s": {"model": "toy/stuck_later.pt", **group},
+                                                    **({} if alone else {"a": {"model": "toy/double.pt", **group}})},
+                                                   {"t": ["s"], **({} if alone else {"u": ["a"]})}), timeout=60)
     pid = block_of(srv.call("GET", "/system"), "s")["pid"]
+    with Client(srv.dispatcher, timeout=30) as c:  # s's output (and a's) goes into slots of its process
+        assert torch.equal(c.infer("t", -torch.ones(1, 4)), torch.full((1, 4), -2.0))
+        if not alone:
+            assert torch.equal(c.infer("u", torch.ones(1, 4)), torch.full((1, 4), 2.0))
+    assert slot_files_of(pid), "the block's process made no slot: nothing for its deadline to remove"
 
     def ask():
         try:
@@ -449,7 +474,8 @@ def test_an_orphan_stuck_in_an_inference_ends_at_its_stop_deadline(server_factor
     print(f"\nthe stuck orphan ended {time.monotonic() - killed:.1f}s after its server was killed")
     t.join(30)
     err = capfd.readouterr().err
-    assert "still running 2 s after it began to stop (BLOCKFLOW_STOP_DEADLINE)" in err, err[-3000:]
+    assert err.count("still running 2 s after it began to stop (BLOCKFLOW_STOP_DEADLINE)") == 1, err[-3000:]
+    assert ("block s:" if alone else "shared process @g:") in err.split("still running 2 s")[0][-200:], err[-3000:]
     assert "most recent call first" in err, err[-3000:]  # the threads' stacks
     assert not slot_files_of(pid)
     other = StateDir(os.path.join(srv.state_dir, "next"))  # another server of this user: it sweeps
