@@ -144,7 +144,8 @@ CONTROL_LEASE: float = _read("BLOCKFLOW_CONTROL_LEASE", 10.0, _seconds,
 # nobody does for an orphan (its manager or node agent is gone), so its own stop has a deadline.
 STOP_DEADLINE: float = _read("BLOCKFLOW_STOP_DEADLINE", 30.0, _seconds,
                              "a process still running this long after it began to stop writes its threads' "
-                             "stacks to its log and exits", "30 s")
+                             "stacks to its log, removes its sockets and slots, and exits (a shared process as "
+                             "a whole, never one member)", "30 s")
 MAX_RESTARTS: int = _read("BLOCKFLOW_MAX_RESTARTS", 5, _non_negative_int,
                           "respawns of a crash-looping process before it is marked failed")
 RESTART_WINDOW: float = _read("BLOCKFLOW_RESTART_WINDOW", 10.0, _seconds,
