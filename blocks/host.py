@@ -36,7 +36,6 @@ import zmq
 from blockflow.core import protocol
 from blockflow.core.childproc import ChildProcess, exit_with, serve, spec_from_argv
 from blockflow.core.protocol import Gone, Host, NoArgs, canonical_device
-from blockflow.tensormq.sizing import slot_files_of
 
 from .heap import keep_freed_memory, one_heap
 from .process import Block
@@ -184,12 +183,9 @@ class BlockHost(ChildProcess):
                 log.warning("%s: %s did not stop within %.0fs", self.label, key, MEMBER_STOP_S)
 
     def abandoned_files(self) -> list[str]:
-        """The members' sockets and every slot this process made (its members' pools are named
-        by its pid)."""
-        blocks = [m.block for m in list(self.members.values())]
-        shm_dirs = {b.spec.shm_dir for b in blocks if b.spec.shm_dir}
-        return ([f for b in blocks for f in b.socket_files()]
-                + [f for d in sorted(shm_dirs) for f in slot_files_of(d, os.getpid())])
+        """What each member would leave (its sockets, and the slots of this process's pid, which
+        its members' pools share: listed once)."""
+        return sorted({f for m in list(self.members.values()) for f in m.block.abandoned_files()})
 
     def shutdown(self) -> None:
         self.stopping.set()

@@ -389,7 +389,7 @@ def _same_process(rec: dict) -> bool:
     try:
         p = psutil.Process(rec["pid"])
         # an exited server that nobody reaped yet (a zombie) runs nothing: it is not alive
-        return abs(p.create_time() - rec.get("create_time", 0)) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
+        return abs(p.create_time() - rec.get("create_time", 0)) < 1.0 and pid_alive(p.pid)
     except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, TypeError):
         return False
 

@@ -105,11 +105,9 @@ def test_a_block_whose_parent_has_exited_but_is_not_reaped_stops(identity_repo, 
     import subprocess
     import sys
     from blockflow.core.protocol import EXIT_ORPHANED
+    from conftest import gone, wait_for
     parent = subprocess.Popen(["true"])  # never waited for until the end: a zombie once it exits
-    deadline = time.monotonic() + 30
-    while open(f"/proc/{parent.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
-        assert time.monotonic() < deadline, "`true` did not exit within 30 s"
-        time.sleep(0.05)
+    wait_for(lambda: gone(parent.pid), 30, "`true` exiting")
     spec = {"name": "kid", "model": "toy/identity.pt", "repo": identity_repo, "run_dir": short_tmp,
             "sock_dir": short_tmp, "shm_dir": short_tmp, "parent_pid": parent.pid, "threads": 1}
     proc = subprocess.Popen([sys.executable, "-m", "blockflow.blocks.process", "--spec", "-"], stdin=subprocess.PIPE)

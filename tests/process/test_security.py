@@ -211,15 +211,6 @@ def tree(pid: int) -> list[int]:
         return []
 
 
-def _state(pid: int) -> str:
-    """The state letter of process ``pid`` (R, S, Z, ...) from /proc, or '' when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0].decode()
-    except (OSError, IndexError):
-        return ""
-
-
 def test_slot_directories_of_dead_runs_are_swept(short_tmp):
     """A run killed together with its temporary state directory cannot be found through
     state.json: the next server removes its slot directory by looking at who is still alive,
@@ -234,7 +225,7 @@ def test_slot_directories_of_dead_runs_are_swept(short_tmp):
     # a producer that has exited but is not reaped yet (its parent, here this test, has not
     # waited for it) maps nothing any more: its slots are as dead as those of a reaped one
     unreaped = subprocess.Popen([sys.executable, "-c", "pass"])
-    wait_for(lambda: _state(unreaped.pid) == "Z", 60, "the unreaped child to exit")
+    wait_for(lambda: gone(unreaped.pid), 60, "the unreaped child to exit")  # never waited for: a zombie
     zombie = unreaped.pid
     tag = os.urandom(4).hex()
 
